@@ -1,0 +1,46 @@
+"""Describe the machine a benchmark ran on (printed and stored with every result)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    """``{"cpu", "cores", "memory_gib", "python", "torch", "cuda"}`` of this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = 0.0
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem, 1),
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def machine_line() -> str:
+    """One line for a benchmark header."""
+    m = machine_info()
+    gpu = f", GPU {m['cuda']}" if m.get("cuda") else ", no GPU"
+    return f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}, torch {m.get('torch')}"

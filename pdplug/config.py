@@ -1,0 +1,126 @@
+"""Configuration Structs handed to component factories by the manager's facade.
+
+Hosts build these once at start-up; factories receive them unchanged. All times are seconds,
+all sizes tokens or bytes as named.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdplug.types import STREAMS, KVLayout
+
+__all__ = ["ConsensusConfig", "KVConfig", "PlannerConfig", "SchedulerConfig", "WireConfig"]
+
+
+class WireConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Rules every socket applies (DESIGN.md §4).
+
+    :ivar max_message_bytes: frames above this size are dropped (counted ``oversize``).
+    :ivar hmac_key: shared secret; when set every frame carries an HMAC-SHA256 and frames that
+        fail it are dropped (counted ``hmac``).
+    :ivar bind_host: interface sockets bind to; loopback by default.
+    """
+
+    max_message_bytes: int = 16 << 20
+    hmac_key: bytes | None = None
+    bind_host: str = "127.0.0.1"
+
+
+class ConsensusConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Config of one PP rank's consensus object.
+
+    :ivar pp_rank/pp_size: this rank and the PP world size.
+    :ivar endpoints: one ``tcp://host:port`` per PP rank (``endpoints[0]`` is PP0, the leader
+        for ``pp0``; ``ring`` uses every rank's endpoint as the address of its inbox).
+    :ivar streams: stream names; each has its own gap-free decision sequence.
+    :ivar vote_deadline_s: a request id some rank never votes for is decided ``bad`` everywhere
+        this long after the first vote for it.
+    :ivar peer_timeout_s: a rank silent this long (no vote, no heartbeat) is reported dead.
+    :ivar heartbeat_s: heartbeat period of every rank.
+    :ivar wire: socket rules (size limit, HMAC, bind interface).
+    """
+
+    pp_rank: int
+    pp_size: int
+    endpoints: tuple[str, ...]
+    streams: tuple[str, ...] = STREAMS
+    vote_deadline_s: float = 30.0
+    peer_timeout_s: float = 10.0
+    heartbeat_s: float = 0.5
+    wire: WireConfig = WireConfig()
+
+    def __post_init__(self) -> None:
+        if self.pp_size <= 0 or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(
+                f"ConsensusConfig.pp_rank={self.pp_rank} not in [0, pp_size={self.pp_size})"
+            )
+        if len(self.endpoints) != self.pp_size:
+            raise ValueError(
+                f"ConsensusConfig.endpoints has {len(self.endpoints)} entries, "
+                f"expected pp_size={self.pp_size}"
+            )
+
+
+class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Config of a pack planner.
+
+    :ivar packer: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
+    """
+
+    packer: str = "auto"
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Config of the scheduler (send splitting and dynamic chunked prefill).
+
+    :ivar page_size: prefill page size in tokens.
+    :ivar chunk_size: base chunked-prefill size in tokens (the "grid"; SGLang
+        ``chunked_prefill_size``).
+    :ivar smooth_factor: dynamic chunk smoothing in [0, 1] (0 keeps ``chunk_size``).
+    :ivar max_prefill_tokens: upper bound of one chunk.
+    :ivar context_len: model context length in tokens.
+    """
+
+    page_size: int
+    chunk_size: int = 8192
+    smooth_factor: float = 0.75
+    max_prefill_tokens: int = 16384
+    context_len: int = 1 << 20
+
+
+class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Config of one rank's KV sender (prefill) or receiver (decode).
+
+    :ivar instance: instance id shared by all ranks of one prefill or decode instance.
+    :ivar role: ``"prefill"`` or ``"decode"``.
+    :ivar layout: this rank's KV layout.
+    :ivar bootstrap_endpoint: rendezvous endpoint (``tcp://host:port``).
+    :ivar bootstrap_timeout_s: a room stuck in Bootstrapping this long fails.
+    :ivar waiting_timeout_s: a room stuck in WaitingForInput this long fails.
+    :ivar transfer_timeout_s: a room stuck in Transferring this long fails.
+    :ivar pack_region_tokens: capacity of one pack region in tokens (rounded down to pages).
+    :ivar pack_depth: pack regions per destination DCP rank (2 = double buffering).
+    :ivar max_dst_dcp: largest decode DCP size the pack buffer is sized for.
+    :ivar device: ``"cpu"`` or ``"cuda[:n]"`` where KV lives.
+    :ivar wire: socket rules.
+    :ivar extra: backend-specific options (e.g. ``{"protocol": "tcp"}`` for Mooncake).
+    """
+
+    instance: str
+    role: str
+    layout: KVLayout
+    bootstrap_endpoint: str = ""
+    bootstrap_timeout_s: float = 30.0
+    waiting_timeout_s: float = 60.0
+    transfer_timeout_s: float = 30.0
+    pack_region_tokens: int = 8192
+    pack_depth: int = 2
+    max_dst_dcp: int = 8
+    device: str = "cpu"
+    wire: WireConfig = WireConfig()
+    extra: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"KVConfig.role must be 'prefill' or 'decode', got {self.role!r}")

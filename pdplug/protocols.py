@@ -1,0 +1,261 @@
+"""The typing.Protocols every component satisfies (structurally: no inheritance needed).
+
+Hosts resolve one object per extension point through :class:`pdplug.manager.PluginManager`
+and then call these methods directly; no pluggy hook sits on a per-step, per-page or
+per-token path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pdplug.types import (
+    Decision,
+    DestInfo,
+    KVLayout,
+    KVPoll,
+    PackRegion,
+    PeerInfo,
+    Segment,
+    SendChunk,
+    TransferPlan,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = ["Consensus", "Scheduler", "PackPlanner", "Packer", "KVSender", "KVReceiver"]
+
+
+@runtime_checkable
+class Consensus(Protocol):
+    """Per-PP-rank agreement on request ids (DESIGN.md §3 "Consensus").
+
+    Every rank applies the same gap-free sequence of immutable :class:`Decision` s per stream,
+    exactly once, in order. All methods are non-blocking and called from the host's loop.
+    """
+
+    def offer(self, stream: str, good: Iterable[int] = (), bad: Iterable[int] = ()) -> None:
+        """Vote: request ids ready on this rank (``good``) and failed on this rank (``bad``).
+
+        A rank votes ``good`` for a room only when nothing of it is pending locally (e.g. no
+        chunk of it still in flight). Re-offering an id already offered is a no-op.
+
+        :raises ValueError: unknown ``stream``.
+        """
+        ...
+
+    def poll(self) -> list[Decision]:
+        """Advance the protocol one loop iteration and return newly applicable decisions.
+
+        Decisions come in ``seq`` order per stream; the caller applies each exactly once.
+
+        :raises pdplug.errors.ConsensusError: a sequence gap/duplicate, or a peer rank that
+            stopped answering for ``peer_timeout_s``.
+        """
+        ...
+
+    def abort(self, rid: int) -> None:
+        """Abort ``rid``: it will be decided ``bad`` on every stream it is pending in."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters: votes sent, decisions applied, messages dropped by reason."""
+        ...
+
+    def close(self) -> None:
+        """Close sockets; idempotent."""
+        ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Send splitting and dynamic chunked-prefill sizing (DESIGN.md §3 "Scheduler")."""
+
+    def split_send(
+        self,
+        *,
+        token_start: int,
+        token_end: int,
+        decode_prefix_len: int,
+        is_last_send: bool,
+        capacity_tokens: int | None,
+        first_chunk_id: int = 0,
+    ) -> list[Segment]:
+        """Split one send of tokens ``[token_start, token_end)`` into segments.
+
+        Cuts at ``decode_prefix_len + k * min(grid, capacity_tokens)``; ``capacity_tokens=None``
+        means the peer needs no relayout and the send is not split. Non-last segments end on a
+        page boundary; the final segment carries the exact tokens of a partial last page and
+        ``is_last`` when ``is_last_send``; a last send with no tokens yields one empty segment.
+        """
+        ...
+
+    def fit_chunk_model(self, samples: Sequence[tuple[int, float]]) -> None:
+        """Fit ``f(l) = a*l^2 + b*l + c`` to ``(prefill tokens, seconds)`` profiling samples."""
+        ...
+
+    def next_chunk_size(self, history_len: int) -> int:
+        """Chunk size (tokens) for a request with ``history_len`` tokens already computed."""
+        ...
+
+
+@runtime_checkable
+class Packer(Protocol):
+    """Bit-exact row gather into a pack region (Triton on CUDA, torch on CPU)."""
+
+    def pack(
+        self,
+        plan: TransferPlan,
+        entries: Sequence[torch.Tensor],
+        pack_buffer: torch.Tensor,
+    ) -> None:
+        """Gather ``plan.pack_src_slots`` rows of ``plan.pack_entries`` into ``plan.region``.
+
+        :param entries: one tensor per KV entry, any dtype, contiguous, viewed as uint8 rows
+            ``[num_slots, entry_bytes_per_token[e]]``.
+        :param pack_buffer: uint8 ``[nbytes]`` registered pack buffer.
+        :raises ValueError: the plan does not fit the region, or shapes disagree.
+        """
+        ...
+
+
+@runtime_checkable
+class PackPlanner(Protocol):
+    """Pure planning of byte runs (+ gather indices) for one chunk and one destination rank."""
+
+    def needs_relayout(self, src: KVLayout, dst: KVLayout) -> bool:
+        """Whether sends from ``src`` to ``dst`` must be packed (e.g. decode DCP > 1)."""
+        ...
+
+    def capacity_tokens(self, src: KVLayout, dst: KVLayout, region_nbytes: int) -> int:
+        """Tokens one pack region of ``region_nbytes`` holds, floored to whole pages."""
+        ...
+
+    def plan(
+        self,
+        chunk: SendChunk,
+        src: KVLayout,
+        dst: KVLayout,
+        dst_dcp_rank: int,
+        region: PackRegion | None = None,
+    ) -> TransferPlan:
+        """Plan the writes of ``chunk`` to decode DCP rank ``dst_dcp_rank``.
+
+        :raises pdplug.errors.PlanError: geometry mismatch, unaligned ``decode_prefix_len``,
+            too few destination pages, or a region that would overflow (never a silent
+            per-token fallback).
+        """
+        ...
+
+    def packer(self, device: str = "cpu", kind: str = "auto") -> Packer:
+        """The packer for ``device`` (``kind``: ``"auto"``, ``"torch"``, ``"triton"``)."""
+        ...
+
+
+@runtime_checkable
+class KVSender(Protocol):
+    """Prefill-side data plane of one rank: owns registered KV and pack memory."""
+
+    def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
+        """Register the rank's KV entries (contiguous tensors, ``layout`` order) once."""
+        ...
+
+    def peer_info(self) -> PeerInfo:
+        """What this rank publishes at the rendezvous."""
+        ...
+
+    def poll(self, room: int) -> KVPoll:
+        """Room status on this rank (Bootstrapping until every decode rank sent its DestInfo)."""
+        ...
+
+    def dest(self, room: int) -> list[DestInfo]:
+        """The DestInfos received for ``room`` (one per destination DCP rank)."""
+        ...
+
+    def send(self, room: int, segment: Segment, src_pages: np.ndarray) -> None:
+        """Plan, pack and post the writes of one segment to every destination rank.
+
+        :param src_pages: int64 ``[n]`` this segment's source page ids.
+        Non-blocking for asynchronous engines; the room turns Success when the last segment
+        completed on every destination, Failed on any error or timeout.
+        """
+        ...
+
+    def abort(self, room: int, reason: str = "aborted") -> None:
+        """Fail ``room`` here and tell every destination; in-flight writes are drained first."""
+        ...
+
+    def clear(self, room: int) -> None:
+        """Forget ``room`` (after the host released it)."""
+        ...
+
+    def failure_reason(self, room: int) -> str | None:
+        """Why ``room`` failed, if it did."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (bytes, runs posted, drops by reason, timings)."""
+        ...
+
+    def close(self) -> None:
+        """Release handles, deregister memory, close sockets; idempotent."""
+        ...
+
+
+@runtime_checkable
+class KVReceiver(Protocol):
+    """Decode-side data plane of one rank: owns the registered destination KV."""
+
+    def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
+        """Register the rank's KV entries (contiguous tensors, ``layout`` order) once."""
+        ...
+
+    def peer_info(self) -> PeerInfo:
+        """What this rank sends to prefill ranks at the handshake."""
+        ...
+
+    def connect(self, prefill: Sequence[PeerInfo]) -> None:
+        """Handshake with every rank of a prefill instance.
+
+        :raises pdplug.errors.CompatError: naming every mismatch (page size, bytes per token,
+            dtype, layout version, plugin vetoes).
+        """
+        ...
+
+    def expect(
+        self,
+        room: int,
+        dst_pages: np.ndarray,
+        *,
+        decode_prefix_len: int = 0,
+        num_tokens: int = 0,
+    ) -> int:
+        """Lease ``room`` and send its DestInfo to every prefill rank; returns the generation."""
+        ...
+
+    def poll(self, room: int) -> KVPoll:
+        """Room status on this rank (Success when every source rank's last chunk arrived)."""
+        ...
+
+    def abort(self, room: int, reason: str = "aborted") -> None:
+        """Fail ``room`` here and tell every prefill rank to stop sending it."""
+        ...
+
+    def clear(self, room: int) -> None:
+        """Forget ``room``; later tags of its generation are ignored."""
+        ...
+
+    def failure_reason(self, room: int) -> str | None:
+        """Why ``room`` failed, if it did."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (bytes, chunks, drops by reason)."""
+        ...
+
+    def close(self) -> None:
+        """Release everything; idempotent."""
+        ...

@@ -1,0 +1,158 @@
+"""The one codec every pdplug socket uses (DESIGN.md §4).
+
+Frames are msgpack-encoded frozen msgspec Structs decoded strictly into a tagged union of the
+expected types. Never pickle. A frame that is too large, fails the optional HMAC-SHA256, is not
+valid msgpack, has an unknown tag, or has fields of the wrong type is **dropped and counted**;
+nothing raises into the caller's loop. Callers that reject a well-formed message on semantic
+grounds (unknown rank, stale generation) count it with :meth:`Codec.drop`.
+
+Frame layout: ``[32-byte HMAC-SHA256 of payload]`` (only when a key is set) ``+ payload``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac as _hmac
+import logging
+import threading
+from collections import Counter
+from typing import Any, Generic, TypeVar, Union
+
+import msgspec
+
+__all__ = ["Codec", "DROP_REASONS", "MAC_BYTES"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAC_BYTES = 32
+#: Reasons a frame is dropped; ``Codec.drops`` counts each.
+DROP_REASONS = (
+    "oversize",
+    "hmac",
+    "malformed",
+    "unknown_kind",
+    "wrong_type",
+    "unknown_rank",
+    "stale",
+    "other",
+)
+
+
+class Codec(Generic[T]):
+    """Encode/decode one socket's messages with size limit, HMAC and drop counters.
+
+    :param types: the Struct types this socket accepts. More than one must all be tagged
+        (``tag=...``) so the union can be decoded strictly.
+    :param max_bytes: largest accepted frame (bytes, HMAC included); larger frames are dropped
+        on decode and raise ``ValueError`` on encode.
+    :param hmac_key: shared secret; ``None`` disables authentication.
+    :param name: label used in logs.
+
+    Thread-safe: counters are guarded by a lock, msgspec encoders/decoders are reentrant.
+    """
+
+    def __init__(
+        self,
+        *types: type,
+        max_bytes: int = 16 << 20,
+        hmac_key: bytes | None = None,
+        name: str = "wire",
+    ) -> None:
+        if not types:
+            raise ValueError("Codec: types is empty; pass the Struct types this socket accepts")
+        if max_bytes <= 0:
+            raise ValueError(f"Codec: max_bytes must be > 0, got {max_bytes}")
+        self.types = types
+        self.max_bytes = max_bytes
+        self.name = name
+        self._key = hmac_key or None
+        self._enc = msgspec.msgpack.Encoder()
+        target: Any = types[0] if len(types) == 1 else Union[types]
+        self._dec = msgspec.msgpack.Decoder(target)
+        self._lock = threading.Lock()
+        self.drops: Counter[str] = Counter()
+        self.accepted = 0
+
+    def encode(self, msg: T) -> bytes:
+        """Encode ``msg`` into one frame.
+
+        :raises TypeError: ``msg`` is not one of this codec's types.
+        :raises ValueError: the frame would exceed ``max_bytes``.
+        """
+        if not isinstance(msg, self.types):
+            raise TypeError(
+                f"{self.name}: cannot encode {type(msg).__name__}; accepted types: "
+                + ", ".join(t.__name__ for t in self.types)
+            )
+        payload = self._enc.encode(msg)
+        frame = (
+            _hmac.new(self._key, payload, hashlib.sha256).digest() + payload
+            if self._key
+            else payload
+        )
+        if len(frame) > self.max_bytes:
+            raise ValueError(
+                f"{self.name}: {type(msg).__name__} is {len(frame)} bytes, over max_bytes="
+                f"{self.max_bytes}"
+            )
+        return frame
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> T | None:
+        """Decode one frame; return ``None`` (and count why) when it must be dropped."""
+        try:
+            n = len(frame)
+        except TypeError:
+            self.drop("malformed")
+            return None
+        if n > self.max_bytes:
+            self.drop("oversize")
+            return None
+        buf = memoryview(frame)
+        if self._key:
+            if n < MAC_BYTES:
+                self.drop("hmac")
+                return None
+            mac, payload = bytes(buf[:MAC_BYTES]), buf[MAC_BYTES:]
+            want = _hmac.new(self._key, payload, hashlib.sha256).digest()
+            if not _hmac.compare_digest(mac, want):
+                self.drop("hmac")
+                return None
+        else:
+            payload = buf
+        try:
+            msg = self._dec.decode(payload)
+        except msgspec.ValidationError as e:
+            text = str(e)
+            self.drop("unknown_kind" if "`$.type`" in text or "tag" in text else "wrong_type")
+            return None
+        except (msgspec.DecodeError, ValueError, TypeError):
+            self.drop("malformed")
+            return None
+        except Exception:  # never let a hostile frame escape into the caller's loop
+            log.exception("%s: unexpected error decoding a frame", self.name)
+            self.drop("other")
+            return None
+        with self._lock:
+            self.accepted += 1
+        return msg  # type: ignore[no-any-return]
+
+    def drop(self, reason: str) -> None:
+        """Count one dropped message under ``reason`` (see :data:`DROP_REASONS`)."""
+        with self._lock:
+            self.drops[reason] += 1
+        log.debug("%s: dropped a frame (%s)", self.name, reason)
+
+    @property
+    def dropped(self) -> int:
+        """Total frames dropped, all reasons."""
+        with self._lock:
+            return sum(self.drops.values())
+
+    def stats(self) -> dict[str, int]:
+        """``{"accepted": n, "dropped": n, "dropped_<reason>": n, …}``."""
+        with self._lock:
+            out = {"accepted": self.accepted, "dropped": sum(self.drops.values())}
+            out.update({f"dropped_{k}": v for k, v in self.drops.items()})
+            return out
