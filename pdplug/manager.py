@@ -331,7 +331,7 @@ class PluginManager:
         )
 
     def _factory(self, point: str, name: str | None, attr: str = "factory") -> Any:
-        spec, plugin, dist = self.resolve(point, name)
+        spec, _plugin, dist = self.resolve(point, name)
         ref = getattr(spec, attr)
         if not ref:
             raise PluginError(f"{point} {spec.name!r} from {dist} has no {attr}")

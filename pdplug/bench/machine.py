@@ -43,4 +43,7 @@ def machine_line() -> str:
     """One line for a benchmark header."""
     m = machine_info()
     gpu = f", GPU {m['cuda']}" if m.get("cuda") else ", no GPU"
-    return f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}, torch {m.get('torch')}"
+    return (
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}, "
+        f"torch {m.get('torch')}"
+    )

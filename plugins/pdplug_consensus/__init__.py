@@ -16,7 +16,7 @@ def pdplug_register_consensus() -> Iterator[ConsensusSpec]:
     yield ConsensusSpec(
         name="pp0",
         factory="pdplug_consensus.pp0:make_pp0",
-        summary="PP0-centric: ranks push votes to PP0, which decides and fans out (1 hop in, 1 out)",
+        summary="PP0-centric: ranks push votes to PP0; PP0 decides and fans out (1 hop in, 1 out)",
     )
     yield ConsensusSpec(
         name="ring",

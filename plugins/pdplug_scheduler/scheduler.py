@@ -6,7 +6,7 @@ from typing import Any
 
 
 def make_scheduler(*args: Any, **kwargs: Any) -> Any:
-    """Not implemented yet: pdplug_scheduler 'default' (issue 4: send splitting, dynamic chunking)."""
+    """Not implemented yet: scheduler 'default' (issue 4: send splitting, dynamic chunking)."""
     raise NotImplementedError(
-        "pdplug_scheduler 'default' (issue 4: send splitting, dynamic chunking) is not implemented yet"
+        "scheduler 'default' (issue 4: send splitting, dynamic chunking) is not implemented yet"
     )
