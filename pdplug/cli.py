@@ -1,9 +1,16 @@
-"""The ``pdplug`` command: ``pdplug plugins | demo | bench …``."""
+"""The ``pdplug`` command: ``pdplug plugins | demo | bench …``.
+
+Command-line switches beat the environment (``--no-plugin`` joins ``PDPLUG_DISABLE_PLUGINS``;
+the block list still beats the allow list). Exit status of ``pdplug plugins``: 0 when every
+selected component can be built, 1 when one cannot (unknown name, duplicate, failed plugin),
+2 when the manager refused to start (strict mode).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
@@ -12,16 +19,69 @@ from pdplug.manager import EXTENSION_POINTS, PROVIDES_KEY, PluginManager
 
 
 @click.group()
+@click.version_option(package_name="pdplug")
 def main() -> None:
     """pdplug: prefill/decode disaggregation plugins for LLM serving engines."""
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def plugins(as_json: bool) -> None:
-    """List every plugin: distribution, version, status, names per extension point."""
+@click.option(
+    "--plugin",
+    "allow",
+    multiple=True,
+    metavar="NAME",
+    help="Allow this third-party plugin (repeatable; replaces PDPLUG_PLUGINS).",
+)
+@click.option(
+    "--no-plugin",
+    "block",
+    multiple=True,
+    metavar="NAME",
+    help="Block this plugin (repeatable; added to PDPLUG_DISABLE_PLUGINS).",
+)
+@click.option(
+    "--disable-plugin-autoload",
+    is_flag=True,
+    default=None,
+    help="Load only the defaults and --plugin names (like PDPLUG_DISABLE_PLUGIN_AUTOLOAD=1).",
+)
+@click.option("--strict", is_flag=True, default=None, help="Like PDPLUG_STRICT_PLUGINS=1.")
+@click.option("--consensus", metavar="NAME", help="Select a consensus (beats PDPLUG_CONSENSUS).")
+@click.option("--kv-sender", metavar="NAME", help="Select a KV sender (beats PDPLUG_KV_SENDER).")
+@click.option(
+    "--pack-planner", metavar="NAME", help="Select a pack planner (beats PDPLUG_PACK_PLANNER)."
+)
+@click.option("--scheduler", metavar="NAME", help="Select a scheduler (beats PDPLUG_SCHEDULER).")
+def plugins(
+    as_json: bool,
+    allow: tuple[str, ...],
+    block: tuple[str, ...],
+    disable_plugin_autoload: bool | None,
+    strict: bool | None,
+    consensus: str | None,
+    kv_sender: str | None,
+    pack_planner: str | None,
+    scheduler: str | None,
+) -> None:
+    """List every plugin: distribution, version, status, names per extension point.
+
+    The selected name of each extension point is starred in the table.
+    """
+    select = {
+        "consensus": consensus,
+        "kv_sender": kv_sender,
+        "pack_planner": pack_planner,
+        "scheduler": scheduler,
+    }
     try:
-        pm = PluginManager()
+        pm = PluginManager(
+            strict=strict,
+            autoload=None if disable_plugin_autoload is None else not disable_plugin_autoload,
+            allow=allow or None,
+            block=block,
+            select={k: v for k, v in select.items() if v},
+        )
     except PdplugError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -29,30 +89,37 @@ def plugins(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2))
     else:
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title="pdplug plugins")
-        for col in ("plugin", "distribution", "version", "status", *PROVIDES_KEY.values()):
-            t.add_column(col)
-        sel = data["selected"]
-        for p in data["plugins"]:
-            cells = []
-            for point in EXTENSION_POINTS:
-                names = p["provides"][PROVIDES_KEY[point]]
-                cells.append(", ".join(n + ("*" if n == sel[point] else "") for n in names))
-            t.add_row(p["name"], p["distribution"], p["version"], p["status"], *cells)
-        Console().print(t)
-        click.echo("selected: " + ", ".join(f"{k}={v}" for k, v in sel.items()))
-        if not data["plugins"]:
-            click.echo("no pdplug entry points found: is pdplug installed (pip install -e .)?")
-    bad = [p for p in data["served_by"].values() if "error" in p]
-    for c in data["conflicts"]:
-        click.echo(f"conflict: {c}", err=True)
-    if bad:
-        for b in bad:
-            click.echo(f"error: {b['error']}", err=True)
+        _print_table(pm, data)
+    problems = pm.problems()
+    for c in pm.conflicts():
+        if not any(c in p for p in problems):
+            click.echo(f"conflict: {c}", err=True)
+    for p in problems:
+        click.echo(f"error: {p}", err=True)
+    if problems or pm.conflicts():
         sys.exit(1)
+
+
+def _print_table(pm: PluginManager, data: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    sel = data["selected"]
+    t = Table(title="pdplug plugins (* = selected)")
+    for col in ("plugin", "distribution", "version", "status", *PROVIDES_KEY.values()):
+        t.add_column(col)
+    for p in data["plugins"]:
+        cells = []
+        for point in EXTENSION_POINTS:
+            names = p["provides"][PROVIDES_KEY[point]]
+            cells.append(", ".join(n + ("*" if n == sel[point] else "") for n in names))
+        t.add_row(p["name"], p["distribution"], p["version"], p["status"], *cells)
+    Console(width=160).print(t)
+    click.echo("selected: " + ", ".join(f"{k}={v}" for k, v in sel.items()))
+    for point, name, new, old in pm.overrides():
+        click.echo(f"override: {point} {name!r} from {new} replaces the one from {old}")
+    if not data["plugins"]:
+        click.echo("no pdplug entry points found: is pdplug installed (pip install -e .)?")
 
 
 @main.group()

@@ -40,7 +40,15 @@ class PdplugSpecs:
     def pdplug_register_schedulers(self) -> Iterable[SchedulerSpec]:
         """Offer schedulers (send splitting, dynamic chunked prefill).
 
-        Called once per process, when the manager builds its registry.
+        Called in: every process that builds a :class:`~pdplug.manager.PluginManager`, once,
+        when it builds its registry (never on a per-step path). Every implementation is called.
+        Takes no parameters.
+
+        Example::
+
+            @hookimpl
+            def pdplug_register_schedulers():
+                yield SchedulerSpec(name="fifo", factory="my_pkg.sched:make", summary="FIFO")
 
         :returns: :class:`~pdplug.types.SchedulerSpec` records; the factory is called as
             ``factory(config: SchedulerConfig)`` and returns a :class:`~pdplug.protocols.Scheduler`.
@@ -51,7 +59,15 @@ class PdplugSpecs:
     def pdplug_register_consensus(self) -> Iterable[ConsensusSpec]:
         """Offer PP consensus implementations.
 
-        Called once per process, when the manager builds its registry.
+        Called in: every process that builds a :class:`~pdplug.manager.PluginManager`, once,
+        when it builds its registry (never on a per-step path). Every implementation is called.
+        Takes no parameters. A record reusing a default's name must set ``overrides=True``.
+
+        Example::
+
+            @hookimpl
+            def pdplug_register_consensus():
+                yield ConsensusSpec(name="mine", factory="my_pkg.cons:make", summary="…")
 
         :returns: :class:`~pdplug.types.ConsensusSpec` records; the factory is called as
             ``factory(config: ConsensusConfig)`` and returns a :class:`~pdplug.protocols.Consensus`.
@@ -62,7 +78,16 @@ class PdplugSpecs:
     def pdplug_register_kv_senders(self) -> Iterable[KVSenderSpec]:
         """Offer KV transfer backends (a sender and a receiver per record).
 
-        Called once per process, when the manager builds its registry.
+        Called in: every process that builds a :class:`~pdplug.manager.PluginManager`, once,
+        when it builds its registry (never on a per-step path). Every implementation is called.
+        Takes no parameters. A record reusing a default's name must set ``overrides=True``.
+
+        Example::
+
+            @hookimpl
+            def pdplug_register_kv_senders():
+                yield KVSenderSpec(name="tcp", factory="my_pkg.tx:make_sender",
+                                   receiver_factory="my_pkg.tx:make_receiver")
 
         :returns: :class:`~pdplug.types.KVSenderSpec` records; ``factory(config: KVConfig,
             planner: PackPlanner, packer: Packer | None)`` returns a
@@ -75,7 +100,15 @@ class PdplugSpecs:
     def pdplug_register_pack_planners(self) -> Iterable[PackPlannerSpec]:
         """Offer pack planners (byte-run planning and packing for layout changes).
 
-        Called once per process, when the manager builds its registry.
+        Called in: every process that builds a :class:`~pdplug.manager.PluginManager`, once,
+        when it builds its registry (never on a per-step path). Every implementation is called.
+        Takes no parameters. A record reusing a default's name must set ``overrides=True``.
+
+        Example::
+
+            @hookimpl
+            def pdplug_register_pack_planners():
+                yield PackPlannerSpec(name="flat", factory="my_pkg.plan:make")
 
         :returns: :class:`~pdplug.types.PackPlannerSpec` records; the factory is called as
             ``factory(config: PlannerConfig)`` and returns a
@@ -90,9 +123,9 @@ class PdplugSpecs:
         Called in: every rank, once per peer, during the rendezvous handshake. Every
         implementation is called (broadcast); the union of the returned lists is the refusal.
 
-        :param local: this rank's published info (layout: page size in tokens, bytes per token
-            per entry, dtype, layout version).
-        :param remote: the peer's info.
+        :param local: this rank's published :class:`~pdplug.types.PeerInfo` (layout: page size
+            in tokens, bytes per token per entry, dtype, layout version; ``extra`` for plugins).
+        :param remote: the peer's :class:`~pdplug.types.PeerInfo`.
         :returns: human-readable mismatches naming field and both values (empty or ``None``
             to accept).
         """
@@ -102,8 +135,14 @@ class PdplugSpecs:
     def pdplug_on_event(self, event: PdplugEvent) -> None:
         """Observe an event (decision applied, transfer done/failed, message dropped).
 
-        Called in: the process where the event happened, off the per-token path (at most once
-        per decision or chunk). Implementations must not raise or block.
+        Called in: the process where the event happened, through
+        :meth:`pdplug.manager.PluginManager.emit`, off the per-token path (at most once per
+        decision or chunk). Every implementation is called (broadcast); one that raises is
+        logged and the others still run. Implementations must not block.
+
+        :param event: the :class:`~pdplug.types.PdplugEvent` (``kind``, ``source`` component
+            name, ``room`` or -1, ``fields`` such as bytes, seconds, reason).
+        :returns: nothing; return values are ignored.
         """
         raise NotImplementedError
 
@@ -111,8 +150,12 @@ class PdplugSpecs:
     def pdplug_configure(self, config: Mapping[str, Any]) -> None:
         """Receive the host configuration (historic: replayed to late-registered plugins).
 
-        Called in: every process, once, after the manager loaded its plugins.
+        Called in: every process, once, when the host calls
+        :meth:`pdplug.manager.PluginManager.configure` after the manager loaded its plugins;
+        plugins registered later get the same call on registration. Must be idempotent: hosts
+        may run it in every worker process.
 
-        :param config: the host's pdplug settings (selected names, timeouts …).
+        :param config: the host's pdplug settings (selected names, timeouts in seconds …).
+        :returns: nothing; return values of historic hooks are discarded.
         """
         raise NotImplementedError

@@ -20,6 +20,8 @@ from typing import Any, Generic, TypeVar, Union
 
 import msgspec
 
+from pdplug.config import WireConfig
+
 __all__ = ["Codec", "DROP_REASONS", "MAC_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,16 @@ DROP_REASONS = (
 )
 
 
+def _tag(t: type) -> object:
+    cfg = getattr(t, "__struct_config__", None)
+    return None if cfg is None else cfg.tag
+
+
+def _tag_field(t: type) -> str:
+    cfg = getattr(t, "__struct_config__", None)
+    return "type" if cfg is None or cfg.tag_field is None else str(cfg.tag_field)
+
+
 class Codec(Generic[T]):
     """Encode/decode one socket's messages with size limit, HMAC and drop counters.
 
@@ -55,7 +67,7 @@ class Codec(Generic[T]):
 
     def __init__(
         self,
-        *types: type,
+        *types: type[T],
         max_bytes: int = 16 << 20,
         hmac_key: bytes | None = None,
         name: str = "wire",
@@ -64,13 +76,29 @@ class Codec(Generic[T]):
             raise ValueError("Codec: types is empty; pass the Struct types this socket accepts")
         if max_bytes <= 0:
             raise ValueError(f"Codec: max_bytes must be > 0, got {max_bytes}")
+        if hmac_key is not None and not isinstance(hmac_key, bytes):
+            raise TypeError(f"Codec: hmac_key must be bytes or None, got {type(hmac_key).__name__}")
         self.types = types
         self.max_bytes = max_bytes
         self.name = name
         self._key = hmac_key or None
         self._enc = msgspec.msgpack.Encoder()
+        if len(types) > 1:
+            untagged = [t.__name__ for t in types if _tag(t) is None]
+            if untagged:
+                raise TypeError(
+                    f"Codec: {untagged} have no msgspec tag; every type of a multi-type socket "
+                    "must be a Struct declared with tag=... so the union decodes strictly"
+                )
         target: Any = types[0] if len(types) == 1 else Union[types]
-        self._dec = msgspec.msgpack.Decoder(target)
+        try:
+            self._dec = msgspec.msgpack.Decoder(target)
+        except TypeError as e:
+            names = ", ".join(t.__name__ for t in types)
+            raise TypeError(f"Codec: cannot decode the union of {names}: {e}") from e
+        # tag values this socket knows, to tell an unknown kind from a malformed known one
+        self._tags = {_tag(t) for t in types} - {None}
+        self._tag_fields = {_tag_field(t) for t in types if _tag(t) is not None}
         self._lock = threading.Lock()
         self.drops: Counter[str] = Counter()
         self.accepted = 0
@@ -99,17 +127,33 @@ class Codec(Generic[T]):
             )
         return frame
 
-    def decode(self, frame: bytes | bytearray | memoryview) -> T | None:
-        """Decode one frame; return ``None`` (and count why) when it must be dropped."""
+    @classmethod
+    def from_config(cls, wire: WireConfig, *types: type[T], name: str = "wire") -> Codec[T]:
+        """A codec applying ``wire``'s size limit and HMAC key (what every socket should use).
+
+        :param wire: the :class:`~pdplug.config.WireConfig` shared by every rank.
+        :param types: the Struct types the socket accepts.
+        :param name: label used in logs.
+        """
+        return cls(*types, max_bytes=wire.max_message_bytes, hmac_key=wire.hmac_key, name=name)
+
+    def decode(self, frame: object) -> T | None:
+        """Decode one frame; return ``None`` (and count why) when it must be dropped.
+
+        :param frame: any object; bytes-like objects (``bytes``, ``bytearray``,
+            ``memoryview``, ``zmq.Frame``) are decoded, anything else is dropped as
+            ``malformed``.
+        :returns: the decoded Struct, or ``None`` when the frame was dropped. Never raises.
+        """
         try:
-            n = len(frame)
-        except TypeError:
+            buf = memoryview(frame).cast("B")  # type: ignore[arg-type]
+        except (TypeError, ValueError):
             self.drop("malformed")
             return None
-        if n > self.max_bytes:
+        if buf.nbytes > self.max_bytes:
             self.drop("oversize")
             return None
-        buf = memoryview(frame)
+        n = buf.nbytes
         if self._key:
             if n < MAC_BYTES:
                 self.drop("hmac")
@@ -123,9 +167,8 @@ class Codec(Generic[T]):
             payload = buf
         try:
             msg = self._dec.decode(payload)
-        except msgspec.ValidationError as e:
-            text = str(e)
-            self.drop("unknown_kind" if "`$.type`" in text or "tag" in text else "wrong_type")
+        except msgspec.ValidationError:
+            self.drop("unknown_kind" if self._unknown_kind(payload) else "wrong_type")
             return None
         except (msgspec.DecodeError, ValueError, TypeError):
             self.drop("malformed")
@@ -137,6 +180,20 @@ class Codec(Generic[T]):
         with self._lock:
             self.accepted += 1
         return msg  # type: ignore[no-any-return]
+
+    def _unknown_kind(self, payload: memoryview) -> bool:
+        """Whether a frame that failed validation carries a tag this socket does not know."""
+        if not self._tags:
+            return False
+        try:
+            raw = msgspec.msgpack.decode(payload)
+        except Exception:
+            return False
+        if isinstance(raw, dict):
+            return not any(raw.get(f) in self._tags for f in self._tag_fields if f in raw)
+        if isinstance(raw, list):  # array_like structs carry the tag first
+            return not raw or raw[0] not in self._tags
+        return True
 
     def drop(self, reason: str) -> None:
         """Count one dropped message under ``reason`` (see :data:`DROP_REASONS`)."""
