@@ -189,10 +189,14 @@ class Codec(Generic[T]):
             raw = msgspec.msgpack.decode(payload)
         except Exception:
             return False
+
+        def known(v: object) -> bool:  # tags are str or int; junk may be unhashable
+            return isinstance(v, (str, int)) and v in self._tags
+
         if isinstance(raw, dict):
-            return not any(raw.get(f) in self._tags for f in self._tag_fields if f in raw)
+            return not any(known(raw.get(f)) for f in self._tag_fields)
         if isinstance(raw, list):  # array_like structs carry the tag first
-            return not raw or raw[0] not in self._tags
+            return not raw or not known(raw[0])
         return True
 
     def drop(self, reason: str) -> None:
