@@ -253,7 +253,9 @@ class TransferPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     When ``packed``, the packer first gathers rows ``pack_src_slots`` (int64 ``[n]`` source token
     slots, pack order) of every sharded entry into the region, layer-major: entry ``e`` starts at
-    ``region.offset + n * sum(bpt[j] for sharded j < e)``.
+    ``region.offset + n * sum(bpt[j] for sharded j < e)``. Runs of entries not in
+    ``pack_entries`` (draft entries, never packed) read ``src_entry_base[entry] + src_offset``
+    even in a packed plan (``pdplug.packing.run_addresses`` applies this rule).
 
     :ivar room/chunk_id/is_last: as in :class:`SendChunk`.
     :ivar dst_dcp_rank: the destination DCP rank this plan writes.
@@ -262,6 +264,8 @@ class TransferPlan(msgspec.Struct, frozen=True, kw_only=True):
     :ivar region: the pack region used (``None`` when not packed).
     :ivar pack_src_slots: int64 ``[n]`` source token slots to gather (empty when not packed).
     :ivar pack_entries: entry indices gathered into the region, in region order.
+    :ivar pack_row_bytes: bytes per token of each ``pack_entries`` entry (same order), so a
+        packer needs no layout.
     :ivar entry/src_offset/dst_offset/length: the byte runs (int64 ``[R]``; bytes).
     """
 
@@ -278,6 +282,7 @@ class TransferPlan(msgspec.Struct, frozen=True, kw_only=True):
     region: PackRegion | None = None
     pack_src_slots: np.ndarray | None = None
     pack_entries: tuple[int, ...] = ()
+    pack_row_bytes: tuple[int, ...] = ()
 
     @property
     def num_runs(self) -> int:

@@ -1,15 +1,507 @@
-"""Placeholder until the feature lands: fails loudly, never a silent stub."""
+"""The ``dcp`` pack planner and the ``tp`` identity planner (pure numpy; no torch import).
+
+DCP rule (SGLang ``build_dcp_token_transfer_plan``, PR #35762 / #40376; prior-art sglang.md
+§3.1-3.4): decode logical token ``i`` lives on DCP rank ``i % D`` at local offset ``i // D``;
+decode allocates virtual pages of ``P * D`` tokens whose id is the same local physical page id
+on every rank. For a chunk covering tokens ``decode_prefix_len + rel`` (``rel`` from
+``src_page_offset * P``), rank ``r`` owns ``rel ≡ r (mod D)``; its tokens are consecutive
+locally (``rel // D``), so once gathered densely into a pack region they reach the destination
+as one run per destination page and entry instead of one per token.
+
+Draft (spec-decode) entries are not sharded: every rank receives every token, in virtual pages
+of ``P * D`` tokens, read directly from the source entry (never packed).
+
+Regions, capacity and double buffering: see :mod:`pdplug.packing`. A shard larger than its
+region raises :class:`pdplug.CapacityError`; there is no per-token fallback. ``plan(...,
+region=None)`` on a relayout is the explicit per-token baseline (one run per token per entry),
+used only by benchmarks.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from pdplug import (
+    CapacityError,
+    KVLayout,
+    PackRegion,
+    PlanError,
+    PlannerConfig,
+    SendChunk,
+    TransferPlan,
+    entry_map,
+)
+from pdplug.packing import merge_runs, region_capacity_tokens
+from pdplug.protocols import Packer
+
+__all__ = [
+    "DcpPlanner",
+    "TpPlanner",
+    "make_dcp_planner",
+    "make_tp_planner",
+    "Geometry",
+    "EntrySet",
+    "geometry",
+]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
 
 
-def make_dcp_planner(*args: Any, **kwargs: Any) -> Any:
-    """Not implemented yet: the 'dcp' pack planner (issue 4)."""
-    raise NotImplementedError("pdplug_dcp 'dcp' pack planner (issue 4) is not implemented yet")
+class EntrySet(msgspec.Struct, frozen=True):
+    """A set of source entries expanded together into byte runs.
+
+    :ivar entries: int64 ``[E]`` source entry indices.
+    :ivar bpt: int64 ``[E]`` their bytes per token.
+    :ivar ubpt: int64 ``[U]`` distinct bytes per token; ``inv``: int64 ``[E]`` index into it.
+    """
+
+    entries: np.ndarray
+    bpt: np.ndarray
+    ubpt: np.ndarray
+    inv: np.ndarray
+    _entry_cols: dict[int, np.ndarray] = {}
+
+    def entry_column(self, runs: int) -> np.ndarray:
+        """Read-only int64 ``[E * runs]``: each entry repeated ``runs`` times (cached, shared
+        by every plan with that many runs per entry)."""
+        col = self._entry_cols.get(runs)
+        if col is None:
+            col = np.repeat(self.entries, runs)
+            col.flags.writeable = False
+            if len(self._entry_cols) < 64:
+                self._entry_cols[runs] = col
+        return col
+
+    @classmethod
+    def of(cls, entries: np.ndarray, bpt: np.ndarray) -> EntrySet:
+        """Build (arrays are made read-only)."""
+        u, inv = np.unique(bpt, return_inverse=True)
+        arrs = (entries, bpt, u.astype(np.int64), inv.astype(np.int64).reshape(-1))
+        for a in arrs:
+            a.flags.writeable = False
+        return cls(*arrs, {})
 
 
-def make_tp_planner(*args: Any, **kwargs: Any) -> Any:
-    """Not implemented yet: the 'tp' identity planner (issue 4)."""
-    raise NotImplementedError("pdplug_dcp 'tp' identity planner (issue 4) is not implemented yet")
+class Geometry(msgspec.Struct, frozen=True):
+    """Checked source->destination geometry (cached per layout pair).
+
+    :ivar page_size: tokens per physical page (both sides).
+    :ivar dcp: destination DCP size.
+    :ivar emap: int64 ``[E_src]`` destination entry of each source entry.
+    :ivar sharded/draft: source entries that are packed / copied whole (draft).
+    :ivar every: all source entries (identity plans).
+    :ivar pack_cum: int64 bytes per token before each sharded entry in a region.
+    :ivar pack_bpt: bytes per token of all sharded entries together.
+    :ivar pack_entries/pack_row_bytes: the sharded entries and their sizes as tuples.
+    """
+
+    page_size: int
+    dcp: int
+    emap: np.ndarray
+    sharded: EntrySet
+    draft: EntrySet
+    every: EntrySet
+    pack_cum: np.ndarray
+    pack_bpt: int
+    pack_entries: tuple[int, ...]
+    pack_row_bytes: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def geometry(src: KVLayout, dst: KVLayout) -> Geometry:
+    """Check that ``src`` (prefill, plain TP) can feed ``dst`` and precompute the mapping.
+
+    :raises PlanError: page sizes differ, the source is DCP-sharded, layers do not map, an
+        entry's bytes per token differ (SGLang "geometry differs at entry i"), or draft
+        entries do not correspond.
+    """
+    if src.page_size != dst.page_size:
+        raise PlanError(
+            f"page_size differs: source {src.page_size} vs destination {dst.page_size} tokens"
+        )
+    if src.dcp_size != 1:
+        raise PlanError(f"source dcp_size must be 1 (plain TP prefill), got {src.dcp_size}")
+    try:
+        emap = entry_map(src, dst)
+    except ValueError as e:
+        raise PlanError(f"entry map: {e}") from e
+    s_bpt = np.asarray(src.entry_bytes_per_token, dtype=np.int64)
+    d_bpt = np.asarray(dst.entry_bytes_per_token, dtype=np.int64)[emap]
+    bad = np.flatnonzero(s_bpt != d_bpt)
+    if bad.size:
+        i = int(bad[0])
+        raise PlanError(
+            f"geometry differs at source entry {i} (destination entry {int(emap[i])}): "
+            f"entry_bytes_per_token {int(s_bpt[i])} vs {int(d_bpt[i])} bytes "
+            f"({bad.size} entries differ)"
+        )
+    d_draft = set(dst.draft_entries)
+    mapped = {i for i, j in enumerate(emap.tolist()) if j in d_draft}
+    if mapped != set(src.draft_entries):
+        raise PlanError(
+            f"draft_entries do not correspond: source {sorted(src.draft_entries)} vs "
+            f"destination {sorted(dst.draft_entries)} (maps to source {sorted(mapped)})"
+        )
+    is_draft = np.zeros(src.num_entries, dtype=bool)
+    is_draft[list(src.draft_entries)] = True
+    sharded = np.flatnonzero(~is_draft).astype(np.int64)
+    draft = np.flatnonzero(is_draft).astype(np.int64)
+    sb = s_bpt[sharded]
+    cum = np.concatenate(([0], np.cumsum(sb)[:-1])).astype(np.int64)
+    emap.flags.writeable = False
+    cum.flags.writeable = False
+    return Geometry(
+        page_size=src.page_size,
+        dcp=dst.dcp_size,
+        emap=emap,
+        sharded=EntrySet.of(sharded, sb),
+        draft=EntrySet.of(draft, s_bpt[draft]),
+        every=EntrySet.of(np.arange(src.num_entries, dtype=np.int64), s_bpt),
+        pack_cum=cum,
+        pack_bpt=int(sb.sum()),
+        pack_entries=tuple(sharded.tolist()),
+        pack_row_bytes=tuple(sb.tolist()),
+    )
+
+
+def _check_chunk(chunk: SendChunk, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a chunk against the geometry; return (src_pages, dst_pages) as int64."""
+    p, d = g.page_size, g.dcp
+    vp = p * d
+    if chunk.decode_prefix_len < 0 or chunk.decode_prefix_len % vp:
+        raise PlanError(
+            f"room {chunk.room}: decode_prefix_len={chunk.decode_prefix_len} is not a multiple "
+            f"of the decode virtual page page_size*dcp_size={p}*{d}={vp} tokens"
+        )
+    if chunk.src_page_offset < 0 or chunk.num_tokens < 0:
+        raise PlanError(
+            f"room {chunk.room}: src_page_offset={chunk.src_page_offset} and "
+            f"num_tokens={chunk.num_tokens} must be >= 0"
+        )
+    src_pages = np.asarray(chunk.src_pages, dtype=np.int64)
+    dst_pages = np.asarray(chunk.dst_pages, dtype=np.int64)
+    n = chunk.num_tokens
+    if src_pages.shape[0] * p < n:
+        raise PlanError(
+            f"room {chunk.room}: num_tokens={n} needs {-(-n // p)} source pages "
+            f"(page_size={p}), src_pages has {src_pages.shape[0]}"
+        )
+    end = chunk.src_page_offset * p + n
+    need = -(-end // vp)
+    if n and dst_pages.shape[0] < need:
+        raise PlanError(
+            f"room {chunk.room}: too few destination pages: tokens up to {end} after "
+            f"decode_prefix_len={chunk.decode_prefix_len} need {need} virtual pages of {vp} "
+            f"tokens, dst_pages has {dst_pages.shape[0]}"
+        )
+    return src_pages, dst_pages
+
+
+def _src_slots(src_pages: np.ndarray, p: int, n: int) -> np.ndarray:
+    """Source token slots of a chunk's first ``n`` tokens: int64 ``[n]``."""
+    npg = -(-n // p)
+    return (src_pages[:npg, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)[:n]
+
+
+def _expand(
+    es: EntrySet, tok: np.ndarray, src_base: np.ndarray | int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Token runs -> byte runs of every entry of ``es``, entry-major.
+
+    :param tok: int64 ``[3, R]`` token runs: source start, destination start, length.
+    :param src_base: bytes (scalar or int64 ``[E]``) added to every source offset.
+    :returns: four int64 ``[E * R]`` arrays ``(entry, src_offset, dst_offset, length)``.
+    Multiplies once per distinct bytes-per-token value, then broadcasts to the entries.
+    """
+    r = tok.shape[1]
+    e = es.entries.shape[0]
+    small = tok[:, None, :] * es.ubpt[None, :, None]  # [3, U, R]
+    out = np.empty((3, e, r), dtype=np.int64)
+    if es.ubpt.shape[0] == 1:
+        out[:] = small
+    else:
+        np.take(small, es.inv, axis=1, out=out)
+    if not (isinstance(src_base, int) and src_base == 0):
+        out[0] += np.asarray(src_base, dtype=np.int64).reshape(-1, 1)
+    flat = out.reshape(3, e * r)
+    return es.entry_column(r), flat[0], flat[1], flat[2]
+
+
+def _merged(src_slots: np.ndarray, dst_slots: np.ndarray, page: int) -> np.ndarray:
+    """:func:`merge_runs` as one int64 ``[3, R]`` array."""
+    return np.stack(merge_runs(src_slots, dst_slots, page))
+
+
+def _cat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    parts = [x for x in parts if x[0].shape[0]]
+    if not parts:
+        return (_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate(c) for c in zip(*parts))
+
+
+class _Chunk(msgspec.Struct, frozen=True):
+    """Per-chunk state shared by every destination rank's plan."""
+
+    chunk: SendChunk
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    slots: np.ndarray | None  # all source token slots (lazily shared)
+    draft_runs: tuple[np.ndarray, ...]
+
+
+class DcpPlanner:
+    """``dcp`` pack planner: plain-TP prefill -> DCP decode relayout (see module docstring).
+
+    Satisfies :class:`pdplug.protocols.PackPlanner`. Pure and thread-safe (the only state is
+    an LRU cache of checked layout pairs). With ``dst.dcp_size == 1`` it plans identity runs.
+    """
+
+    name = "dcp"
+
+    def __init__(self, config: PlannerConfig | None = None) -> None:
+        self.config = config or PlannerConfig()
+        if self.config.packer not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"PlannerConfig.packer must be 'auto', 'torch' or 'triton', got "
+                f"{self.config.packer!r}"
+            )
+
+    # ------------------------------------------------------------------ Protocol
+
+    def needs_relayout(self, src: KVLayout, dst: KVLayout) -> bool:
+        """True when the destination is DCP-sharded (``dst.dcp_size > 1``): sends are packed."""
+        return dst.dcp_size > 1
+
+    def capacity_tokens(self, src: KVLayout, dst: KVLayout, region_nbytes: int) -> int:
+        """Tokens (per destination rank) a region of ``region_nbytes`` bytes holds: bytes over
+        the source's packed bytes per token, floored to whole pages. The matching send bound
+        is ``capacity * dst.dcp_size`` (:func:`pdplug.packing.send_capacity_tokens`).
+
+        :raises PlanError: the layouts do not correspond.
+        """
+        geometry(src, dst)
+        return region_capacity_tokens(src, region_nbytes)
+
+    def plan(
+        self,
+        chunk: SendChunk,
+        src: KVLayout,
+        dst: KVLayout,
+        dst_dcp_rank: int,
+        region: PackRegion | None = None,
+    ) -> TransferPlan:
+        """Plan the writes of ``chunk`` to decode DCP rank ``dst_dcp_rank``.
+
+        Packed when :meth:`needs_relayout` and ``region`` is given: ``pack_src_slots`` (int64
+        ``[n]``) are the source slots of the rank's ``n`` tokens; runs go from the region
+        (offsets include ``region.offset``) to destination bytes, one per (entry, destination
+        page touched). ``region=None`` on a relayout gives the per-token baseline.
+
+        :raises PlanError: geometry mismatch, unaligned ``decode_prefix_len``, too few source
+            or destination pages, ``dst_dcp_rank`` out of range.
+        :raises CapacityError: the rank's shard exceeds ``region.capacity_tokens`` (or its
+            bytes exceed ``region.nbytes``); names room, rank, tokens and capacity.
+        """
+        g = self._geometry(src, dst)
+        return self._plan_rank(self._chunk_state(chunk, g, shared=False), g, dst_dcp_rank, region)
+
+    def plan_all(
+        self,
+        chunk: SendChunk,
+        src: KVLayout,
+        dst: KVLayout,
+        regions: Sequence[PackRegion | None] | None = None,
+        dst_pages: Sequence[np.ndarray] | None = None,
+    ) -> list[TransferPlan]:
+        """Plans for every destination DCP rank ``0 .. dst.dcp_size - 1`` (shared work done once).
+
+        :param regions: one region per rank (``regions[r]``), or None for unpacked plans.
+        :param dst_pages: per-rank destination page lists when decode ranks' DestInfos differ;
+            default ``chunk.dst_pages`` for every rank.
+        :raises PlanError, CapacityError: as :meth:`plan`.
+        """
+        g = self._geometry(src, dst)
+        d = dst.dcp_size
+        for name, seq in (("regions", regions), ("dst_pages", dst_pages)):
+            if seq is not None and len(seq) != d:
+                raise PlanError(f"{name} has {len(seq)} items, expected dst dcp_size={d}")
+        base = self._chunk_state(chunk, g, shared=True)
+        out = []
+        for r in range(d):
+            st = base
+            if dst_pages is not None:
+                st = self._chunk_state(
+                    msgspec.structs.replace(chunk, dst_pages=dst_pages[r]),
+                    g,
+                    shared=True,
+                    like=base,
+                )
+            out.append(self._plan_rank(st, g, r, regions[r] if regions is not None else None))
+        return out
+
+    def packer(self, device: str = "cpu", kind: str = "auto") -> Packer:
+        """The packer for ``device``: Triton on CUDA, torch otherwise (``kind`` overrides;
+        ``"auto"`` defers to ``PlannerConfig.packer``).
+
+        :raises ValueError: unknown ``kind``.
+        :raises RuntimeError: ``kind="triton"`` and triton cannot be imported.
+        """
+        from pdplug_dcp.packers import make_packer
+
+        return make_packer(device, self.config.packer if kind == "auto" else kind)
+
+    # ------------------------------------------------------------------ internals
+
+    def _geometry(self, src: KVLayout, dst: KVLayout) -> Geometry:
+        return geometry(src, dst)
+
+    def _chunk_state(
+        self, chunk: SendChunk, g: Geometry, *, shared: bool, like: _Chunk | None = None
+    ) -> _Chunk:
+        src_pages, dst_pages = _check_chunk(chunk, g)
+        slots = None
+        if like is not None:
+            slots = like.slots
+        elif shared and g.dcp > 1 and chunk.num_tokens:
+            slots = _src_slots(src_pages, g.page_size, chunk.num_tokens)
+        draft_runs: tuple[np.ndarray, ...] = (_EMPTY,) * 4
+        if g.draft.entries.size and chunk.num_tokens and g.dcp > 1:
+            if slots is None:
+                slots = _src_slots(src_pages, g.page_size, chunk.num_tokens)
+            vp = g.page_size * g.dcp
+            rel = chunk.src_page_offset * g.page_size + np.arange(chunk.num_tokens)
+            dst = dst_pages[rel // vp] * vp + rel % vp
+            draft_runs = _expand(g.draft, _merged(slots, dst, vp))
+        return _Chunk(chunk, src_pages, dst_pages, slots, draft_runs)
+
+    def _plan_rank(
+        self, st: _Chunk, g: Geometry, rank: int, region: PackRegion | None
+    ) -> TransferPlan:
+        c = st.chunk
+        d, p = g.dcp, g.page_size
+        if not 0 <= rank < d:
+            raise PlanError(f"room {c.room}: dst_dcp_rank={rank} not in [0, dcp_size={d})")
+        if d == 1:
+            return self._identity(st, g)
+        nt = c.num_tokens
+        rel0 = c.src_page_offset * p
+        first = (rank - rel0) % d
+        n = (nt - first + d - 1) // d if nt > first else 0
+        if st.slots is not None:
+            slots = st.slots[first::d]
+        else:
+            o = np.arange(first, nt, d, dtype=np.int64)
+            slots = st.src_pages[o // p] * p + o % p
+        l0 = (rel0 + first) // d  # local offset of the rank's first token
+        packed = region is not None
+        if region is not None:
+            cap = region.capacity_tokens
+            if n > cap or n * g.pack_bpt > region.nbytes:
+                raise CapacityError(
+                    f"room {c.room}: chunk {c.chunk_id} puts {n} tokens on dst DCP rank {rank}, "
+                    f"pack region {region.index} holds capacity={cap} tokens ({region.nbytes} "
+                    f"bytes, {g.pack_bpt} bytes/token); split the send at "
+                    f"capacity*dcp_size={cap * d} tokens"
+                )
+        if n == 0:
+            shard: tuple[np.ndarray, ...] = (_EMPTY,) * 4
+        elif packed:
+            # one token run per destination page touched: locals [l0, l0 + n) are consecutive
+            q0, q1 = l0 // p, (l0 + n - 1) // p
+            tok = np.empty((3, q1 - q0 + 1), dtype=np.int64)
+            np.multiply(st.dst_pages[q0 : q1 + 1], p, out=tok[1])  # destination page starts
+            tok[2] = p
+            tok[1, 0] += l0 - q0 * p
+            tok[2, 0] = min(l0 + n, q0 * p + p) - l0
+            if q1 > q0:
+                tok[2, -1] = l0 + n - q1 * p
+            np.cumsum(tok[2], out=tok[0])
+            tok[0] -= tok[2]  # pack-region token start of each run
+            assert region is not None
+            shard = _expand(g.sharded, tok, region.offset + n * g.pack_cum)
+        else:
+            loc = np.arange(l0, l0 + n, dtype=np.int64)
+            dst_tok = st.dst_pages[loc // p] * p + loc % p
+            shard = _expand(g.sharded, _merged(slots, dst_tok, p))
+        entry, src_off, dst_off, length = _cat([shard, st.draft_runs])
+        return TransferPlan(
+            room=c.room,
+            chunk_id=c.chunk_id,
+            is_last=c.is_last,
+            dst_dcp_rank=rank,
+            num_tokens=n,
+            packed=packed,
+            entry=entry,
+            src_offset=src_off,
+            dst_offset=dst_off,
+            length=length,
+            region=region,
+            pack_src_slots=np.ascontiguousarray(slots) if packed else _EMPTY,
+            pack_entries=g.pack_entries if packed else (),
+            pack_row_bytes=g.pack_row_bytes if packed else (),
+        )
+
+    def _identity(self, st: _Chunk, g: Geometry) -> TransferPlan:
+        c = st.chunk
+        p = g.page_size
+        nt = c.num_tokens
+        runs: tuple[np.ndarray, ...] = (_EMPTY,) * 4
+        if nt:
+            slots = st.slots if st.slots is not None else _src_slots(st.src_pages, p, nt)
+            rel = c.src_page_offset * p + np.arange(nt, dtype=np.int64)
+            dst = st.dst_pages[rel // p] * p + rel % p
+            runs = _expand(g.every, _merged(slots, dst, p))
+        entry, src_off, dst_off, length = runs
+        return TransferPlan(
+            room=c.room,
+            chunk_id=c.chunk_id,
+            is_last=c.is_last,
+            dst_dcp_rank=0,
+            num_tokens=nt,
+            packed=False,
+            entry=entry,
+            src_offset=src_off,
+            dst_offset=dst_off,
+            length=length,
+            pack_src_slots=_EMPTY,
+        )
+
+
+class TpPlanner(DcpPlanner):
+    """``tp`` identity planner: same layout on both sides (decode ``dcp_size == 1``); merged
+    contiguous page runs (never crossing a destination page), no packing; ``region`` is
+    ignored. ``plan``/``plan_all`` raise :class:`PlanError` for a DCP destination."""
+
+    name = "tp"
+
+    def needs_relayout(self, src: KVLayout, dst: KVLayout) -> bool:
+        """Always False: the identity planner never packs."""
+        return False
+
+    def _geometry(self, src: KVLayout, dst: KVLayout) -> Geometry:
+        if dst.dcp_size != 1:
+            raise PlanError(
+                f"'tp' planner needs destination dcp_size 1, got {dst.dcp_size}; "
+                "select the 'dcp' pack planner"
+            )
+        return geometry(src, dst)
+
+
+def make_dcp_planner(config: PlannerConfig | None = None) -> DcpPlanner:
+    """Factory of the ``dcp`` pack planner (entry point ``pdplug_dcp.planner:make_dcp_planner``).
+
+    :raises ValueError: ``config.packer`` is not ``auto``/``torch``/``triton``.
+    """
+    return DcpPlanner(config)
+
+
+def make_tp_planner(config: PlannerConfig | None = None) -> TpPlanner:
+    """Factory of the ``tp`` identity planner (entry ``pdplug_dcp.planner:make_tp_planner``)."""
+    return TpPlanner(config)

@@ -1,0 +1,308 @@
+"""Pack-buffer layout, run merging and run addressing shared by planners and KV senders.
+
+Pure numpy helpers (no torch, no plugin imports). The algorithm follows SGLang's DCP packing
+(``dcp_pack_buffer_bytes`` / per-rank regions, PRs #35762 and #40376; see
+``shared/prior-art/sglang.md`` §3.3-3.5), rewritten for pdplug's contracts.
+
+Pack buffer and regions
+-----------------------
+A prefill rank registers one pack buffer and cuts it into ``dst_dcp_size * depth`` regions
+(:func:`pack_regions`). Region ``rank * depth + slot`` belongs to destination DCP rank ``rank``;
+each region holds ``capacity_tokens`` tokens (page-aligned) of every sharded entry,
+layer-major: entry ``e`` of a plan with ``n`` tokens starts at
+``region.offset + n * sum(bpt[j] for sharded j before e)``. Regions never overlap, so an
+oversized shard cannot overwrite a neighbour: the planner raises :class:`pdplug.CapacityError`
+instead. The bound a scheduler splits a send at is :func:`send_capacity_tokens`
+(``capacity_tokens * dst_dcp_size``): a segment of at most that many tokens puts at most
+``capacity_tokens`` tokens on any DCP rank.
+
+Double buffering (how a KV sender overlaps packing with transfer)
+-----------------------------------------------------------------
+With ``depth >= 2`` regions per destination rank, segment ``k`` of a send uses slot
+``k % depth`` (:func:`region_index` with the segment's ``chunk_id``)::
+
+    regions = pack_regions(src_layout, dst_dcp_size=D, depth=2, region_tokens=cap)
+    segments = scheduler.split_send(..., capacity_tokens=send_capacity_tokens(regions[0], D))
+    for seg in segments:
+        chunk = segment_to_chunk(room, seg, send_pages[seg.page_start:], dst_pages, prefix, P)
+        for r in range(D):
+            region = regions[region_index(r, seg.chunk_id, depth=2)]
+            wait_until_free(region)          # the write posted from it depth segments ago is done
+            plan = planner.plan(chunk, src_layout, dst_layout, r, region)
+            packer.pack(plan, kv_entries, pack_buffer)   # async on CUDA: record an event
+            post(run_addresses(plan, src_bases, dst_bases[r], emap, pack_base))  # after the event
+
+While segment ``k`` is in flight from slot ``k % 2``, segment ``k + 1`` is packed into the
+other slot; a sender must not repack a slot before the write that reads it has completed
+(engines report completion per posted transfer). ``depth = 1`` serialises pack and transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdplug.types import KVLayout, PackRegion, Segment, SendChunk, TransferPlan
+
+__all__ = [
+    "sharded_entries",
+    "pack_bytes_per_token",
+    "region_capacity_tokens",
+    "pack_buffer_nbytes",
+    "pack_regions",
+    "region_index",
+    "send_capacity_tokens",
+    "merge_runs",
+    "run_addresses",
+    "segment_to_chunk",
+]
+
+#: Default byte alignment of every region start (wide loads; RDMA-friendly).
+REGION_ALIGN = 256
+
+
+def sharded_entries(layout: KVLayout) -> tuple[int, ...]:
+    """Entries that are DCP-sharded and therefore packed: every entry not in ``draft_entries``."""
+    drafts = set(layout.draft_entries)
+    return tuple(e for e in range(layout.num_entries) if e not in drafts)
+
+
+def pack_bytes_per_token(layout: KVLayout) -> int:
+    """Bytes one token occupies in a pack region: sum of ``entry_bytes_per_token`` over the
+    sharded entries (draft entries are never packed). 0 if every entry is a draft entry."""
+    bpt = layout.entry_bytes_per_token
+    return sum(bpt[e] for e in sharded_entries(layout))
+
+
+def _align_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def region_capacity_tokens(layout: KVLayout, region_nbytes: int) -> int:
+    """Tokens a region of ``region_nbytes`` bytes holds, floored to whole ``layout.page_size``.
+
+    :param layout: the source (prefill) layout whose sharded entries are packed.
+    :param region_nbytes: region size in bytes (>= 0).
+    :raises ValueError: ``region_nbytes < 0``.
+    """
+    if region_nbytes < 0:
+        raise ValueError(f"region_nbytes must be >= 0, got {region_nbytes}")
+    pbpt = pack_bytes_per_token(layout)
+    if pbpt == 0:
+        return 0
+    p = layout.page_size
+    return (region_nbytes // pbpt) // p * p
+
+
+def pack_buffer_nbytes(
+    layout: KVLayout,
+    *,
+    region_tokens: int,
+    dst_dcp_size: int,
+    depth: int = 2,
+    align: int = REGION_ALIGN,
+) -> int:
+    """Bytes of a pack buffer with ``dst_dcp_size * depth`` regions of ``region_tokens`` tokens.
+
+    ``region_tokens`` is floored to whole pages; each region starts ``align``-aligned.
+
+    :raises ValueError: a non-positive argument, or ``region_tokens`` below one page.
+    """
+    return _region_stride(layout, region_tokens, dst_dcp_size, depth, align)[1] * (
+        dst_dcp_size * depth
+    )
+
+
+def _region_stride(
+    layout: KVLayout, region_tokens: int, dst_dcp_size: int, depth: int, align: int
+) -> tuple[int, int]:
+    for name, v in (("dst_dcp_size", dst_dcp_size), ("depth", depth), ("align", align)):
+        if v <= 0:
+            raise ValueError(f"{name} must be > 0, got {v}")
+    cap = region_tokens // layout.page_size * layout.page_size
+    if cap <= 0:
+        raise ValueError(
+            f"region_tokens={region_tokens} is below one page (page_size={layout.page_size})"
+        )
+    return cap, _align_up(cap * pack_bytes_per_token(layout), align)
+
+
+def pack_regions(
+    layout: KVLayout,
+    *,
+    dst_dcp_size: int,
+    depth: int = 2,
+    region_tokens: int | None = None,
+    buffer_nbytes: int | None = None,
+    align: int = REGION_ALIGN,
+) -> list[PackRegion]:
+    """The region table of a pack buffer: ``dst_dcp_size * depth`` disjoint, aligned regions.
+
+    Region ``i = rank * depth + slot`` (see :func:`region_index`) starts at byte
+    ``i * stride`` and holds ``capacity_tokens`` tokens of every sharded entry of ``layout``
+    (``capacity_tokens * pack_bytes_per_token(layout) <= nbytes``).
+
+    Give exactly one of ``region_tokens`` (tokens per region, floored to whole pages; size the
+    buffer with :func:`pack_buffer_nbytes`) or ``buffer_nbytes`` (an existing buffer, split
+    evenly; its regions' capacity is floored to whole pages).
+
+    :param layout: the source (prefill) layout.
+    :param dst_dcp_size: destination DCP ranks served (>= 1).
+    :param depth: regions per destination rank (2 = double buffering).
+    :param align: byte alignment of every region start.
+    :raises ValueError: both or neither of ``region_tokens``/``buffer_nbytes``, a buffer too
+        small for one page per region, or a non-positive argument.
+    """
+    if (region_tokens is None) == (buffer_nbytes is None):
+        raise ValueError(
+            "pack_regions: give exactly one of region_tokens and buffer_nbytes, got "
+            f"region_tokens={region_tokens}, buffer_nbytes={buffer_nbytes}"
+        )
+    count = dst_dcp_size * depth
+    if buffer_nbytes is not None:
+        if dst_dcp_size <= 0 or depth <= 0 or align <= 0:
+            raise ValueError(
+                f"dst_dcp_size={dst_dcp_size}, depth={depth}, align={align} must all be > 0"
+            )
+        stride = buffer_nbytes // count // align * align
+        cap = region_capacity_tokens(layout, stride)
+        if cap <= 0:
+            raise ValueError(
+                f"buffer_nbytes={buffer_nbytes} gives {stride} bytes per region for "
+                f"{count} regions (dst_dcp_size={dst_dcp_size} x depth={depth}): below one page "
+                f"({layout.page_size} tokens x {pack_bytes_per_token(layout)} bytes)"
+            )
+    else:
+        assert region_tokens is not None
+        cap, stride = _region_stride(layout, region_tokens, dst_dcp_size, depth, align)
+    return [
+        PackRegion(index=i, offset=i * stride, nbytes=stride, capacity_tokens=cap)
+        for i in range(count)
+    ]
+
+
+def region_index(dst_dcp_rank: int, chunk_id: int, depth: int = 2) -> int:
+    """Index of the region destination rank ``dst_dcp_rank`` uses for chunk ``chunk_id``:
+    ``dst_dcp_rank * depth + chunk_id % depth`` (consecutive chunks alternate slots)."""
+    if depth <= 0 or dst_dcp_rank < 0 or chunk_id < 0:
+        raise ValueError(
+            f"region_index: dst_dcp_rank={dst_dcp_rank}, chunk_id={chunk_id} must be >= 0 and "
+            f"depth={depth} > 0"
+        )
+    return dst_dcp_rank * depth + chunk_id % depth
+
+
+def send_capacity_tokens(region: PackRegion | int, dst_dcp_size: int) -> int:
+    """Largest send segment (tokens) whose shard fits one region on every DCP rank:
+    ``capacity_tokens * dst_dcp_size``. Pass this to ``Scheduler.split_send``.
+
+    :param region: a region (or its ``capacity_tokens``).
+    """
+    cap = region.capacity_tokens if isinstance(region, PackRegion) else int(region)
+    if dst_dcp_size <= 0:
+        raise ValueError(f"dst_dcp_size must be > 0, got {dst_dcp_size}")
+    return cap * dst_dcp_size
+
+
+def merge_runs(
+    src_slots: np.ndarray, dst_slots: np.ndarray, dst_page_tokens: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge token-to-token copies into runs contiguous on both sides (SGLang
+    ``group_concurrent_contiguous``), never crossing a destination page.
+
+    :param src_slots: int64 ``[m]`` source token slots, in copy order.
+    :param dst_slots: int64 ``[m]`` destination token slots.
+    :param dst_page_tokens: destination page size in tokens (a run never crosses a multiple).
+    :returns: int64 ``[R]`` arrays ``(src_start, dst_start, num_tokens)``.
+    :raises ValueError: length mismatch or ``dst_page_tokens <= 0``.
+    """
+    m = src_slots.shape[0]
+    if dst_slots.shape[0] != m:
+        raise ValueError(f"merge_runs: {m} source slots vs {dst_slots.shape[0]} destination slots")
+    if dst_page_tokens <= 0:
+        raise ValueError(f"merge_runs: dst_page_tokens must be > 0, got {dst_page_tokens}")
+    if m == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e
+    d1 = dst_slots[1:]
+    brk = (src_slots[1:] != src_slots[:-1] + 1) | (d1 != dst_slots[:-1] + 1)
+    brk |= d1 % dst_page_tokens == 0
+    starts = np.flatnonzero(brk)
+    starts += 1
+    starts = np.concatenate(([0], starts))
+    ends = np.concatenate((starts[1:], [m]))
+    return src_slots[starts], dst_slots[starts], ends - starts
+
+
+def run_addresses(
+    plan: TransferPlan,
+    src_entry_base: Sequence[int] | np.ndarray,
+    dst_entry_base: Sequence[int] | np.ndarray,
+    entry_map: np.ndarray,
+    pack_base: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Absolute ``(src_addr, dst_addr, length)`` int64 ``[R]`` descriptors of a plan.
+
+    A run reads ``pack_base + src_offset`` when the plan is packed and the run's entry is in
+    ``plan.pack_entries``; otherwise (unpacked plans, and draft entries, which are never
+    packed) it reads ``src_entry_base[entry] + src_offset``. It writes
+    ``dst_entry_base[entry_map[entry]] + dst_offset``.
+
+    :param src_entry_base: base address of every source entry (``[num source entries]``).
+    :param dst_entry_base: base address of every destination entry.
+    :param entry_map: int64 source entry -> destination entry (:func:`pdplug.entry_map`).
+    :param pack_base: address of the pack buffer (the plan's offsets include the region's).
+    """
+    entry = plan.entry
+    src_base = np.asarray(src_entry_base, dtype=np.int64)[entry]
+    if plan.packed and plan.pack_entries:
+        from_pack = np.isin(entry, np.asarray(plan.pack_entries, dtype=np.int64))
+        src_base = np.where(from_pack, np.int64(pack_base), src_base)
+    dst_base = np.asarray(dst_entry_base, dtype=np.int64)[np.asarray(entry_map)[entry]]
+    return src_base + plan.src_offset, dst_base + plan.dst_offset, plan.length.copy()
+
+
+def segment_to_chunk(
+    room: int,
+    segment: Segment,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    decode_prefix_len: int,
+    page_size: int,
+) -> SendChunk:
+    """The :class:`SendChunk` a planner needs for one scheduler :class:`Segment`.
+
+    :param src_pages: int64 source page ids starting at this segment's first page (as
+        ``KVSender.send`` receives them; from a whole send's list pass
+        ``send_pages[segment.page_start:]``). Only the pages the segment's tokens occupy are
+        kept.
+    :param dst_pages: int64 destination (virtual) page ids from ``decode_prefix_len`` on.
+    :param decode_prefix_len: tokens decode already holds (tokens).
+    :param page_size: source page size (tokens).
+    :raises ValueError: the segment does not start on a page boundary, starts before
+        ``decode_prefix_len``, or ``src_pages`` is too short.
+    """
+    rel = segment.token_start - decode_prefix_len
+    if rel < 0 or rel % page_size:
+        raise ValueError(
+            f"segment.token_start={segment.token_start} must be >= decode_prefix_len="
+            f"{decode_prefix_len} and page-aligned (page_size={page_size})"
+        )
+    need = -(-segment.num_tokens // page_size)
+    pages = np.asarray(src_pages, dtype=np.int64)
+    if pages.shape[0] < need:
+        raise ValueError(
+            f"segment of {segment.num_tokens} tokens needs {need} source pages "
+            f"(page_size={page_size}), got {pages.shape[0]}"
+        )
+    return SendChunk(
+        room=room,
+        src_pages=pages[:need],
+        dst_pages=np.asarray(dst_pages, dtype=np.int64),
+        decode_prefix_len=decode_prefix_len,
+        src_page_offset=rel // page_size,
+        num_tokens=segment.num_tokens,
+        chunk_id=segment.chunk_id,
+        is_last=segment.is_last,
+    )

@@ -1,0 +1,170 @@
+"""Packers: execute a plan's gather (``pack_src_slots`` rows of ``pack_entries``) bit-exactly.
+
+* :class:`TorchPacker` — one ``torch.index_select(..., out=region view)`` per entry over rows
+  viewed as the widest integer type the row size and addresses allow (no per-token loop, no
+  allocation). Default on CPU.
+* :class:`pdplug_dcp.triton_pack.TritonPacker` — one Triton launch for all entries (SGLang
+  ``copy_mla_rows_into_pack``, PR #35762; prior-art sglang.md §3.3). Default on CUDA; runs on
+  CPU tensors only under ``TRITON_INTERPRET=1`` (tests).
+
+On CUDA both enqueue on the current stream and return: record an event (or synchronise)
+before posting the writes that read the region.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pdplug import TransferPlan
+from pdplug.protocols import Packer
+
+__all__ = ["TorchPacker", "make_packer", "pack_layout", "entry_rows", "check_pack"]
+
+log = logging.getLogger(__name__)
+
+_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def entry_rows(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """View a contiguous KV entry tensor (any dtype/shape) as uint8 rows ``[slots, row_bytes]``.
+
+    :raises ValueError: not contiguous, or its byte size is not a multiple of ``row_bytes``.
+    """
+    if not t.is_contiguous():
+        raise ValueError(f"KV entry tensor of shape {tuple(t.shape)} is not contiguous")
+    flat = t.reshape(-1).view(torch.uint8)
+    if row_bytes <= 0 or flat.numel() % row_bytes:
+        raise ValueError(
+            f"KV entry of {flat.numel()} bytes is not a whole number of {row_bytes}-byte rows"
+        )
+    return flat.view(-1, row_bytes)
+
+
+def pack_layout(plan: TransferPlan) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(n, row_bytes int64 [E], region byte offset of each pack entry int64 [E])``."""
+    n = int(plan.pack_src_slots.shape[0]) if plan.pack_src_slots is not None else 0
+    rb = np.asarray(plan.pack_row_bytes, dtype=np.int64)
+    base = plan.region.offset if plan.region is not None else 0
+    off = base + n * (np.cumsum(rb) - rb)
+    return n, rb, off
+
+
+def check_pack(
+    plan: TransferPlan, entries: Sequence[torch.Tensor], pack_buffer: torch.Tensor
+) -> tuple[int, np.ndarray, np.ndarray, list[torch.Tensor]]:
+    """Validate a packed plan against tensors; return ``pack_layout`` plus the entry rows.
+
+    :raises ValueError: missing region/row sizes, a slot outside an entry, a region outside
+        the buffer, the shard larger than the region, or tensors on different devices.
+    """
+    if plan.region is None or len(plan.pack_row_bytes) != len(plan.pack_entries):
+        raise ValueError(
+            f"room {plan.room}: packed plan needs a region and pack_row_bytes per pack entry "
+            f"(region={plan.region}, {len(plan.pack_row_bytes)} row sizes for "
+            f"{len(plan.pack_entries)} entries)"
+        )
+    if pack_buffer.dtype != torch.uint8 or pack_buffer.dim() != 1:
+        raise ValueError(
+            f"pack_buffer must be uint8 [nbytes], got {pack_buffer.dtype} "
+            f"{tuple(pack_buffer.shape)}"
+        )
+    n, rb, off = pack_layout(plan)
+    reg = plan.region
+    need = n * int(rb.sum())
+    if need > reg.nbytes or reg.offset + reg.nbytes > pack_buffer.numel():
+        raise ValueError(
+            f"room {plan.room}: {n} tokens x {int(rb.sum())} bytes = {need} bytes in region "
+            f"{reg.index} (offset {reg.offset}, {reg.nbytes} bytes) of a {pack_buffer.numel()}-"
+            "byte pack buffer: does not fit"
+        )
+    rows = []
+    for e, b in zip(plan.pack_entries, rb.tolist()):
+        if not 0 <= e < len(entries):
+            raise ValueError(f"pack entry {e} outside the {len(entries)} KV entries given")
+        t = entries[e]
+        if t.device != pack_buffer.device:
+            raise ValueError(f"entry {e} on {t.device} but pack_buffer on {pack_buffer.device}")
+        rows.append(entry_rows(t, b))
+    if n:
+        hi = int(plan.pack_src_slots.max())
+        lo = int(plan.pack_src_slots.min())
+        short = min(r.shape[0] for r in rows)
+        if lo < 0 or hi >= short:
+            raise ValueError(
+                f"room {plan.room}: source slots span [{lo}, {hi}] but an entry holds only "
+                f"{short} token slots"
+            )
+    return n, rb, off, rows
+
+
+def _widest(row_bytes: int, *addrs: int) -> tuple[int, torch.dtype]:
+    for w, dt in _WIDE:
+        if row_bytes % w == 0 and all(a % w == 0 for a in addrs):
+            return w, dt
+    return 1, torch.uint8
+
+
+class TorchPacker:
+    """Gather with ``torch.index_select`` into preallocated region views (CPU default).
+
+    Satisfies :class:`pdplug.protocols.Packer`. One call per pack entry; rows are read as
+    int64/int32/int16 words when the row size and both addresses allow (bit-exact: integer
+    views never convert).
+    """
+
+    kind = "torch"
+
+    def pack(
+        self, plan: TransferPlan, entries: Sequence[torch.Tensor], pack_buffer: torch.Tensor
+    ) -> None:
+        """Gather ``plan.pack_src_slots`` rows of every ``plan.pack_entries`` entry into the
+        region (layer-major). A plan that is not packed, or has no tokens, is a no-op.
+
+        :param entries: one contiguous tensor per source KV entry (layout order).
+        :param pack_buffer: uint8 ``[nbytes]`` on the entries' device.
+        :raises ValueError: see :func:`check_pack`.
+        """
+        if not plan.packed:
+            return
+        n, rb, off, rows = check_pack(plan, entries, pack_buffer)
+        if n == 0:
+            return
+        idx = torch.from_numpy(np.ascontiguousarray(plan.pack_src_slots, dtype=np.int64))
+        if pack_buffer.device.type != "cpu":
+            idx = idx.to(pack_buffer.device, non_blocking=True)
+        pb = pack_buffer.data_ptr()
+        for src, b, o in zip(rows, rb.tolist(), off.tolist()):
+            w, dt = _widest(b, src.data_ptr(), pb + o)
+            out = pack_buffer[o : o + n * b]
+            if w > 1:
+                src = src.view(dt)
+                out = out.view(dt)
+            torch.index_select(src, 0, idx, out=out.view(n, b // w))
+
+
+def make_packer(device: str = "cpu", kind: str = "auto") -> Packer:
+    """Packer for ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"`` …).
+
+    ``kind="auto"``: Triton on CUDA when triton imports (else torch, logged), torch on CPU.
+    ``kind="triton"`` on CPU needs ``TRITON_INTERPRET=1`` (checked at ``pack`` time).
+
+    :raises ValueError: unknown ``kind``.
+    :raises RuntimeError: ``kind="triton"`` and triton is not importable.
+    """
+    if kind not in ("auto", "torch", "triton"):
+        raise ValueError(f"packer kind must be 'auto', 'torch' or 'triton', got {kind!r}")
+    dev = torch.device(device)
+    if kind == "torch" or (kind == "auto" and dev.type != "cuda"):
+        return TorchPacker()
+    try:
+        from pdplug_dcp.triton_pack import TritonPacker
+    except ImportError as e:
+        if kind == "triton":
+            raise RuntimeError(f"packer kind 'triton' requested but triton is unusable: {e}") from e
+        log.warning("triton not importable (%s); using the torch packer on %s", e, device)
+        return TorchPacker()
+    return TritonPacker()
