@@ -1,0 +1,78 @@
+"""``pdplug bench e2e``: the reference host over a trace, variants side by side in one run.
+
+Runs the same requests with ``pp0`` vs ``ring`` consensus and ``nixl`` vs ``mooncake`` KV
+senders (the other choices at their defaults) and prints throughput and TTFT per variant, with
+ratios against the default configuration.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from pdplug.host.cli import demo_options
+
+
+@click.command()
+@demo_options
+@click.option("--requests", default=64, show_default=True, help="Requests from the trace.")
+@click.option("--variants", default="pp0+nixl,ring+nixl,pp0+mooncake", show_default=True,
+              help="Comma list of CONSENSUS+KV_SENDER pairs.")  # fmt: skip
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
+    """Throughput and TTFT of the reference host per consensus / KV sender variant."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdplug.bench.machine import machine_line
+    from pdplug.host.cli import _options
+    from pdplug.host.driver import run_demo
+
+    rows = []
+    for v in variants.split(","):
+        cons, _, kv = v.strip().partition("+")
+        args = dict(kw, consensus=cons or None, kv_sender=kv or None)
+        opts = _options(args, requests)
+        click.echo(f"running {v} ...", err=True)
+        rep = run_demo(opts)
+        rows.append(
+            {
+                "variant": v,
+                "consensus": rep["plugins"].get("consensus", {}).get("name"),
+                "kv_sender": rep["plugins"].get("kv_sender", {}).get("name"),
+                "requests": rep["requests"],
+                "parity_ok": rep["parity_ok"],
+                "requests_per_s": rep["throughput"]["requests_per_s"],
+                "output_tokens_per_s": rep["throughput"]["output_tokens_per_s"],
+                "ttft_p50_ms": rep["ttft_ms"]["p50"],
+                "ttft_p99_ms": rep["ttft_ms"]["p99"],
+                "consensus_p50_ms": rep["breakdown_ms"]["consensus"]["p50"],
+                "transfer_p50_ms": rep["breakdown_ms"]["transfer"]["p50"],
+                "serve_s": rep["serve_s"],
+            }
+        )
+    base = rows[0]
+    t = Table(title=f"pdplug bench e2e ({requests} requests, PP {kw['prefill_pp']}, "
+                    f"DCP {kw['decode_dcp']})")  # fmt: skip
+    for col in ("variant", "parity", "req/s", "tok/s", "TTFT p50", "TTFT p99", "consensus p50",
+                "transfer p50", "TTFT p50 vs first"):  # fmt: skip
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r["variant"],
+            f"{r['parity_ok']}/{r['requests']}",
+            f"{r['requests_per_s']:.2f}",
+            f"{r['output_tokens_per_s']:.1f}",
+            f"{r['ttft_p50_ms']:.1f} ms",
+            f"{r['ttft_p99_ms']:.1f} ms",
+            f"{r['consensus_p50_ms']:.1f} ms",
+            f"{r['transfer_p50_ms']:.1f} ms",
+            f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x",
+        )
+    Console().print(t)
+    click.echo(machine_line())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"rows": rows, "requests": requests, **kw}, f, indent=2)

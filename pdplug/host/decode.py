@@ -1,0 +1,272 @@
+"""A decode DCP rank of the reference host (one process per rank).
+
+Every rank holds the full weights and its share of each request's tokens (token i on rank
+``i % dcp`` at local offset ``i // dcp``). Loop:
+
+1. new requests from the driver: allocate the local share's pages (prompt + output) and lease
+   the room with the KV receiver, which sends the destination pages to every prefill rank;
+2. a room whose KV arrived (``Success``) and whose first token is known is voted ``good`` on the
+   ``transfer`` stream (``Failed`` → ``bad``); decisions are applied in order, exactly once;
+3. DCP rank 0 broadcasts how many transfer decisions it has applied; every rank runs the same
+   batch — the requests admitted by those decisions — through one decode step (partial
+   attention over the local share, all-gathered and merged by log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from pdplug import ConsensusConfig, KVConfig, KVLayout, KVPoll, PluginManager, pages_from_bytes
+from pdplug.bootstrap import resolve
+from pdplug.host.messages import (
+    Finished,
+    FirstToken,
+    NewRequest,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    Timing,
+    WorkerStats,
+)
+from pdplug.host.model import (
+    PagedKVCache,
+    build_model,
+    dcp_local_len,
+    decode_step_dcp,
+    greedy,
+    pages_needed,
+)
+from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo
+
+__all__ = ["decode_main"]
+
+
+class _Req:
+    __slots__ = ("first", "out", "output_len", "pages", "prompt_len", "rid", "t", "voted")
+
+    def __init__(self, msg: NewRequest, pages: torch.Tensor) -> None:
+        self.rid = msg.rid
+        self.prompt_len = len(pages_from_bytes(msg.tokens))
+        self.output_len = msg.output_len
+        self.pages = pages
+        self.first: int | None = None
+        self.out: list[int] = []
+        self.t: dict[str, float] = {}
+        self.voted = False
+
+
+class DecodeRank:
+    """State and steps of one decode DCP rank (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.link = DriverLink(spec)
+        self.rank, self.size = spec.rank, spec.size
+        self.group = init_gloo(spec.rank, spec.size, spec.gloo_port, spec.timeout_s)
+        cfg = spec.model
+        self.model = build_model(cfg)
+        self.cache = PagedKVCache(cfg, spec.num_pages, spec.page_size)
+        self.layout = KVLayout(
+            page_size=spec.page_size,
+            entry_bytes_per_token=tuple(self.cache.entry_bytes_per_token()),
+            dtype=cfg.dtype,
+            dcp_size=spec.size,
+            dcp_rank=spec.rank,
+            first_layer=0,
+            num_layers=cfg.num_layers,
+        )
+        pm = PluginManager()
+        names = spec.names
+        self.served_by = {p: pm.describe(p, names.get(p)) for p in names}
+        kv_cfg = KVConfig(
+            instance=spec.decode_instance,
+            role="decode",
+            layout=self.layout,
+            bootstrap_endpoint=spec.bootstrap,
+            bootstrap_timeout_s=spec.timeout_s,
+            waiting_timeout_s=spec.timeout_s,
+            transfer_timeout_s=spec.timeout_s,
+            wire=spec.wire,
+        )
+        self.receiver = pm.make_kv_receiver(kv_cfg, name=names.get("kv_sender"))
+        self.receiver.register_kv(self.cache.entry_tensors())
+        peers = resolve(spec.bootstrap, spec.prefill_instance, timeout_s=spec.timeout_s * 2)
+        self.receiver.connect(list(peers))
+        self.consensus = pm.make_consensus(
+            ConsensusConfig(
+                pp_rank=spec.rank,
+                pp_size=spec.size,
+                endpoints=spec.consensus_endpoints,
+                peer_timeout_s=spec.timeout_s,
+                vote_deadline_s=spec.timeout_s * 2,
+                wire=spec.wire,
+            ),
+            name=names.get("consensus"),
+        )
+        self.reqs: dict[int, _Req] = {}
+        self.admitted: list[int] = []  # transfer-stream good ids, in decision order
+        self.done: set[int] = set()
+        self.stopping = False
+        self.steps = 0
+
+    def poll_control(self) -> None:
+        """Driver messages, transfer votes and decisions (non-blocking)."""
+        for msg in self.link.recv_all():
+            if isinstance(msg, NewRequest):
+                self._lease(msg)
+            elif isinstance(msg, FirstToken):
+                if msg.rid in self.reqs:
+                    self.reqs[msg.rid].first = msg.token
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+        for req in list(self.reqs.values()):
+            if req.voted:
+                continue
+            st = self.receiver.poll(req.rid)
+            if st == KVPoll.Failed:
+                req.voted = True
+                self.consensus.offer("transfer", bad=[req.rid])
+            elif st == KVPoll.Success and req.first is not None:
+                req.voted = True
+                req.t["t_success"] = time.time()
+                self.consensus.offer("transfer", good=[req.rid])
+        for d in self.consensus.poll():
+            if d.stream != "transfer":
+                continue
+            for rid in d.good:
+                if rid in self.reqs:
+                    self.admitted.append(rid)
+                    self.reqs[rid].t["t_decided"] = time.time()
+            for rid in d.bad:
+                req = self.reqs.pop(rid, None)
+                if req is not None:
+                    reason = self.receiver.failure_reason(rid) or "transfer failed"
+                    self._release(req)
+                    self.link.send(
+                        RequestFailed(role="decode", rank=self.rank, rid=rid, reason=reason)
+                    )
+
+    def _lease(self, msg: NewRequest) -> None:
+        n = len(pages_from_bytes(msg.tokens))
+        local_total = dcp_local_len(n + msg.output_len, self.rank, self.size)
+        pages = self.cache.alloc(pages_needed(local_total, self.spec.page_size))
+        req = _Req(msg, pages)
+        self.reqs[msg.rid] = req
+        prompt_pages = pages_needed(dcp_local_len(n, self.rank, self.size), self.spec.page_size)
+        self.receiver.expect(msg.rid, pages[:prompt_pages].numpy(), num_tokens=n)
+
+    def _release(self, req: _Req) -> None:
+        self.cache.free(req.pages)
+        self.receiver.clear(req.rid)
+
+    def _sync(self) -> tuple[int, bool]:
+        """DCP rank 0's count of applied transfer decisions (and stop flag), on every rank."""
+        n = len(self.admitted)
+        stop = self.stopping and not self.reqs
+        if self.size == 1:
+            return n, stop
+        import torch.distributed as dist
+
+        t = torch.tensor([n, int(stop)], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        want, stop_flag = int(t[0]), bool(t[1])
+        deadline = time.monotonic() + self.spec.timeout_s
+        while len(self.admitted) < want:
+            self.poll_control()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"decode rank {self.rank}: DCP rank 0 applied {want} transfer decisions, "
+                    f"this rank {len(self.admitted)} after {self.spec.timeout_s} s"
+                )
+            time.sleep(0.0005)
+        return want, stop_flag
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [t]
+        import torch.distributed as dist
+
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t)
+        return out
+
+    def step(self) -> bool:
+        """One loop iteration (at most one decode step). Returns False once stopped."""
+        self.poll_control()
+        n, stop = self._sync()
+        if stop:
+            return False
+        batch = [self.reqs[r] for r in self.admitted[:n] if r not in self.done]
+        for req in batch:
+            if not req.out:  # the first token came from prefill
+                assert req.first is not None
+                req.out.append(req.first)
+        live = [r for r in batch if len(r.out) < r.output_len]
+        if live:
+            ids = torch.tensor([r.out[-1] for r in live], dtype=torch.int64)
+            positions = [r.prompt_len + len(r.out) - 1 for r in live]
+            logits = decode_step_dcp(
+                self.model,
+                self.cache,
+                ids,
+                [r.pages for r in live],
+                positions,
+                self.rank,
+                self.size,
+                self._gather,
+            )
+            for r, tok in zip(live, greedy(logits).tolist()):
+                r.out.append(int(tok))
+            self.steps += 1
+        else:
+            time.sleep(0.001)
+        for req in batch:
+            if len(req.out) >= req.output_len:
+                self.done.add(req.rid)
+                del self.reqs[req.rid]
+                self._release(req)
+                self.link.send(Timing(role="decode", rank=self.rank, rid=req.rid, fields=req.t))
+                if self.rank == 0:
+                    self.link.send(Finished(rid=req.rid, tokens=tuple(req.out)))
+        return True
+
+    def run(self) -> None:
+        """Serve until the driver says stop and every request finished."""
+        self.link.send(Ready(role="decode", rank=self.rank, served_by=self.served_by))
+        while self.step():
+            pass
+        stats: dict[str, Any] = {"decode_steps": self.steps}
+        stats.update({f"receiver_{k}": v for k, v in self.receiver.stats().items()})
+        stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
+        self.link.send(WorkerStats(role="decode", rank=self.rank, stats=stats))
+
+    def close(self) -> None:
+        """Release sockets and registered memory."""
+        for obj in (self.consensus, self.receiver):
+            try:
+                obj.close()
+            except Exception:
+                pass
+        self.link.close()
+
+
+def decode_main(spec_bytes: bytes) -> None:
+    """Process entry point (``multiprocessing`` spawn target)."""
+    import msgspec
+
+    torch.set_num_threads(1)
+    spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
+    rank: DecodeRank | None = None
+    try:
+        rank = DecodeRank(spec)
+        rank.run()
+    except BaseException as e:
+        link = rank.link if rank else DriverLink(spec)
+        link.fatal(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if rank is not None:
+            rank.close()

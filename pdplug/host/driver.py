@@ -1,0 +1,389 @@
+"""The reference host's driver: spawns PP prefill and DCP decode workers, replays a trace,
+checks every request's tokens against a single-process reference run, and reports TTFT.
+
+TTFT of a request = arrival at the driver → its transfer decision applied on decode DCP rank 0
+(the first token is then ready to stream). The breakdown (milliseconds):
+
+* ``queue``: arrival → every prefill rank locally ready (decode's destination received), plus
+  bootstrap decision → first chunk scheduled on PP0;
+* ``consensus``: last prefill rank ready → bootstrap decision applied on PP0, plus last decode
+  rank's KV complete → transfer decision applied on decode rank 0;
+* ``prefill``: forward compute of the request's chunks, summed over PP ranks;
+* ``pack``: time inside the KV sender's ``send`` (plan + pack + post), max over PP ranks;
+* ``transfer``: last prefill rank's final ``send`` → KV complete on the last decode rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from pdplug.bootstrap import RendezvousServer
+from pdplug.config import WireConfig
+from pdplug.host.messages import (
+    Fatal,
+    Finished,
+    FirstToken,
+    NewRequest,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    Timing,
+    WorkerStats,
+    to_driver_codec,
+    to_worker_codec,
+)
+from pdplug.host.model import ModelConfig
+from pdplug.host.trace import TraceRequest, block_hash_chain, load_trace, prompt_tokens
+from pdplug.host.worker import WorkerSpec, free_ports
+from pdplug.types import pages_to_bytes
+
+__all__ = ["DemoOptions", "DemoError", "run_demo"]
+
+
+class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Options of ``pdplug demo`` / ``pdplug bench e2e`` (see ``pdplug demo --help``)."""
+
+    prefill_pp: int = 2
+    decode_dcp: int = 2
+    requests: int = 32
+    trace: str | None = None
+    scale: int = 32
+    max_output: int = 16
+    time_scale: float = 0.0  # 0 = --no-arrivals
+    consensus: str | None = None
+    kv_sender: str | None = None
+    pack_planner: str | None = None
+    scheduler: str | None = None
+    page_size: int = 16
+    chunk_size: int = 128
+    pack_region_tokens: int = 256
+    num_pages: int = 4096
+    timeout_s: float = 30.0
+    run_timeout_s: float = 600.0
+    reference: bool = True
+    profile: bool = True
+
+
+class DemoError(RuntimeError):
+    """The run could not complete (a worker died or reported a fatal error, or a timeout)."""
+
+
+def _names(opts: DemoOptions) -> dict[str, str]:
+    from pdplug.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    return {
+        "consensus": pm.selected("consensus", opts.consensus),
+        "kv_sender": pm.selected("kv_sender", opts.kv_sender),
+        "pack_planner": pm.selected("pack_planner", opts.pack_planner),
+        "scheduler": pm.selected("scheduler", opts.scheduler),
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+class _Run:
+    """One demo run: sockets, processes, bookkeeping."""
+
+    def __init__(self, opts: DemoOptions, requests: list[TraceRequest]) -> None:
+        self.opts = opts
+        self.requests = requests
+        self.wire = WireConfig()
+        self.ctx = zmq.Context.instance()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
+        self.to_driver = f"tcp://127.0.0.1:{port}"
+        self.rx = to_driver_codec(self.wire)
+        self.tx = to_worker_codec(self.wire)
+        self.server = RendezvousServer(wire=self.wire).start()
+        self.procs: dict[tuple[str, int], mp.process.BaseProcess] = {}
+        self.outs: dict[tuple[str, int], zmq.Socket] = {}
+        self.ready: dict[tuple[str, int], Ready] = {}
+        self.finished: dict[int, list[int]] = {}
+        self.failed: dict[int, str] = {}
+        self.timings: dict[int, list[Timing]] = {}
+        self.stats: dict[tuple[str, int], dict[str, Any]] = {}
+        self.sent_at: dict[int, float] = {}
+
+    def spawn(self) -> None:
+        o = self.opts
+        names = _names(o)
+        model = ModelConfig()
+        block_tokens = self.requests[0].block_tokens if self.requests else 16
+        ports = free_ports(o.prefill_pp + o.decode_dcp + 2)
+        p_eps = tuple(f"tcp://127.0.0.1:{p}" for p in ports[: o.prefill_pp])
+        d_eps = tuple(f"tcp://127.0.0.1:{p}" for p in ports[o.prefill_pp : -2])
+        ctx = mp.get_context("spawn")
+        from pdplug.host.decode import decode_main
+        from pdplug.host.prefill import prefill_main
+
+        for role, size, eps, gport, target in (
+            ("prefill", o.prefill_pp, p_eps, ports[-2], prefill_main),
+            ("decode", o.decode_dcp, d_eps, ports[-1], decode_main),
+        ):
+            for rank in range(size):
+                out = self.ctx.socket(zmq.PUSH)
+                out.setsockopt(zmq.LINGER, 0)
+                wport = out.bind_to_random_port("tcp://127.0.0.1")
+                spec = WorkerSpec(
+                    role=role,
+                    rank=rank,
+                    size=size,
+                    model=model,
+                    page_size=o.page_size,
+                    num_pages=o.num_pages,
+                    block_tokens=block_tokens,
+                    names=names,
+                    consensus_endpoints=eps,
+                    gloo_port=gport,
+                    to_worker=f"tcp://127.0.0.1:{wport}",
+                    to_driver=self.to_driver,
+                    bootstrap=self.server.endpoint,
+                    chunk_size=o.chunk_size,
+                    pack_region_tokens=o.pack_region_tokens,
+                    timeout_s=o.timeout_s,
+                    profile=o.profile,
+                    wire=self.wire,
+                )
+                p = ctx.Process(
+                    target=target,
+                    args=(msgspec.msgpack.encode(spec),),
+                    name=f"pdplug-{role}-{rank}",
+                    daemon=True,
+                )
+                p.start()
+                self.procs[(role, rank)] = p
+                self.outs[(role, rank)] = out
+
+    def send(self, key: tuple[str, int], msg: Any) -> None:
+        self.outs[key].send(self.tx.encode(msg))
+
+    def broadcast(self, msg: Any, role: str | None = None) -> None:
+        for key in self.outs:
+            if role is None or key[0] == role:
+                self.send(key, msg)
+
+    def in_flight(self) -> list[int]:
+        return sorted(set(self.sent_at) - set(self.finished) - set(self.failed))
+
+    def check_alive(self) -> None:
+        for (role, rank), p in self.procs.items():
+            if p.exitcode is not None and not (self.stopping and p.exitcode == 0):
+                raise DemoError(
+                    f"{role} rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
+                    f"rooms failed (in flight): {self.in_flight()}"
+                )
+
+    stopping = False
+
+    def pump(self, timeout_ms: int = 5) -> None:
+        """Receive and dispatch worker messages for up to ``timeout_ms``."""
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.rx.decode(frame)
+            if isinstance(msg, Ready):
+                self.ready[(msg.role, msg.rank)] = msg
+            elif isinstance(msg, FirstToken):
+                self.broadcast(msg, role="decode")
+            elif isinstance(msg, Finished):
+                self.finished[msg.rid] = list(msg.tokens)
+            elif isinstance(msg, Timing):
+                self.timings.setdefault(msg.rid, []).append(msg)
+            elif isinstance(msg, RequestFailed):
+                self.failed.setdefault(msg.rid, f"{msg.role} rank {msg.rank}: {msg.reason}")
+            elif isinstance(msg, WorkerStats):
+                self.stats[(msg.role, msg.rank)] = msg.stats
+            elif isinstance(msg, Fatal):
+                raise DemoError(
+                    f"{msg.role} rank {msg.rank} failed: {msg.message}; rooms failed "
+                    f"(in flight): {self.in_flight()}"
+                )
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        for s in self.outs.values():
+            s.close(linger=0)
+        self.inbox.close(linger=0)
+        self.server.stop()
+
+
+def run_demo(
+    opts: DemoOptions,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the reference host once; returns the report (see ``pdplug demo --json``).
+
+    :param progress: called as ``progress(phase, done, total)``.
+    :raises DemoError: a worker died, reported a fatal error, or the run timed out; the message
+        names the role, rank and the rooms that were in flight.
+    """
+    path = Path(opts.trace) if opts.trace else None
+    requests = load_trace(path, limit=opts.requests, scale=opts.scale, max_output=opts.max_output)
+    run = _Run(opts, requests)
+    t_start = time.time()
+    report: dict[str, Any] = {}
+    try:
+        run.spawn()
+        reference: dict[int, list[int]] | None = None
+        if opts.reference:
+            from pdplug.host.reference import reference_run
+
+            reference = reference_run(requests, page_size=opts.page_size)
+        deadline = time.monotonic() + max(120.0, opts.timeout_s * 4)
+        while len(run.ready) < len(run.procs):
+            run.pump(20)
+            run.check_alive()
+            if progress:
+                progress("start", len(run.ready), len(run.procs))
+            if time.monotonic() > deadline:
+                missing = sorted(set(run.procs) - set(run.ready))
+                raise DemoError(f"workers not ready after start-up timeout: {missing}")
+        t0 = time.time()
+        order = sorted(requests, key=lambda r: r.arrival_ms)
+        base_ms = order[0].arrival_ms if order else 0.0
+        i = 0
+        deadline = time.monotonic() + opts.run_timeout_s
+        total = len(requests)
+        while len(run.finished) + len(run.failed) < total:
+            now = time.time()
+            while i < total and (
+                opts.time_scale <= 0
+                or (order[i].arrival_ms - base_ms) * opts.time_scale / 1000.0 <= now - t0
+            ):
+                r = order[i]
+                msg = NewRequest(
+                    rid=r.rid,
+                    tokens=pages_to_bytes(prompt_tokens(r)),
+                    output_len=r.output_len,
+                    chain=tuple(block_hash_chain(r)),
+                    arrival=time.time(),
+                )
+                run.sent_at[r.rid] = msg.arrival
+                run.broadcast(msg)
+                i += 1
+            run.pump(5)
+            run.check_alive()
+            if progress:
+                progress("run", len(run.finished) + len(run.failed), total)
+            if time.monotonic() > deadline:
+                raise DemoError(
+                    f"run timed out after {opts.run_timeout_s} s; rooms in flight: "
+                    f"{run.in_flight()}"
+                )
+        t_end = time.time()
+        run.stopping = True
+        run.broadcast(Shutdown())
+        deadline = time.monotonic() + opts.timeout_s
+        while len(run.stats) < len(run.procs) and time.monotonic() < deadline:
+            run.pump(20)
+        report = _report(opts, requests, run, reference, t_end - t0, t_end - t_start)
+    finally:
+        run.close()
+    return report
+
+
+def _report(
+    opts: DemoOptions,
+    requests: list[TraceRequest],
+    run: _Run,
+    reference: dict[int, list[int]] | None,
+    serve_s: float,
+    wall_s: float,
+) -> dict[str, Any]:
+    mismatches: list[dict[str, Any]] = []
+    ok = 0
+    for r in requests:
+        got = run.finished.get(r.rid)
+        if got is None:
+            mismatches.append({"rid": r.rid, "error": run.failed.get(r.rid, "not finished")})
+            continue
+        if reference is None:
+            continue
+        want = reference[r.rid]
+        if got == want:
+            ok += 1
+            continue
+        pos = next(
+            (i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want))
+        )
+        mismatches.append(
+            {
+                "rid": r.rid,
+                "position": pos,
+                "got": got[pos] if pos < len(got) else None,
+                "want": want[pos] if pos < len(want) else None,
+            }
+        )
+    ttft, parts = [], {k: [] for k in ("queue", "consensus", "prefill", "pack", "transfer")}
+    for r in requests:
+        ts = run.timings.get(r.rid, [])
+        pre = [t.fields for t in ts if t.role == "prefill"]
+        dec = [t.fields for t in ts if t.role == "decode"]
+        arrival = run.sent_at.get(r.rid)
+        d0 = next((t.fields for t in ts if t.role == "decode" and t.rank == 0), None)
+        if not pre or not dec or arrival is None or d0 is None or "t_decided" not in d0:
+            continue
+        ttft.append((d0["t_decided"] - arrival) * 1e3)
+        ready = max(f.get("t_ready", arrival) for f in pre)
+        p0 = next(t.fields for t in ts if t.role == "prefill" and t.rank == 0)
+        admit = p0.get("t_admit", ready)
+        first_chunk = p0.get("t_first_chunk", admit)
+        success = max(f.get("t_success", d0["t_decided"]) for f in dec)
+        last_send = max(f.get("t_last_send", admit) for f in pre)
+        parts["queue"].append(((ready - arrival) + max(0.0, first_chunk - admit)) * 1e3)
+        parts["consensus"].append(
+            (max(0.0, admit - ready) + max(0.0, d0["t_decided"] - success)) * 1e3
+        )
+        parts["prefill"].append(sum(f.get("compute_s", 0.0) for f in pre) * 1e3)
+        parts["pack"].append(max(f.get("pack_s", 0.0) for f in pre) * 1e3)
+        parts["transfer"].append(max(0.0, success - last_send) * 1e3)
+    prefill_stats = [s for (role, _), s in run.stats.items() if role == "prefill"]
+    bytes_tx = sum(int(s.get("sender_bytes", 0)) for s in prefill_stats)
+    tokens_tx = sum(int(s.get("sender_tokens", 0)) for s in prefill_stats)
+    segments = sum(int(s.get("segments", 0)) for s in prefill_stats)
+    hit_tokens = max((int(s.get("hit_tokens", 0)) for s in prefill_stats), default=0)
+    served = next(iter(run.ready.values())).served_by if run.ready else {}
+    out_tokens = sum(len(v) for v in run.finished.values())
+    return {
+        "requests": len(requests),
+        "finished": len(run.finished),
+        "failed": len(run.failed),
+        "parity_ok": ok,
+        "mismatches": mismatches,
+        "plugins": served,
+        "ttft_ms": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
+        "breakdown_ms": {k: {"p50": _pct(v, 50), "p99": _pct(v, 99)} for k, v in parts.items()},
+        "prefix_hit_tokens": hit_tokens,
+        "tokens_transferred": tokens_tx,
+        "bytes_transferred": bytes_tx,
+        "segments": segments,
+        "serve_s": serve_s,
+        "wall_s": wall_s,
+        "throughput": {
+            "requests_per_s": len(run.finished) / serve_s if serve_s > 0 else 0.0,
+            "output_tokens_per_s": out_tokens / serve_s if serve_s > 0 else 0.0,
+        },
+        "config": msgspec.to_builtins(opts),
+        "worker_stats": {f"{k[0]}{k[1]}": v for k, v in run.stats.items()},
+    }

@@ -1,0 +1,461 @@
+"""A prefill PP rank of the reference host (one process per rank).
+
+Loop (one iteration = one forward chunk at most):
+
+1. take new requests from the driver; poll each room's KV sender: ``WaitingForInput`` (every
+   decode rank sent its destination) → vote ``good`` on the ``bootstrap`` stream, ``Failed`` →
+   ``bad``;
+2. apply consensus decisions in order, exactly once: ``bootstrap`` good → the run queue,
+   ``release`` → free the request's pages (prefix-cache references dropped);
+3. PP0 picks the next chunk (dynamic chunk size from the scheduler) and hands
+   ``(rid, start, end, hit)`` plus hidden states to PP1 over gloo; rank k>0 waits for that
+   hand-off while still polling consensus and transfers;
+4. after computing its layers for a chunk, every rank sends the chunk's KV of *its* layers:
+   the send ``[sent, end)`` (end floored to a page unless it is the last chunk) is split by the
+   scheduler at ``min(grid, pack capacity)`` and each segment goes to the KV sender, which plans,
+   packs and writes it to every decode DCP rank;
+5. once its sender reports ``Success`` (or ``Failed``) a rank votes on the ``release`` stream.
+
+The prefix cache is matched when PP0 schedules a request's first chunk, and every other rank
+matches when it processes that same chunk, so all ranks see the same cache contents.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdplug import (
+    ConsensusConfig,
+    KVConfig,
+    KVLayout,
+    KVPoll,
+    PlannerConfig,
+    PluginManager,
+    SchedulerConfig,
+    pages_from_bytes,
+)
+from pdplug.bootstrap import register
+from pdplug.host.messages import (
+    FirstToken,
+    NewRequest,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    Timing,
+    WorkerStats,
+)
+from pdplug.host.model import (
+    PagedKVCache,
+    SeqSpan,
+    build_model,
+    embed,
+    final_logits,
+    greedy,
+    layer_split,
+    pages_needed,
+    run_layers,
+)
+from pdplug.host.prefix_cache import PrefixCache
+from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo
+
+__all__ = ["prefill_main"]
+
+SCHED_LEN = 5  # (rid, start, end, hit_tokens, flags)
+STOP = 1
+
+
+class _Req:
+    """Per-request state on one prefill rank."""
+
+    __slots__ = (
+        "arrival",
+        "chain",
+        "chunk_id",
+        "compute_s",
+        "computed",
+        "hit",
+        "last_sent",
+        "output_len",
+        "pack_s",
+        "pages",
+        "rid",
+        "sent",
+        "t",
+        "tokens",
+        "voted_boot",
+        "voted_release",
+    )  # fmt: skip
+
+    def __init__(self, msg: NewRequest) -> None:
+        self.rid = msg.rid
+        self.tokens = torch.from_numpy(pages_from_bytes(msg.tokens).copy())
+        self.chain = list(msg.chain)
+        self.output_len = msg.output_len
+        self.arrival = msg.arrival
+        self.pages: torch.Tensor | None = None
+        self.hit = 0
+        self.computed = 0
+        self.sent = 0
+        self.chunk_id = 0
+        self.last_sent = False
+        self.t: dict[str, float] = {}
+        self.compute_s = 0.0
+        self.pack_s = 0.0
+        self.voted_boot = False
+        self.voted_release = False
+
+
+class PrefillRank:
+    """State and steps of one prefill PP rank (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.link = DriverLink(spec)
+        self.rank, self.size = spec.rank, spec.size
+        self.group = init_gloo(spec.rank, spec.size, spec.gloo_port, spec.timeout_s)
+        cfg = spec.model
+        self.model = build_model(cfg)
+        self.lo, self.hi = layer_split(cfg.num_layers, spec.size)[spec.rank]
+        self.cache = PagedKVCache(cfg, spec.num_pages, spec.page_size, layers=(self.lo, self.hi))
+        self.pcache = PrefixCache(self.cache, spec.block_tokens, spec.page_size)
+        self.layout = KVLayout(
+            page_size=spec.page_size,
+            entry_bytes_per_token=tuple(self.cache.entry_bytes_per_token()),
+            dtype=cfg.dtype,
+            pp_size=spec.size,
+            pp_rank=spec.rank,
+            first_layer=self.lo,
+            num_layers=self.hi - self.lo,
+        )
+        pm = PluginManager()
+        names = spec.names
+        self.served_by = {p: pm.describe(p, names.get(p)) for p in names}
+        self.planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
+        kv_cfg = KVConfig(
+            instance=spec.prefill_instance,
+            role="prefill",
+            layout=self.layout,
+            bootstrap_endpoint=spec.bootstrap,
+            bootstrap_timeout_s=spec.timeout_s,
+            waiting_timeout_s=spec.timeout_s,
+            transfer_timeout_s=spec.timeout_s,
+            pack_region_tokens=spec.pack_region_tokens,
+            wire=spec.wire,
+        )
+        self.sender = pm.make_kv_sender(kv_cfg, self.planner, name=names.get("kv_sender"))
+        self.sender.register_kv(self.cache.entry_tensors())
+        register(spec.bootstrap, self.sender.peer_info(), timeout_s=spec.timeout_s)
+        self.consensus = pm.make_consensus(
+            ConsensusConfig(
+                pp_rank=spec.rank,
+                pp_size=spec.size,
+                endpoints=spec.consensus_endpoints,
+                peer_timeout_s=spec.timeout_s,
+                vote_deadline_s=spec.timeout_s * 2,
+                wire=spec.wire,
+            ),
+            name=names.get("consensus"),
+        )
+        self.scheduler = pm.make_scheduler(
+            SchedulerConfig(page_size=spec.page_size, chunk_size=spec.chunk_size),
+            name=names.get("scheduler"),
+        )
+        self.reqs: dict[int, _Req] = {}
+        self.waiting_boot: list[int] = []  # rooms not yet decided on the bootstrap stream
+        self.admitted: set[int] = set()
+        self.run_queue: deque[int] = deque()  # PP0: admitted, prompt not fully scheduled
+        self.inflight: list[int] = []  # last segment posted, waiting for Success/Failed
+        self.stopping = False
+        self.segments = 0
+        self.pending_work: list[Any] = []
+        if spec.rank == 0 and spec.profile:
+            self._profile_chunk_model()
+
+    # ------------------------------------------------------------------ set-up
+    def _profile_chunk_model(self) -> None:
+        """Fit the scheduler's latency model on this rank's layers (DESIGN.md §3)."""
+        base = self.spec.chunk_size
+        lengths = np.linspace(max(8, base // 8), int(base * 1.25), 12).astype(int)
+        samples: list[tuple[int, float]] = []
+        gen = torch.Generator().manual_seed(1)
+        for n in [int(lengths[0]), *map(int, lengths)]:  # first sample is warm-up (dropped)
+            ids = torch.randint(0, self.spec.model.vocab, (n,), generator=gen)
+            pages = self.cache.alloc(pages_needed(n, self.spec.page_size))
+            t0 = time.perf_counter()
+            run_layers(self.model, self.cache, embed(self.model, ids), [SeqSpan(pages, 0, n)])
+            samples.append((n, time.perf_counter() - t0))
+            self.cache.free(pages)
+        self.scheduler.fit_chunk_model(samples)
+
+    # ------------------------------------------------------------------ control plane
+    def poll_control(self) -> None:
+        """Driver messages, bootstrap/release votes and decisions (non-blocking)."""
+        for msg in self.link.recv_all():
+            if isinstance(msg, NewRequest):
+                self.reqs[msg.rid] = _Req(msg)
+                self.waiting_boot.append(msg.rid)
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+        still = []
+        for rid in self.waiting_boot:
+            req = self.reqs[rid]
+            st = self.sender.poll(rid)
+            if st == KVPoll.Failed:
+                self.consensus.offer("bootstrap", bad=[rid])
+            elif st >= KVPoll.WaitingForInput and not req.voted_boot:
+                req.t.setdefault("t_ready", time.time())
+                req.voted_boot = True
+                self.consensus.offer("bootstrap", good=[rid])
+            still.append(rid)
+        self.waiting_boot = still
+        for rid in self.inflight:
+            req = self.reqs[rid]
+            st = self.sender.poll(rid)
+            if req.voted_release:
+                continue
+            if st == KVPoll.Success:
+                req.t["t_sent"] = time.time()
+                req.voted_release = True
+                self.consensus.offer("release", good=[rid])
+            elif st == KVPoll.Failed:
+                req.voted_release = True
+                self.consensus.offer("release", bad=[rid])
+        for d in self.consensus.poll():
+            if d.stream == "bootstrap":
+                for rid in d.good:
+                    if rid in self.reqs and rid not in self.admitted:
+                        self.admitted.add(rid)
+                        self.reqs[rid].t["t_admit"] = time.time()
+                        if self.rank == 0:
+                            self.run_queue.append(rid)
+                for rid in d.bad:
+                    self._finish(rid, ok=False, reason=self.sender.failure_reason(rid) or "bad")
+                done = set(d.good) | set(d.bad)
+                self.waiting_boot = [r for r in self.waiting_boot if r not in done]
+            elif d.stream == "release":
+                for rid in d.good:
+                    self._finish(rid, ok=True)
+                for rid in d.bad:
+                    self._finish(rid, ok=False, reason=self.sender.failure_reason(rid) or "bad")
+
+    def _finish(self, rid: int, ok: bool, reason: str = "") -> None:
+        req = self.reqs.pop(rid, None)
+        if req is None:
+            return
+        if req.pages is not None:
+            self.pcache.release(req.chain, req.pages)
+        self.sender.clear(rid)
+        self.inflight = [r for r in self.inflight if r != rid]
+        self.admitted.discard(rid)
+        if rid in self.run_queue:
+            self.run_queue.remove(rid)
+        if not ok:
+            self.link.send(RequestFailed(role="prefill", rank=self.rank, rid=rid, reason=reason))
+        fields = dict(req.t)
+        fields.update(compute_s=req.compute_s, pack_s=req.pack_s)
+        self.link.send(Timing(role="prefill", rank=self.rank, rid=rid, fields=fields))
+
+    # ------------------------------------------------------------------ data plane
+    def _admit_pages(self, req: _Req, hit_expected: int | None) -> None:
+        """Match the prefix cache and allocate the rest of the prompt's pages."""
+        n = int(req.tokens.numel())
+        hit, hit_pages = self.pcache.match(req.chain, max_tokens=n - 1)
+        if hit_expected is not None and hit != hit_expected:
+            raise RuntimeError(
+                f"prefill rank {self.rank}: prefix-cache hit for request {req.rid} is {hit} "
+                f"tokens, PP0 found {hit_expected}; caches diverged"
+            )
+        extra = self.pcache.alloc(pages_needed(n, self.spec.page_size) - hit_pages.numel())
+        req.pages = torch.cat([hit_pages, extra])
+        req.hit = hit
+        req.computed = hit
+
+    def _compute(
+        self, req: _Req, start: int, end: int, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert req.pages is not None
+        t0 = time.perf_counter()
+        if hidden is None:
+            hidden = embed(self.model, req.tokens[start:end])
+        out = run_layers(self.model, self.cache, hidden, [SeqSpan(req.pages, start, end - start)])
+        req.compute_s += time.perf_counter() - t0
+        req.computed = end
+        self.pcache.insert(req.chain, req.pages)
+        return out
+
+    def _send_kv(self, req: _Req, end: int) -> None:
+        """Send the KV of ``[req.sent, end)`` (floored to a page unless the prompt is done)."""
+        n = int(req.tokens.numel())
+        ps = self.spec.page_size
+        last = end == n
+        stop = end if last else (end // ps) * ps
+        if stop <= req.sent and not last:
+            return
+        cap = self.sender.capacity_tokens(req.rid)
+        segs = self.scheduler.split_send(
+            token_start=req.sent,
+            token_end=stop,
+            decode_prefix_len=0,
+            is_last_send=last,
+            capacity_tokens=cap,
+            first_chunk_id=req.chunk_id,
+        )
+        assert req.pages is not None
+        t0 = time.perf_counter()
+        for seg in segs:
+            first, past = seg.token_start // ps, -(-seg.token_end // ps)
+            self.sender.send(req.rid, seg, req.pages[first:past].numpy())
+        req.pack_s += time.perf_counter() - t0
+        self.segments += len(segs)
+        req.chunk_id += len(segs)
+        req.sent = stop
+        if last:
+            req.t["t_last_send"] = time.time()
+            req.last_sent = True
+            self.inflight.append(req.rid)
+
+    def _after_chunk(self, req: _Req, end: int, hidden: torch.Tensor) -> None:
+        self._send_kv(req, end)
+        if self.rank == self.size - 1 and end == int(req.tokens.numel()):
+            with torch.no_grad():
+                tok = int(greedy(final_logits(self.model, hidden[-1:]))[0])
+            self.link.send(FirstToken(rid=req.rid, token=tok))
+
+    # ------------------------------------------------------------------ PP hand-off
+    def _isend(self, t: torch.Tensor, dst: int) -> None:
+        import torch.distributed as dist
+
+        self.pending_work.append((dist.isend(t, dst), t))
+
+    def _drain_sends(self) -> None:
+        for w, _ in self.pending_work:
+            w.wait()
+        self.pending_work.clear()
+
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for a gloo receive while the control plane keeps moving (bounded)."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        while not work.is_completed():
+            self.poll_control()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"prefill rank {self.rank}: no {what} from PP rank {self.rank - 1} within "
+                    f"{self.spec.timeout_s} s"
+                )
+            time.sleep(0.0005)
+
+    def step_leader(self) -> bool:
+        """PP0: schedule and run at most one chunk. Returns False once stopped."""
+        self.poll_control()
+        if self.stopping and not self.run_queue and not self.inflight and not self.waiting_boot:
+            if self.size > 1:
+                self._drain_sends()
+                self._isend(torch.tensor([0, 0, 0, 0, STOP], dtype=torch.int64), 1)
+                self._drain_sends()
+            return False
+        if not self.run_queue:
+            time.sleep(0.001)
+            return True
+        req = self.reqs[self.run_queue[0]]
+        if req.pages is None:
+            self._admit_pages(req, None)
+            req.t["t_first_chunk"] = time.time()
+        n = int(req.tokens.numel())
+        start = req.computed
+        size = max(1, min(self.scheduler.next_chunk_size(start), n - start))
+        end = start + size
+        if end == n:
+            self.run_queue.popleft()
+        hidden = self._compute(req, start, end, None)
+        if self.size > 1:
+            self._drain_sends()
+            sched = torch.tensor([req.rid, start, end, req.hit, 0], dtype=torch.int64)
+            self._isend(sched, 1)
+            self._isend(hidden.contiguous(), 1)
+        self._after_chunk(req, end, hidden)
+        return True
+
+    def step_follower(self) -> bool:
+        """PP rank k>0: receive one chunk from rank k-1, run it, pass it on."""
+        import torch.distributed as dist
+
+        sched = torch.empty(SCHED_LEN, dtype=torch.int64)
+        self._wait(dist.irecv(sched, self.rank - 1), "chunk schedule")
+        rid, start, end, hit, flags = (int(x) for x in sched.tolist())
+        if flags & STOP:
+            while self.inflight or self.waiting_boot:  # let in-flight transfers conclude
+                self.poll_control()
+                time.sleep(0.001)
+            if self.rank < self.size - 1:
+                self._isend(sched, self.rank + 1)
+                self._drain_sends()
+            return False
+        hidden = torch.empty(end - start, self.spec.model.hidden, dtype=self.model_dtype)
+        self._wait(dist.irecv(hidden, self.rank - 1), "hidden states")
+        deadline = time.monotonic() + self.spec.timeout_s
+        while rid not in self.admitted:  # PP0 decided it; this rank applies it before running
+            self.poll_control()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"prefill rank {self.rank}: request {rid} was scheduled by PP0 but its "
+                    f"bootstrap decision did not arrive within {self.spec.timeout_s} s"
+                )
+            time.sleep(0.0005)
+        req = self.reqs[rid]
+        if req.pages is None:
+            self._admit_pages(req, hit)
+        out = self._compute(req, start, end, hidden)
+        if self.rank < self.size - 1:
+            self._drain_sends()
+            self._isend(sched, self.rank + 1)
+            self._isend(out.contiguous(), self.rank + 1)
+        self._after_chunk(req, end, out)
+        return True
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self.spec.model.torch_compute_dtype
+
+    def run(self) -> None:
+        """Serve until the driver says stop and every transfer concluded."""
+        self.link.send(Ready(role="prefill", rank=self.rank, served_by=self.served_by))
+        step = self.step_leader if self.rank == 0 else self.step_follower
+        while step():
+            pass
+        stats: dict[str, Any] = {"segments": self.segments, "hit_tokens": self.pcache.hit_tokens}
+        stats.update({f"sender_{k}": v for k, v in self.sender.stats().items()})
+        stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
+        self.link.send(WorkerStats(role="prefill", rank=self.rank, stats=stats))
+
+    def close(self) -> None:
+        """Release sockets and registered memory."""
+        for obj in (self.consensus, self.sender):
+            try:
+                obj.close()
+            except Exception:
+                pass
+        self.link.close()
+
+
+def prefill_main(spec_bytes: bytes) -> None:
+    """Process entry point (``multiprocessing`` spawn target)."""
+    import msgspec
+
+    torch.set_num_threads(1)
+    spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
+    rank: PrefillRank | None = None
+    try:
+        rank = PrefillRank(spec)
+        rank.run()
+    except BaseException as e:
+        link = rank.link if rank else DriverLink(spec)
+        link.fatal(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if rank is not None:
+            rank.close()

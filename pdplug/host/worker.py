@@ -1,0 +1,132 @@
+"""What every reference-host worker process shares: its spec, the driver link, gloo set-up."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from pdplug.config import WireConfig
+from pdplug.host.messages import Fatal, to_driver_codec, to_worker_codec
+from pdplug.host.model import ModelConfig
+
+__all__ = ["WorkerSpec", "DriverLink", "free_ports", "init_gloo"]
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a prefill or decode worker process needs (sent at spawn).
+
+    :ivar role: ``"prefill"`` or ``"decode"``; ``rank``/``size``: PP rank (prefill) or DCP rank
+        (decode) and the instance's size.
+    :ivar model: model config; ``page_size`` tokens per page; ``num_pages`` KV pages per rank.
+    :ivar block_tokens: tokens per trace hash block (prefix-cache granularity).
+    :ivar names: selected component names per extension point.
+    :ivar consensus_endpoints: one ``tcp://`` endpoint per rank of this instance.
+    :ivar gloo_port: rendezvous port of this instance's gloo group (unused when ``size == 1``).
+    :ivar to_worker/to_driver: the driver's PUSH endpoint for this worker and its PULL endpoint.
+    :ivar bootstrap: rendezvous endpoint; ``prefill_instance``: id of the prefill instance.
+    :ivar chunk_size: base chunked-prefill size (tokens); ``pack_region_tokens``: pack capacity.
+    :ivar timeout_s: bound on every wait (KV room timeouts, gloo, consensus peers).
+    """
+
+    role: str
+    rank: int
+    size: int
+    model: ModelConfig
+    page_size: int
+    num_pages: int
+    block_tokens: int
+    names: dict[str, str]
+    consensus_endpoints: tuple[str, ...]
+    gloo_port: int
+    to_worker: str
+    to_driver: str
+    bootstrap: str
+    prefill_instance: str = "prefill-0"
+    decode_instance: str = "decode-0"
+    chunk_size: int = 128
+    pack_region_tokens: int = 256
+    timeout_s: float = 30.0
+    profile: bool = True
+    wire: WireConfig = WireConfig()
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free TCP ports (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def init_gloo(rank: int, size: int, port: int, timeout_s: float) -> Any:
+    """Join this instance's gloo group (``None`` when ``size == 1``).
+
+    Collectives time out after ``timeout_s`` seconds, so a dead peer ends in an error.
+    """
+    if size == 1:
+        return None
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.group.WORLD
+
+
+class DriverLink:
+    """The worker's two sockets to the driver: PULL (requests in) and PUSH (results out)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.ctx = zmq.Context.instance()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(spec.to_worker)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 2000)
+        self.outbox.connect(spec.to_driver)
+        self.rx = to_worker_codec(spec.wire)
+        self.tx = to_driver_codec(spec.wire)
+
+    def recv_all(self) -> list[Any]:
+        """Every message waiting now (non-blocking); malformed frames are dropped and counted."""
+        out = []
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = self.rx.decode(frame)
+            if msg is not None:
+                out.append(msg)
+
+    def send(self, msg: Any) -> None:
+        """Push one message to the driver."""
+        self.outbox.send(self.tx.encode(msg))
+
+    def fatal(self, message: str) -> None:
+        """Report a fatal error to the driver (best effort) before the worker exits."""
+        try:
+            self.send(Fatal(role=self.spec.role, rank=self.spec.rank, message=message))
+            time.sleep(0.2)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        """Close both sockets."""
+        self.inbox.close(linger=0)
+        self.outbox.close(linger=1000)
