@@ -1,0 +1,323 @@
+"""The per-room KVPoll state machine every KV sender and receiver uses (DESIGN.md §3).
+
+One :class:`Rooms` table per rank. A *room* is a request's bootstrap room id; each time a room id
+is (re)used the table hands out a new **lease generation** (a process-wide, strictly increasing
+integer), and every event about the room carries the generation it was meant for, so a late
+completion from a recycled room can never touch the new request (SGLang's receiver lease
+generation, prior-art sglang.md §4; vLLM#50754 for the negative-twin rule).
+
+Rules (SGLang ``CommonKVManager.update_status``, prior-art sglang.md §1.3):
+
+* a room's status only moves up the :class:`~pdplug.types.KVPoll` lattice
+  (:func:`~pdplug.types.merge_poll`); ``Failed`` is absorbing;
+* an event for a room that is not leased (never leased, or already cleared) is ignored, so a
+  ``Failed`` for a cleared room cannot poison a recycled room id;
+* every non-terminal state has a deadline (``bootstrap_timeout_s``, ``waiting_timeout_s``,
+  ``transfer_timeout_s`` of :class:`~pdplug.config.KVConfig`); :meth:`Rooms.expire` fails rooms
+  past theirs with a reason naming the state and the config field. Progress in ``Transferring``
+  (:meth:`Rooms.touch`) re-arms the transfer deadline: the timeout bounds *silence*, not size;
+* ``Success`` is not published while any chunk of the room is pending on this rank
+  (:meth:`Rooms.add_pending` / :meth:`Rooms.done_pending`): it is held and published when the
+  last pending chunk completes.
+
+The table is thread-safe (one lock); a host thread polls while an engine thread advances.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from pdplug.types import KVPoll, merge_poll
+
+if TYPE_CHECKING:
+    from pdplug.config import KVConfig
+
+__all__ = ["Rooms", "RoomView", "next_generation"]
+
+_GEN = itertools.count(1)
+_GEN_LOCK = threading.Lock()
+
+
+def next_generation() -> int:
+    """A new lease generation: strictly increasing within the process, never 0."""
+    with _GEN_LOCK:
+        return next(_GEN)
+
+
+class RoomView(msgspec.Struct, frozen=True, kw_only=True):
+    """A read-only snapshot of one room.
+
+    :ivar room/generation/status: identity and current status.
+    :ivar reason: why it failed ("" otherwise).
+    :ivar pending: chunks still in flight on this rank.
+    :ivar success_held: Success was requested but waits for ``pending`` to reach 0.
+    :ivar deadline: monotonic time (s) at which the current state expires, 0 if none.
+    """
+
+    room: int
+    generation: int
+    status: KVPoll
+    reason: str = ""
+    pending: int = 0
+    success_held: bool = False
+    deadline: float = 0.0
+
+
+class _Room(msgspec.Struct, kw_only=True):
+    generation: int
+    status: KVPoll
+    reason: str = ""
+    pending: int = 0
+    success_held: bool = False
+    deadline: float = 0.0
+
+
+class Rooms:
+    """Thread-safe table of room leases with a monotonic status, deadlines and pending counts.
+
+    :param bootstrap_timeout_s: seconds a room may stay ``Bootstrapping`` (> 0).
+    :param waiting_timeout_s: seconds a room may stay ``WaitingForInput`` (> 0).
+    :param transfer_timeout_s: seconds a room may stay ``Transferring`` without progress (> 0).
+    :param clock: monotonic clock in seconds (tests inject a fake one).
+    :raises ValueError: a timeout that is not > 0 (named).
+    """
+
+    def __init__(
+        self,
+        *,
+        bootstrap_timeout_s: float = 30.0,
+        waiting_timeout_s: float = 60.0,
+        transfer_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, v in (
+            ("bootstrap_timeout_s", bootstrap_timeout_s),
+            ("waiting_timeout_s", waiting_timeout_s),
+            ("transfer_timeout_s", transfer_timeout_s),
+        ):
+            if not v > 0:
+                raise ValueError(f"Rooms: {name} must be > 0 seconds, got {v}")
+        self._timeouts = {
+            KVPoll.Bootstrapping: (float(bootstrap_timeout_s), "bootstrap_timeout_s"),
+            KVPoll.WaitingForInput: (float(waiting_timeout_s), "waiting_timeout_s"),
+            KVPoll.Transferring: (float(transfer_timeout_s), "transfer_timeout_s"),
+        }
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self.ignored = 0  # events for unknown rooms or other generations
+
+    @classmethod
+    def from_config(cls, config: KVConfig, clock: Callable[[], float] = time.monotonic) -> Rooms:
+        """A table with the three timeouts of a :class:`~pdplug.config.KVConfig`."""
+        return cls(
+            bootstrap_timeout_s=config.bootstrap_timeout_s,
+            waiting_timeout_s=config.waiting_timeout_s,
+            transfer_timeout_s=config.transfer_timeout_s,
+            clock=clock,
+        )
+
+    # ------------------------------------------------------------------ leases
+    def lease(self, room: int, status: KVPoll = KVPoll.Bootstrapping) -> int:
+        """Lease ``room`` (replacing any previous lease of the same id) and return its generation.
+
+        :param status: initial status; not ``Failed`` or ``Success``.
+        :raises ValueError: a terminal initial status.
+        """
+        if status in (KVPoll.Failed, KVPoll.Success):
+            raise ValueError(f"Rooms.lease: initial status must not be terminal, got {status.name}")
+        gen = next_generation()
+        with self._lock:
+            self._rooms[room] = _Room(
+                generation=gen, status=status, deadline=self._deadline(status)
+            )
+        return gen
+
+    def clear(self, room: int, generation: int | None = None) -> bool:
+        """Forget ``room``; later events for it are ignored. Returns whether it was leased."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or (generation is not None and generation != r.generation):
+                return False
+            del self._rooms[room]
+            return True
+
+    def __contains__(self, room: object) -> bool:
+        with self._lock:
+            return room in self._rooms
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    def rooms(self) -> list[int]:
+        """Leased room ids."""
+        with self._lock:
+            return list(self._rooms)
+
+    # ------------------------------------------------------------------ reads
+    def status(self, room: int) -> KVPoll:
+        """Current status.
+
+        :raises KeyError: ``room`` is not leased on this rank (never, or cleared).
+        """
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise KeyError(f"room {room} is not leased on this rank (never leased or cleared)")
+            return r.status
+
+    def generation(self, room: int) -> int | None:
+        """Generation of the current lease, ``None`` if not leased."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return None if r is None else r.generation
+
+    def reason(self, room: int) -> str | None:
+        """Failure reason, ``None`` if the room is not leased or has not failed."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return r.reason if r is not None and r.status == KVPoll.Failed else None
+
+    def view(self, room: int) -> RoomView | None:
+        """A snapshot of ``room`` or ``None``."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                return None
+            return RoomView(
+                room=room,
+                generation=r.generation,
+                status=r.status,
+                reason=r.reason,
+                pending=r.pending,
+                success_held=r.success_held,
+                deadline=r.deadline,
+            )
+
+    # ------------------------------------------------------------------ transitions
+    def advance(self, room: int, status: KVPoll, generation: int | None = None) -> KVPoll | None:
+        """Merge ``status`` into the room (monotonic; Failed absorbing).
+
+        A ``Success`` while chunks are pending is held and published by :meth:`done_pending`.
+        Use :meth:`fail` for ``Failed`` (it records a reason).
+
+        :param generation: the lease the event belongs to; ``None`` = the current one.
+        :returns: the status after the merge, or ``None`` when the event was ignored (room not
+            leased, or another generation).
+        """
+        if status == KVPoll.Failed:
+            return KVPoll.Failed if self.fail(room, "failed", generation) else None
+        with self._lock:
+            r = self._get(room, generation)
+            if r is None:
+                return None
+            if status == KVPoll.Success and r.pending > 0 and r.status != KVPoll.Failed:
+                r.success_held = True
+                return r.status
+            self._set(r, merge_poll(r.status, status))
+            return r.status
+
+    def fail(self, room: int, reason: str, generation: int | None = None) -> bool:
+        """Fail the room with ``reason``.
+
+        :returns: True if this call moved the room to ``Failed`` (False if it already was, or
+            the event was ignored: a cleared room or another generation).
+        """
+        with self._lock:
+            r = self._get(room, generation)
+            if r is None or r.status == KVPoll.Failed:
+                return False
+            r.status = KVPoll.Failed
+            r.reason = reason
+            r.deadline = 0.0
+            r.success_held = False
+            return True
+
+    def touch(self, room: int, generation: int | None = None) -> None:
+        """Record progress: re-arm the deadline of the current (non-terminal) state."""
+        with self._lock:
+            r = self._get(room, generation)
+            if r is not None and r.deadline:
+                r.deadline = self._deadline(r.status)
+
+    def add_pending(self, room: int, n: int = 1, generation: int | None = None) -> bool:
+        """Count ``n`` chunks of ``room`` as in flight on this rank.
+
+        :returns: False (nothing counted) when the event is ignored or the room is already
+            terminal (``Success``/``Failed``: nothing more may be sent for it).
+        """
+        with self._lock:
+            r = self._get(room, generation)
+            if r is None or r.status in (KVPoll.Success, KVPoll.Failed):
+                return False
+            r.pending += n
+            return True
+
+    def done_pending(self, room: int, n: int = 1, generation: int | None = None) -> KVPoll | None:
+        """``n`` pending chunks completed; publishes a held ``Success`` when none remain.
+
+        :returns: the status after the update, ``None`` if ignored.
+        :raises ValueError: more chunks completed than were pending.
+        """
+        with self._lock:
+            r = self._get(room, generation)
+            if r is None:
+                return None
+            if n > r.pending:
+                raise ValueError(f"room {room}: done_pending({n}) but only {r.pending} pending")
+            r.pending -= n
+            if r.pending == 0 and r.success_held and r.status != KVPoll.Failed:
+                r.success_held = False
+                self._set(r, KVPoll.Success)
+            return r.status
+
+    def pending(self, room: int) -> int:
+        """Chunks of ``room`` in flight on this rank (0 if not leased)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return 0 if r is None else r.pending
+
+    def expire(self, now: float | None = None) -> list[tuple[int, int, str]]:
+        """Fail every room past its state's deadline.
+
+        :returns: ``(room, generation, reason)`` of each room failed by this call.
+        """
+        t = self._clock() if now is None else now
+        out: list[tuple[int, int, str]] = []
+        with self._lock:
+            for room, r in self._rooms.items():
+                if r.deadline and t >= r.deadline:
+                    limit, field = self._timeouts[r.status]
+                    r.reason = (
+                        f"room {room}: no progress in {r.status.name} for {limit:g} s "
+                        f"(KVConfig.{field})"
+                    )
+                    r.status = KVPoll.Failed
+                    r.deadline = 0.0
+                    r.success_held = False
+                    out.append((room, r.generation, r.reason))
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, room: int, generation: int | None) -> _Room | None:
+        r = self._rooms.get(room)
+        if r is None or (generation is not None and generation != r.generation):
+            self.ignored += 1
+            return None
+        return r
+
+    def _set(self, r: _Room, status: KVPoll) -> None:
+        if status != r.status:
+            r.status = status
+            r.deadline = self._deadline(status)
+
+    def _deadline(self, status: KVPoll) -> float:
+        spec = self._timeouts.get(status)
+        return 0.0 if spec is None else self._clock() + spec[0]
