@@ -76,6 +76,10 @@ class TritonPacker:
 
     kind = "triton"
 
+    def __init__(self) -> None:
+        #: ``{"word_bytes", "vec", "grid", "rows", "cols"}`` of the last launch (tests, benches)
+        self.last_launch: dict[str, object] = {}
+
     def pack(
         self, plan: TransferPlan, entries: Sequence[torch.Tensor], pack_buffer: torch.Tensor
     ) -> None:
@@ -116,3 +120,10 @@ class TritonPacker:
         rows_t, cols_t = tile_shape(int(meta[:, 1].max()))
         grid = (triton.cdiv(n, rows_t), len(rows))
         gather_rows_kernel[grid](words, t, t[meta.size :], n, ROWS=rows_t, COLS=cols_t, VEC=vec)
+        self.last_launch = {
+            "word_bytes": w,
+            "vec": vec,
+            "grid": grid,
+            "rows": rows_t,
+            "cols": cols_t,
+        }

@@ -114,5 +114,6 @@ def predict_chunk_size(
     x = max(x, base // 4)
     align = max(page_size, 64)
     cap = min(context_len - history_len - CONTEXT_MARGIN, max_prefill_tokens)
-    size = min(int(x) // align * align, cap) // align * align
+    # +1e-6: x == base at L == 0 must not round down to the previous alignment unit
+    size = min(int(x + 1e-6) // align * align, cap) // align * align
     return size if size >= align else fallback
