@@ -1,0 +1,336 @@
+"""``pdplug bench consensus``: admission latency of consensus implementations vs pp_size.
+
+For each implementation (default ``pp0`` and ``ring``, resolved by name through the plugin
+manager) and each pp_size, one real process per PP rank runs a simulated host loop: at the top
+of every iteration it offers the request ids that became ready on this rank and calls
+``poll()``; the rest of the iteration (``--iter-ms``) is the forward pass (a sleep). Ranks start
+at random phases within one iteration. Request ``i`` arrives at ``0.2 s + i * 2 * iter`` and is
+ready on each rank after an extra ``U(0, 3 * iter)`` (same schedule for every implementation).
+
+Admission latency of a request = (time the last rank applied its decision) - (time the last
+rank offered it, i.e. became locally ready), all on CLOCK_MONOTONIC shared by the processes.
+The table gives p50/p99 in ms and the p50 in loop iterations; the ratio ring/pp0 uses p50s
+measured side by side in one run. Goal (DESIGN.md §6): ``pp0`` flat in pp_size (p50 at the
+largest pp_size within 1.25x of the smallest) and ring/pp0 ≥ 5 at pp_size 8.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from typing import Any
+
+import click
+
+__all__ = ["cli", "run_one"]
+
+STREAM = "bootstrap"
+
+
+def _free_endpoints(n: int) -> tuple[str, ...]:
+    import zmq
+
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.ROUTER) for _ in range(n)]
+    try:
+        ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in socks]
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+    return tuple(f"tcp://127.0.0.1:{p}" for p in ports)
+
+
+def _rank_main(
+    impl: str,
+    rank: int,
+    endpoints: tuple[str, ...],
+    iter_s: float,
+    phase_s: float,
+    ready_at: list[float],
+    up_q: Any,
+    out_q: Any,
+    start_t: Any,
+    start: Any,
+    stop: Any,
+    max_s: float,
+) -> None:
+    """One PP rank's simulated host loop (spawned process)."""
+    import msgspec
+
+    from pdplug import ConsensusConfig, get_plugin_manager
+
+    cfg = ConsensusConfig(
+        pp_rank=rank,
+        pp_size=len(endpoints),
+        endpoints=endpoints,
+        streams=(STREAM,),
+        vote_deadline_s=60.0,
+        peer_timeout_s=20.0,
+        heartbeat_s=0.5,
+    )
+    try:
+        c = get_plugin_manager().make_consensus(cfg, name=impl)
+    except Exception as e:
+        up_q.put(("error", rank, repr(e)))
+        return
+    up_q.put(("up", rank, ""))
+    if not start.wait(120):
+        c.close()
+        return
+    t0 = start_t.value
+    n = len(ready_at)
+    order = sorted(range(n), key=ready_at.__getitem__)
+    offered = [0.0] * n
+    applied = [0.0] * n
+    h = hashlib.sha256()
+    nxt = n_applied = iters = 0
+    done = False
+    error = ""
+    k = 0
+    t_first = t_last = 0.0
+    while True:
+        target = t0 + phase_s + k * iter_s
+        k += 1
+        now = time.monotonic()
+        if target > now:  # the rest of the iteration: the forward pass
+            time.sleep(target - now)
+        now = time.monotonic()
+        if stop.is_set() or now - t0 > max_s:
+            break
+        t_first = t_first or now
+        t_last = now
+        batch = []
+        while nxt < n and t0 + ready_at[order[nxt]] <= now:
+            batch.append(order[nxt])
+            nxt += 1
+        if batch:
+            c.offer(STREAM, good=batch)
+            for rid in batch:
+                offered[rid] = now
+        try:
+            ds = c.poll()
+        except Exception as e:
+            error = repr(e)
+            break
+        t = time.monotonic()
+        for d in ds:
+            h.update(msgspec.msgpack.encode((d.seq, d.good, d.bad)))
+            for rid in d.good + d.bad:
+                applied[rid] = t
+            n_applied += len(d.good) + len(d.bad)
+        iters += 1
+        if n_applied >= n and not done:
+            out_q.put(("done", rank, b""))
+            done = True
+    stats = c.stats()
+    c.close()
+    out_q.put(
+        (
+            "result",
+            rank,
+            msgspec.msgpack.encode(
+                {
+                    "offered": offered,
+                    "applied": applied,
+                    "iterations": iters,
+                    "mean_iter_ms": 1000.0 * (t_last - t_first) / max(1, iters - 1),
+                    "hash": h.hexdigest(),
+                    "error": error,
+                    "stats": stats,
+                }
+            ),
+        )
+    )
+
+
+def run_one(
+    impl: str, pp_size: int, iter_ms: float, requests: int, seed: int, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Run one implementation at one pp_size; return latencies (ms) and loop counts.
+
+    :raises RuntimeError: a rank failed to start, raised, disagreed or timed out.
+    """
+    import multiprocessing as mp
+    import queue
+
+    import msgspec
+    import numpy as np
+
+    iter_s = iter_ms / 1000.0
+    rng = random.Random(seed * 1000 + pp_size)
+    arrive = [0.2 + i * 2 * iter_s for i in range(requests)]
+    ready = {r: [a + rng.uniform(0, 3 * iter_s) for a in arrive] for r in range(pp_size)}
+    phases = {r: rng.uniform(0, iter_s) for r in range(pp_size)}
+    ctx = mp.get_context("spawn")
+    up_q, out_q = ctx.Queue(), ctx.Queue()
+    start, stop = ctx.Event(), ctx.Event()
+    start_t = ctx.Value("d", 0.0)
+    eps = _free_endpoints(pp_size)
+    span = arrive[-1] + 3 * iter_s
+    max_s = span + 40 * pp_size * iter_s + 20.0
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(
+                impl,
+                r,
+                eps,
+                iter_s,
+                phases[r],
+                ready[r],
+                up_q,
+                out_q,
+                start_t,
+                start,
+                stop,
+                max_s,
+            ),
+            daemon=True,
+        )
+        for r in range(pp_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        ups = 0
+        while ups < pp_size:
+            try:
+                kind, rank, info = up_q.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(not p.is_alive() for p in procs):
+                    raise RuntimeError(f"{impl} pp{pp_size}: a rank did not start") from None
+                continue
+            if kind != "up":
+                raise RuntimeError(f"{impl} pp{pp_size}: rank {rank} failed to start: {info}")
+            ups += 1
+        start_t.value = time.monotonic() + 0.1
+        start.set()
+        done: set[int] = set()
+        while len(results) < pp_size and time.monotonic() < deadline:
+            if len(done) == pp_size:
+                stop.set()
+            try:
+                kind, rank, blob = out_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if kind == "done":
+                done.add(rank)
+            elif kind == "result":
+                results[rank] = msgspec.msgpack.decode(blob)
+                stop.set()  # a rank only stops early on an error or max_s
+    finally:
+        stop.set()
+        start.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    if len(results) < pp_size:
+        raise RuntimeError(f"{impl} pp{pp_size}: only {len(results)} ranks reported in time")
+    errors = {r: x["error"] for r, x in results.items() if x["error"]}
+    if errors:
+        raise RuntimeError(f"{impl} pp{pp_size}: ranks raised {errors}")
+    if len({x["hash"] for x in results.values()}) != 1:
+        raise RuntimeError(f"{impl} pp{pp_size}: ranks applied different decision sequences")
+    offered = np.array([results[r]["offered"] for r in range(pp_size)])
+    applied = np.array([results[r]["applied"] for r in range(pp_size)])
+    if (applied == 0).any():
+        raise RuntimeError(f"{impl} pp{pp_size}: some requests were never decided")
+    lat_ms = (applied.max(axis=0) - offered.max(axis=0)) * 1000.0
+    iters = [results[r]["iterations"] for r in range(pp_size)]
+    mean_iter_ms = float(np.mean([results[r]["mean_iter_ms"] for r in range(pp_size)]))
+    return {
+        "impl": impl,
+        "pp_size": pp_size,
+        "p50_ms": float(np.percentile(lat_ms, 50)),
+        "p99_ms": float(np.percentile(lat_ms, 99)),
+        "p50_iterations": float(np.percentile(lat_ms, 50)) / iter_ms,
+        "mean_iter_ms": mean_iter_ms,
+        "loop_iterations": int(max(iters)),
+        "requests": requests,
+    }
+
+
+def _parse_pp(value: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"--pp={value!r}: expected comma-separated integers") from None
+    if not sizes or any(s < 1 or s > 64 for s in sizes):
+        raise click.BadParameter(f"--pp={value!r}: every pp_size must be in 1..64")
+    return sizes
+
+
+@click.command()
+@click.option("--pp", "pp", default="2,4,8", show_default=True, help="pp_size values, comma list")
+@click.option("--iter-ms", default=5.0, show_default=True, type=float, help="loop iteration (ms)")
+@click.option("--requests", default=200, show_default=True, type=int, help="requests per run")
+@click.option("--impl", "impls", default="pp0,ring", show_default=True, help="consensus names")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def cli(
+    pp: str, iter_ms: float, requests: int, impls: str, seed: int, json_path: str | None
+) -> None:
+    """Admission latency of pp0 vs ring at several pp_size (real processes per rank)."""
+    from pdplug.bench.machine import machine_info, machine_line
+
+    sizes = _parse_pp(pp)
+    names = [x.strip() for x in impls.split(",") if x.strip()]
+    if iter_ms <= 0:
+        raise click.BadParameter(f"--iter-ms={iter_ms}: must be > 0")
+    if requests < 1:
+        raise click.BadParameter(f"--requests={requests}: must be >= 1")
+    click.echo(machine_line())
+    click.echo(
+        f"sizes: pp_size {sizes}, iteration {iter_ms} ms, {requests} requests per run, "
+        f"implementations {names}"
+    )
+    rows = []
+    for size in sizes:
+        for name in names:
+            row = run_one(name, size, iter_ms, requests, seed)
+            rows.append(row)
+            click.echo(
+                f"  {name:>5} pp{size}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms"
+            )
+    click.echo("")
+    click.echo(f"{'impl':>6} {'pp_size':>7} {'p50_ms':>9} {'p99_ms':>9} {'iterations':>10}")
+    for r in rows:
+        click.echo(
+            f"{r['impl']:>6} {r['pp_size']:>7} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} "
+            f"{r['p50_iterations']:>10.1f}"
+        )
+    by = {(r["impl"], r["pp_size"]): r for r in rows}
+    ratio = {}
+    if "pp0" in names and "ring" in names:
+        ratio = {str(s): by[("ring", s)]["p50_ms"] / by[("pp0", s)]["p50_ms"] for s in sizes}
+        click.echo(
+            "ratio ring/pp0 (p50): " + ", ".join(f"pp{k}: {v:.1f}x" for k, v in ratio.items())
+        )
+    if "pp0" in names and len(sizes) > 1:
+        lo, hi = min(sizes), max(sizes)
+        flat = by[("pp0", hi)]["p50_ms"] / by[("pp0", lo)]["p50_ms"]
+        click.echo(
+            f"goal pp0 flat: p50 pp{hi} / pp{lo} = {flat:.2f} "
+            f"({'met' if flat <= 1.25 else 'NOT met'}, <= 1.25)"
+        )
+    if "8" in ratio:
+        click.echo(
+            f"goal ring/pp0 at pp8 = {ratio['8']:.1f}x "
+            f"({'met' if ratio['8'] >= 5 else 'NOT met'}, >= 5)"
+        )
+    if json_path:
+        out = {
+            "rows": rows,
+            "ratio_ring_over_pp0": ratio,
+            "machine": machine_info(),
+            "sizes": {"pp": sizes, "iter_ms": iter_ms, "requests": requests, "seed": seed},
+        }
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+        click.echo(f"wrote {json_path}")
