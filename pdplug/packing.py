@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pdplug.protocols import PackPlanner
 from pdplug.types import KVLayout, PackRegion, Segment, SendChunk, TransferPlan
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "merge_runs",
     "run_addresses",
     "segment_to_chunk",
+    "plan_all_ranks",
 ]
 
 #: Default byte alignment of every region start (wide loads; RDMA-friendly).
@@ -306,3 +308,33 @@ def segment_to_chunk(
         chunk_id=segment.chunk_id,
         is_last=segment.is_last,
     )
+
+
+def plan_all_ranks(
+    planner: PackPlanner,
+    chunk: SendChunk,
+    src: KVLayout,
+    dst: KVLayout,
+    regions: Sequence[PackRegion | None] | None = None,
+) -> list[TransferPlan]:
+    """Plans of ``chunk`` for every destination DCP rank ``0 .. dst.dcp_size - 1``.
+
+    Uses the planner's batched ``plan_all(chunk, src, dst, regions)`` when it has one (the
+    ``dcp`` planner shares per-chunk work across ranks), else calls ``plan`` per rank.
+
+    :param regions: ``regions[r]`` for rank ``r`` (e.g. ``regions[region_index(r, chunk_id)]``
+        of :func:`pack_regions`), or None for unpacked plans.
+    :raises pdplug.PlanError: as ``PackPlanner.plan`` (wrong number of regions included).
+    """
+    from pdplug.errors import PlanError
+
+    d = dst.dcp_size
+    if regions is not None and len(regions) != d:
+        raise PlanError(f"regions has {len(regions)} items, expected dst dcp_size={d}")
+    batched = getattr(planner, "plan_all", None)
+    if batched is not None:
+        return list(batched(chunk, src, dst, regions))
+    return [
+        planner.plan(chunk, src, dst, r, regions[r] if regions is not None else None)
+        for r in range(d)
+    ]

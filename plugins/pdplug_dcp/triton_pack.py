@@ -112,7 +112,7 @@ class TritonPacker:
         vec = 16 // w
         if (meta % vec).any() or base % 16:
             vec = 1
-        table = np.concatenate((meta.reshape(-1), plan.pack_src_slots.astype(np.int64)))
+        table = np.concatenate((meta.reshape(-1), np.asarray(plan.pack_src_slots, dtype=np.int64)))
         t = torch.from_numpy(table)
         if dev.type != "cpu":
             t = t.to(dev)

@@ -9,12 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug import KVLayout, Segment, SendChunk, entry_map
+from pdplug import KVLayout, PlanError, Segment, SendChunk, entry_map
 from pdplug.packing import (
     merge_runs,
     pack_buffer_nbytes,
     pack_bytes_per_token,
     pack_regions,
+    plan_all_ranks,
     region_capacity_tokens,
     region_index,
     run_addresses,
@@ -128,3 +129,29 @@ def test_segment_to_chunk() -> None:
         segment_to_chunk(7, seg, pages, np.arange(5), 128, 32)
     with pytest.raises(ValueError, match=r"needs 2 source pages .* got 1"):
         segment_to_chunk(7, seg, pages[:1], np.arange(5), 32, 32)
+
+
+def test_plan_all_ranks_batched_and_fallback_agree() -> None:
+    """A planner without ``plan_all`` is called per rank; results equal the batched ones."""
+    src = KVLayout(page_size=4, entry_bytes_per_token=(8, 4))
+    dst = KVLayout(page_size=4, entry_bytes_per_token=(8, 4), dcp_size=3)
+    regs = pack_regions(src, dst_dcp_size=3, depth=2, region_tokens=8)
+    chunk = SendChunk(
+        room=2, src_pages=np.array([5, 1, 8, 3]), dst_pages=np.array([2, 0]), num_tokens=14
+    )
+    dcp = make_dcp_planner()
+
+    class PerRank:
+        def plan(self, *args):
+            return dcp.plan(*args)
+
+    mine = [regs[region_index(r, 1)] for r in range(3)]
+    batched = plan_all_ranks(dcp, chunk, src, dst, mine)
+    single = plan_all_ranks(PerRank(), chunk, src, dst, mine)  # type: ignore[arg-type]
+    assert [p.dst_dcp_rank for p in single] == [0, 1, 2]
+    for a, b in zip(batched, single):
+        assert a.region == b.region and a.region.index % 2 == 1
+        for f in ("entry", "src_offset", "dst_offset", "length", "pack_src_slots"):
+            assert np.array_equal(getattr(a, f), getattr(b, f))
+    with pytest.raises(PlanError, match="regions has 2 items, expected dst dcp_size=3"):
+        plan_all_ranks(dcp, chunk, src, dst, mine[:2])

@@ -1,0 +1,276 @@
+"""``pdplug bench plan``: DCP planner time per send and packer throughput vs a plain copy.
+
+Planner: the field's cached-prefix send (83,264 cached + 6,720 new tokens, decode cold, so
+all 89,984 tokens go out), DCP 4, page 64, MLA-like rows (61 layers x 576 B), regions sized
+from an 8,192-token chunk bound (2,048 tokens per rank region, double-buffered). One timed
+"send" = ``Scheduler.split_send`` + for every segment ``segment_to_chunk`` + ``plan_all``
+over the 4 destination ranks (each into its ``(rank, chunk_id % 2)`` region): 11 segments x 4
+ranks = 44 plans. Reported two ways: ``planner_ms_p50`` keeps a segment's plans alive until
+the segment after next is planned (a double-buffered sender drops a segment's descriptors
+once its write completed) and ``planner_ms_p50_keep_all`` keeps all 44 plans alive.
+
+Packer: one full segment (8,192 tokens; 4 ranks x 2,048 rows per entry) gathered by the
+packer into the pack buffer, against ``dst.copy_(src)`` of the same number of bytes, side by
+side in one run. CPU: torch packer. ``--device cuda``: the Triton kernel (bit-exactness vs the
+torch packer is checked first) against a device-to-device copy, timed with CUDA events.
+
+Heavy imports (torch, the planner plugin) happen inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any
+
+import click
+
+
+def _p50(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
+    import numpy as np
+
+    from pdplug import KVLayout, PlannerConfig, SchedulerConfig, get_plugin_manager
+    from pdplug.packing import (
+        pack_regions,
+        plan_all_ranks,
+        region_index,
+        segment_to_chunk,
+        send_capacity_tokens,
+    )
+
+    p, d, layers, row = args["page"], args["dcp"], args["layers"], args["row_bytes"]
+    pm = get_plugin_manager()
+    planner = pm.make_pack_planner(PlannerConfig(), name=args["planner"])
+    sched = pm.make_scheduler(SchedulerConfig(page_size=p, chunk_size=args["chunk_bound"]))
+    bpt = (row,) * layers
+    src = KVLayout(page_size=p, entry_bytes_per_token=bpt, num_layers=layers)
+    dst = KVLayout(page_size=p, entry_bytes_per_token=bpt, num_layers=layers, dcp_size=d)
+    regions = pack_regions(src, dst_dcp_size=d, depth=2, region_tokens=-(-args["chunk_bound"] // d))
+    cap = send_capacity_tokens(regions[0], d)
+    total = args["cached"] + args["unique"]
+    rng = np.random.default_rng(0)
+    src_pages = rng.permutation(4 * -(-total // p))[: -(-total // p)].astype(np.int64)
+    dst_pages = rng.permutation(4 * -(-total // (p * d)))[: -(-total // (p * d))].astype(np.int64)
+    # regions of every rank for chunk_id % 2 == 0 and == 1 (double buffering)
+    region_sets = [[regions[region_index(r, c, 2)] for r in range(d)] for c in range(2)]
+
+    def send(keep_all: bool) -> tuple[int, int, int]:
+        segs = sched.split_send(
+            token_start=0,
+            token_end=total,
+            decode_prefix_len=0,
+            is_last_send=True,
+            capacity_tokens=cap,
+        )
+        alive: list[Any] = []
+        runs = plans = 0
+        for s in segs:
+            chunk = segment_to_chunk(1, s, src_pages[s.page_start :], dst_pages, 0, p)
+            out = plan_all_ranks(planner, chunk, src, dst, region_sets[s.chunk_id % 2])
+            alive.append(out)
+            if not keep_all and len(alive) > 2:
+                alive.pop(0)
+            plans += len(out)
+            runs += sum(pl.num_runs for pl in out)
+        return len(segs), plans, runs
+
+    segments, plans, runs = send(True)
+    res: dict[str, Any] = {"segments": segments, "plans": plans, "runs_per_send": runs}
+    for key, keep in (("planner_ms_p50", False), ("planner_ms_p50_keep_all", True)):
+        for _ in range(5):
+            send(keep)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            send(keep)
+            ts.append(time.perf_counter() - t0)
+        res[key] = _p50(ts) * 1e3
+        res[key.replace("p50", "min")] = min(ts) * 1e3
+    res["capacity_tokens_per_region"] = regions[0].capacity_tokens
+    res["send_capacity_tokens"] = cap
+    res["send_tokens"] = total
+    return res
+
+
+def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from pdplug import KVLayout, PlannerConfig, SendChunk, get_plugin_manager
+    from pdplug.packing import pack_regions, plan_all_ranks
+
+    p, d, row = args["page"], args["dcp"], args["row_bytes"]
+    layers = args["pack_layers"] or (args["layers"] if device.startswith("cuda") else 16)
+    seg_tokens = args["chunk_bound"]
+    planner = get_plugin_manager().make_pack_planner(PlannerConfig(), name=args["planner"])
+    bpt = (row,) * layers
+    src = KVLayout(page_size=p, entry_bytes_per_token=bpt, num_layers=layers)
+    dst = KVLayout(page_size=p, entry_bytes_per_token=bpt, num_layers=layers, dcp_size=d)
+    regions = pack_regions(src, dst_dcp_size=d, depth=2, region_tokens=-(-seg_tokens // d))
+    pool_pages = 4 * seg_tokens // p  # source KV 4x the segment: rows come from everywhere
+    rng = np.random.default_rng(1)
+    chunk = SendChunk(
+        room=1,
+        src_pages=rng.permutation(pool_pages)[: seg_tokens // p].astype(np.int64),
+        dst_pages=np.arange(seg_tokens // (p * d), dtype=np.int64),
+        num_tokens=seg_tokens,
+        is_last=False,
+    )
+    plans = plan_all_ranks(planner, chunk, src, dst, regions[0::2])
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    entries = [
+        torch.randint(0, 256, (pool_pages * p, row), dtype=torch.uint8, device=dev, generator=gen)
+        for _ in range(layers)
+    ]
+    buf = torch.empty(regions[-1].offset + regions[-1].nbytes, dtype=torch.uint8, device=dev)
+    nbytes = sum(pl.num_tokens for pl in plans) * row * layers
+    copy_src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev, generator=gen)
+    copy_dst = torch.empty_like(copy_src)
+    packer = planner.packer(device)
+    cuda = dev.type == "cuda"
+
+    def once(fn: Any) -> float:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def timed(*fns: Any) -> list[float]:
+        """p50 seconds of each fn, interleaved per repeat so drift hits all alike."""
+        for fn in fns:
+            fn()  # warm-up (Triton JIT, first touch of the output pages)
+        ts: list[list[float]] = [[] for _ in fns]
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                ts[i].append(once(fn))
+        return [_p50(t) for t in ts]
+
+    def pack() -> None:
+        for pl in plans:
+            packer.pack(pl, entries, buf)
+
+    res: dict[str, Any] = {"packer": getattr(packer, "kind", type(packer).__name__)}
+    if cuda:  # bit-exact against the torch packer before timing
+        from pdplug_dcp.packers import TorchPacker
+
+        ref = torch.zeros_like(buf)
+        for pl in plans:
+            TorchPacker().pack(pl, entries, ref)
+        buf.fill_(0xA5)
+        pack()
+        torch.cuda.synchronize()
+        res["bit_exact_vs_torch"] = bool(torch.equal(ref, buf))
+        torch_packer = TorchPacker()
+
+        def pack_torch() -> None:
+            for pl in plans:
+                torch_packer.pack(pl, entries, ref)
+
+        (t_torch,) = timed(pack_torch)
+        res["torch_packer_gbps"] = nbytes / t_torch / 1e9
+    t_pack, t_copy = timed(pack, lambda: copy_dst.copy_(copy_src))
+    res.update(
+        packer_gbps=nbytes / t_pack / 1e9,
+        memcpy_gbps=nbytes / t_copy / 1e9,
+        pack_ms_p50=t_pack * 1e3,
+        memcpy_ms_p50=t_copy * 1e3,
+        packed_bytes=nbytes,
+        pack_layers=layers,
+        pack_rows_per_entry=sum(pl.num_tokens for pl in plans),
+        source_slots_per_entry=pool_pages * p,
+        device=device,
+    )
+    res["packer_vs_memcpy"] = res["packer_gbps"] / res["memcpy_gbps"]
+    return res
+
+
+@click.command()
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the results here.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where KV and the pack buffer live for the packer benchmark.",
+)
+@click.option("--repeats", default=200, show_default=True, help="Timed planner sends.")
+@click.option("--pack-repeats", default=15, show_default=True, help="Timed packs/copies.")
+@click.option("--cached", default=83_264, show_default=True, help="Cached-prefix tokens.")
+@click.option("--unique", default=6_720, show_default=True, help="New tokens.")
+@click.option("--dcp", default=4, show_default=True, help="Decode DCP size.")
+@click.option("--page", default=64, show_default=True, help="Page size (tokens).")
+@click.option("--layers", default=61, show_default=True, help="KV entries (MLA: one per layer).")
+@click.option("--row-bytes", default=576, show_default=True, help="Bytes per token per entry.")
+@click.option(
+    "--chunk-bound",
+    default=8192,
+    show_default=True,
+    help="Chunk bound (tokens) sizing the regions: chunk_bound/dcp per rank.",
+)
+@click.option(
+    "--pack-layers",
+    default=None,
+    type=int,
+    help="Entries in the packer benchmark [default: 16 on cpu, --layers on cuda].",
+)
+@click.option("--planner", default="dcp", show_default=True, help="Pack planner name.")
+def cli(json_path: str | None, device: str, repeats: int, pack_repeats: int, **args: Any) -> None:
+    """Planner time per send (p50) and packer GB/s vs a plain copy of the same bytes."""
+    from pdplug.bench.machine import machine_info, machine_line
+
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: no CUDA device is available here")
+    pl = _planner_bench(args, repeats)
+    pk = _packer_bench(args, device, pack_repeats)
+    total = pl["send_tokens"]
+    click.echo(
+        f"pdplug bench plan: send of {args['cached']:,} cached + {args['unique']:,} new = "
+        f"{total:,} tokens, DCP {args['dcp']}, page {args['page']}, {args['layers']} entries x "
+        f"{args['row_bytes']} B, regions {pl['capacity_tokens_per_region']:,} tokens/rank "
+        f"(send capacity {pl['send_capacity_tokens']:,})"
+    )
+    click.echo(
+        f"  planner ({args['planner']}): {pl['segments']} segments x {args['dcp']} ranks = "
+        f"{pl['plans']} plans, {pl['runs_per_send']:,} runs; per send p50 "
+        f"{pl['planner_ms_p50']:.3f} ms (sender keeps 2 segments of plans), "
+        f"{pl['planner_ms_p50_keep_all']:.3f} ms (all plans kept); goal < 1 ms"
+    )
+    click.echo(
+        f"  packer ({pk['packer']}, {device}): {pk['packed_bytes'] / 2**20:.1f} MiB "
+        f"({pk['pack_layers']} entries x {pk['pack_rows_per_entry']:,} rows of "
+        f"{args['row_bytes']} B from {pk['source_slots_per_entry']:,} slots) "
+        f"{pk['packer_gbps']:.2f} GB/s vs copy {pk['memcpy_gbps']:.2f} GB/s = "
+        f"{pk['packer_vs_memcpy']:.0%} (goal >= {'80' if device == 'cuda' else '50'}%)"
+    )
+    if "bit_exact_vs_torch" in pk:
+        click.echo(
+            f"  triton bit-exact vs torch packer: {pk['bit_exact_vs_torch']}; torch packer on "
+            f"{device}: {pk['torch_packer_gbps']:.1f} GB/s"
+        )
+    click.echo(machine_line())
+    if json_path:
+        out = {**pl, **pk, "sizes": args, "machine": machine_info()}
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+        click.echo(f"wrote {json_path}")
