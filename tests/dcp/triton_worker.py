@@ -13,6 +13,7 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
 
+import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -21,6 +22,7 @@ from pdplug_dcp.packers import TorchPacker, make_packer  # noqa: E402
 from pdplug_dcp.triton_pack import TritonPacker, gather_rows_kernel  # noqa: E402
 
 POISON = 0xA5
+hits: list[int] = []  # cached geometries per triton packer (1 = the second pack reused it)
 
 
 def case(rng, row_bytes, n, slots_per_entry, region_offset, dtypes):
@@ -52,10 +54,19 @@ def case(rng, row_bytes, n, slots_per_entry, region_offset, dtypes):
         off += n * b
     outs = {}
     tri = TritonPacker()
-    for name, packer in (("torch", TorchPacker()), ("triton", tri)):
-        buf = torch.full((size,), POISON, dtype=torch.uint8)
+    buf = torch.empty(size, dtype=torch.uint8)  # same buffer: the 2nd triton pack hits the cache
+    for name, packer in (("torch", TorchPacker()), ("triton", tri), ("triton-cached", tri)):
+        buf.fill_(POISON)
         packer.pack(plan, entries, buf)
-        outs[name] = buf.numpy()
+        outs[name] = buf.numpy().copy()
+    hits.append(len(tri._checked))
+    if n:  # the cached geometry still range-checks slots
+        bad = msgspec.structs.replace(plan, pack_src_slots=np.full(n, slots_per_entry))
+        try:
+            tri.pack(bad, entries, buf)
+            outs["triton-range-check"] = None
+        except ValueError:
+            pass
     launch = tri.last_launch
     return ref, outs, (launch.get("word_bytes", 0), launch.get("vec", 0))
 
@@ -88,9 +99,13 @@ def main(seed: int) -> int:
         ref, outs, word = case(rng, rb, n, slots, off, dts)
         words.append(word)
         for name, got in outs.items():
-            if not np.array_equal(got, ref):
+            if got is None:
+                mismatches.append(f"case {i} {name}: out-of-range slot accepted")
+            elif not np.array_equal(got, ref):
                 bad = np.flatnonzero(got != ref)
                 mismatches.append(f"case {i} {name}: {bad.size} bytes differ, first at {bad[0]}")
+    if any(h > 1 for h in hits):
+        mismatches.append(f"geometry cache not reused: {hits}")
     print(json.dumps({"cases": len(cases), "mismatches": mismatches, "words": words}))
     return 1 if mismatches else 0
 
