@@ -111,6 +111,7 @@ class DecodeRank:
         self.done: set[int] = set()
         self.stopping = False
         self.steps = 0
+        self.draining: list[tuple[_Req, float]] = []
 
     def poll_control(self) -> None:
         """Driver messages, transfer votes and decisions (non-blocking)."""
@@ -133,6 +134,8 @@ class DecodeRank:
                 req.voted = True
                 req.t["t_success"] = time.time()
                 self.consensus.offer("transfer", good=[req.rid])
+        if self.draining:
+            self._free_drained()
         for d in self.consensus.poll():
             if d.stream != "transfer":
                 continue
@@ -159,8 +162,19 @@ class DecodeRank:
         self.receiver.expect(msg.rid, pages[:prompt_pages].numpy(), num_tokens=n)
 
     def _release(self, req: _Req) -> None:
-        self.cache.free(req.pages)
-        self.receiver.clear(req.rid)
+        # A failed room's pages may still be written by a late post: free them once drained.
+        self.draining.append((req, time.monotonic() + self.spec.timeout_s))
+        self._free_drained()
+
+    def _free_drained(self) -> None:
+        keep = []
+        for req, deadline in self.draining:
+            if self.receiver.drained(req.rid) or time.monotonic() > deadline:
+                self.cache.free(req.pages)
+                self.receiver.clear(req.rid)
+            else:
+                keep.append((req, deadline))
+        self.draining = keep
 
     def _sync(self) -> tuple[int, bool]:
         """DCP rank 0's count of applied transfer decisions (and stop flag), on every rank."""

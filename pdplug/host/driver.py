@@ -360,8 +360,9 @@ def _report(
         parts["transfer"].append(max(0.0, success - last_send) * 1e3)
     prefill_stats = [s for (role, _), s in run.stats.items() if role == "prefill"]
     bytes_tx = sum(int(s.get("sender_bytes", 0)) for s in prefill_stats)
-    tokens_tx = sum(int(s.get("sender_tokens", 0)) for s in prefill_stats)
-    segments = sum(int(s.get("segments", 0)) for s in prefill_stats)
+    # every PP rank ships the same tokens (its own layers): count them once
+    tokens_tx = max((int(s.get("tokens_sent", 0)) for s in prefill_stats), default=0)
+    segments = max((int(s.get("segments", 0)) for s in prefill_stats), default=0)
     hit_tokens = max((int(s.get("hit_tokens", 0)) for s in prefill_stats), default=0)
     served = next(iter(run.ready.values())).served_by if run.ready else {}
     out_tokens = sum(len(v) for v in run.finished.values())

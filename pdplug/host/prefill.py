@@ -39,7 +39,6 @@ from pdplug import (
     SchedulerConfig,
     pages_from_bytes,
 )
-from pdplug.bootstrap import register
 from pdplug.host.messages import (
     FirstToken,
     NewRequest,
@@ -148,8 +147,7 @@ class PrefillRank:
             wire=spec.wire,
         )
         self.sender = pm.make_kv_sender(kv_cfg, self.planner, name=names.get("kv_sender"))
-        self.sender.register_kv(self.cache.entry_tensors())
-        register(spec.bootstrap, self.sender.peer_info(), timeout_s=spec.timeout_s)
+        self.sender.register_kv(self.cache.entry_tensors())  # also publishes this rank
         self.consensus = pm.make_consensus(
             ConsensusConfig(
                 pp_rank=spec.rank,
@@ -172,7 +170,9 @@ class PrefillRank:
         self.inflight: list[int] = []  # last segment posted, waiting for Success/Failed
         self.stopping = False
         self.segments = 0
+        self.tokens_sent = 0
         self.pending_work: list[Any] = []
+        self.draining: list[tuple[_Req, float]] = []
         if spec.rank == 0 and spec.profile:
             self._profile_chunk_model()
 
@@ -198,6 +198,7 @@ class PrefillRank:
         for msg in self.link.recv_all():
             if isinstance(msg, NewRequest):
                 self.reqs[msg.rid] = _Req(msg)
+                self.sender.start(msg.rid)
                 self.waiting_boot.append(msg.rid)
             elif isinstance(msg, Shutdown):
                 self.stopping = True
@@ -225,6 +226,8 @@ class PrefillRank:
             elif st == KVPoll.Failed:
                 req.voted_release = True
                 self.consensus.offer("release", bad=[rid])
+        if self.draining:
+            self._free_drained()
         for d in self.consensus.poll():
             if d.stream == "bootstrap":
                 for rid in d.good:
@@ -247,9 +250,8 @@ class PrefillRank:
         req = self.reqs.pop(rid, None)
         if req is None:
             return
-        if req.pages is not None:
-            self.pcache.release(req.chain, req.pages)
-        self.sender.clear(rid)
+        # Pages are reused only once no write still reads them (an aborted room may drain late).
+        self.draining.append((req, time.monotonic() + self.spec.timeout_s))
         self.inflight = [r for r in self.inflight if r != rid]
         self.admitted.discard(rid)
         if rid in self.run_queue:
@@ -259,6 +261,17 @@ class PrefillRank:
         fields = dict(req.t)
         fields.update(compute_s=req.compute_s, pack_s=req.pack_s)
         self.link.send(Timing(role="prefill", rank=self.rank, rid=rid, fields=fields))
+
+    def _free_drained(self) -> None:
+        keep = []
+        for req, deadline in self.draining:
+            if self.sender.drained(req.rid) or time.monotonic() > deadline:
+                if req.pages is not None:
+                    self.pcache.release(req.chain, req.pages)
+                self.sender.clear(req.rid)
+            else:
+                keep.append((req, deadline))
+        self.draining = keep
 
     # ------------------------------------------------------------------ data plane
     def _admit_pages(self, req: _Req, hit_expected: int | None) -> None:
@@ -312,6 +325,7 @@ class PrefillRank:
             self.sender.send(req.rid, seg, req.pages[first:past].numpy())
         req.pack_s += time.perf_counter() - t0
         self.segments += len(segs)
+        self.tokens_sent += sum(seg.num_tokens for seg in segs)
         req.chunk_id += len(segs)
         req.sent = stop
         if last:
@@ -427,7 +441,11 @@ class PrefillRank:
         step = self.step_leader if self.rank == 0 else self.step_follower
         while step():
             pass
-        stats: dict[str, Any] = {"segments": self.segments, "hit_tokens": self.pcache.hit_tokens}
+        stats: dict[str, Any] = {
+            "segments": self.segments,
+            "tokens_sent": self.tokens_sent,
+            "hit_tokens": self.pcache.hit_tokens,
+        }
         stats.update({f"sender_{k}": v for k, v in self.sender.stats().items()})
         stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
         self.link.send(WorkerStats(role="prefill", rank=self.rank, stats=stats))
