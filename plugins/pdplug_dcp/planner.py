@@ -11,8 +11,13 @@ as one run per destination page and entry instead of one per token.
 Draft (spec-decode) entries are not sharded: every rank receives every token, in virtual pages
 of ``P * D`` tokens, read directly from the source entry (never packed).
 
-Regions, capacity and double buffering: see :mod:`pdplug.packing`. A shard larger than its
-region raises :class:`pdplug.CapacityError`; there is no per-token fallback. ``plan(...,
+Regions, capacity and double buffering: see :mod:`pdplug.packing`. In short, a sender cuts
+its registered pack buffer into ``pack_regions(src, dst_dcp_size=D, depth=2, ...)``, splits
+each send at ``send_capacity_tokens(region, D)``, and plans segment ``k`` for rank ``r`` into
+region ``region_index(r, k, 2)``: segment ``k + 1`` is packed into the other slot while
+segment ``k``'s writes are in flight, and a slot is repacked only after the write that read it
+completed. A shard larger than its region raises :class:`pdplug.CapacityError`; there is no
+per-token fallback. ``plan(...,
 region=None)`` on a relayout is the explicit per-token baseline (one run per token per entry),
 used only by benchmarks.
 """

@@ -175,7 +175,7 @@ def _src_kv(src, num_slots, rng):
 # --------------------------------------------------------------------------- property tests
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lay=layouts(), data=st.data())
 def test_split_plan_pack_matches_reference(lay, data) -> None:
     """Scheduler split + per-rank plans + packing write every token exactly once, at the
@@ -238,7 +238,7 @@ def test_split_plan_pack_matches_reference(lay, data) -> None:
             assert np.array_equal(got[r].data[e], want[r].data[e]), (r, e)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(lay=layouts(), data=st.data())
 def test_unpacked_plans_match_reference(lay, data) -> None:
     """``region=None`` (per-token baseline) and the ``tp`` identity planner write the same
