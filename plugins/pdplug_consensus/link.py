@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -221,7 +222,7 @@ class Link:
                 next_hb = now + self.heartbeat_s
                 self._beat()
             self._check(now)
-            timeout_ms = max(0.0, min(next_hb - now, self._tick_s)) * 1000.0
+            timeout_ms = math.ceil(max(0.0, min(next_hb - now, self._tick_s)) * 1000.0)
             events = dict(poller.poll(timeout_ms))
             if self._wake_rx in events:
                 while True:

@@ -229,7 +229,7 @@ class Group:
 def run_group(
     plans: dict[int, list[Instance]],
     *,
-    loop_s: float = 0.002,
+    loop_s: float = 0.004,
     max_s: float = 30.0,
     kill: tuple[int, float] | None = None,
     relay: bool = False,
@@ -284,7 +284,7 @@ def run_group(
         if kill is not None:
             victim, after = kill
             time.sleep(after)
-            os.kill(procs[victim].pid, signal.SIGKILL)
+            os.kill(procs[victim].pid or 0, signal.SIGKILL)
             group.kill_t = time.monotonic()
             procs[victim].join(5)
             group.results[victim] = None
@@ -363,7 +363,10 @@ def scenario(
     rng = random.Random(seed)
     arrive = [[rng.uniform(0, span_s) for _ in range(n)] for _ in streams]
     acts: dict[int, list[Action]] = {r: [] for r in range(size)}
-    expect, bad_voted, missing, clean = {}, {}, {}, {}
+    expect: dict[str, int] = {}
+    bad_voted: dict[str, set[int]] = {}
+    missing: dict[str, set[int]] = {}
+    clean: dict[str, set[int]] = {}
     aborted: set[int] = set()
     aborted_first: set[int] = set()
     abort_at: dict[int, tuple[int, float]] = {}

@@ -8,6 +8,10 @@ import pytest
 
 from .ranks import Instance, check_agreement, free_endpoints, run_group, scenario
 
+# generous: votes of one request spread over 0.3 s, but a loaded 2-core box can stall a
+# rank process for a while; a clean request must never hit the deadline
+DEADLINE = 2.5
+
 
 @pytest.mark.timeout(60)
 def test_abort_storm_pp4_1000_requests() -> None:
@@ -26,7 +30,7 @@ def test_abort_storm_pp4_1000_requests() -> None:
         )
         for k, impl in enumerate(impls)
     }
-    plans = {r: [] for r in range(size)}
+    plans: dict[int, list[Instance]] = {r: [] for r in range(size)}
     for impl in impls:
         eps = free_endpoints(size)
         for r in range(size):
@@ -36,7 +40,7 @@ def test_abort_storm_pp4_1000_requests() -> None:
                     endpoints=eps,
                     actions=tuple(sc[impl].actions[r]),
                     expect=sc[impl].expect,
-                    vote_deadline_s=1.0,
+                    vote_deadline_s=DEADLINE,
                 )
             )
     g = run_group(plans, max_s=25.0)
@@ -53,5 +57,6 @@ def test_abort_storm_pp4_1000_requests() -> None:
         leader = res[0].stats
         assert leader["abort_bad"] > 0 and leader["deadline_bad"] > 0
         for r, x in res.items():
-            # the last decision came within the deadline after the last vote (+ slack)
-            assert x.applied[-1].t - g.start_t < 1.5 * 1.2 + 1.0 + 3.0, (impl, r)
+            # nothing undecided after the deadline: the last decision (a never-voted request)
+            # came at most DEADLINE after the last first vote (arrival <= 1.5 s, jitter 0.3 s)
+            assert x.applied[-1].t - g.start_t < 1.5 + 0.3 + DEADLINE + 1.0, (impl, r)

@@ -16,7 +16,7 @@ def test_killed_rank_is_reported(victim: int) -> None:
     size = 4
     impls = ("pp0", "ring")
     sc = scenario(size, 200, seed=3, span_s=8.0, streams=("bootstrap",))
-    plans = {r: [] for r in range(size)}
+    plans: dict[int, list[Instance]] = {r: [] for r in range(size)}
     for impl in impls:
         eps = free_endpoints(size)
         for r in range(size):
@@ -40,6 +40,7 @@ def test_killed_rank_is_reported(victim: int) -> None:
             assert x.applied, f"{impl} rank {r}: nothing decided before the kill"
             assert x.error is not None, f"{impl} rank {r} never reported the dead rank"
             assert f"[{victim}]" in x.error and "ConsensusError" not in x.error, x.error
+            assert x.error_t is not None
             dt = x.error_t - g.kill_t
             # silent for peer_timeout_s since its last heartbeat, reported within the timeout
             assert TIMEOUT - HB - 0.1 <= dt <= TIMEOUT + 1.0, (impl, r, dt, x.error)
