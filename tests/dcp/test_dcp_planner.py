@@ -9,6 +9,7 @@ pages) to build the expected destination bytes.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -464,3 +465,24 @@ def test_facade_builds_protocol_objects(plugin_manager) -> None:
     for name in ("dcp", "tp"):
         planner = plugin_manager.make_pack_planner(PlannerConfig(), name=name)
         assert isinstance(planner, PackPlanner)
+
+
+def test_plan_all_with_per_rank_destination_pages() -> None:
+    """Decode ranks may send different page lists: plan_all(dst_pages=...) equals plan() on
+    each rank's own chunk, drafts included."""
+    src = KVLayout(page_size=2, entry_bytes_per_token=(4, 6), draft_entries=(1,))
+    dst = KVLayout(page_size=2, entry_bytes_per_token=(4, 6), draft_entries=(1,), dcp_size=2)
+    regions = pack_regions(src, dst_dcp_size=2, depth=1, region_tokens=8)
+    chunk = SendChunk(room=8, src_pages=np.array([4, 0, 6]), dst_pages=np.array([0, 0]),
+                      num_tokens=5)  # fmt: skip
+    per_rank = [np.array([3, 1]), np.array([7, 2])]
+    planner = make_dcp_planner()
+    plans = planner.plan_all(chunk, src, dst, regions, dst_pages=per_rank)
+    for r, plan in enumerate(plans):
+        own = msgspec.structs.replace(chunk, dst_pages=per_rank[r])
+        want = planner.plan(own, src, dst, r, regions[r])
+        for f in ("entry", "src_offset", "dst_offset", "length", "pack_src_slots"):
+            assert np.array_equal(getattr(plan, f), getattr(want, f)), (r, f)
+    assert not np.array_equal(plans[0].dst_offset, plans[1].dst_offset)
+    with pytest.raises(PlanError, match="dst_pages has 1 items, expected dst dcp_size=2"):
+        planner.plan_all(chunk, src, dst, regions, dst_pages=per_rank[:1])
