@@ -39,7 +39,7 @@ from pdplug.host.model import (
     greedy,
     pages_needed,
 )
-from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo
+from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo, setup_logging
 
 __all__ = ["decode_main"]
 
@@ -273,6 +273,7 @@ def decode_main(spec_bytes: bytes) -> None:
 
     torch.set_num_threads(1)
     spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
+    setup_logging()
     rank: DecodeRank | None = None
     try:
         rank = DecodeRank(spec)

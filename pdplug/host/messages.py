@@ -112,6 +112,7 @@ def to_driver_codec(wire: WireConfig) -> Codec:
     """Codec of worker -> driver frames."""
     return Codec(
         Ready,
+        FirstToken,
         Timing,
         Finished,
         RequestFailed,

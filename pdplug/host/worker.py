@@ -14,7 +14,16 @@ from pdplug.config import WireConfig
 from pdplug.host.messages import Fatal, to_driver_codec, to_worker_codec
 from pdplug.host.model import ModelConfig
 
-__all__ = ["WorkerSpec", "DriverLink", "free_ports", "init_gloo"]
+__all__ = ["WorkerSpec", "DriverLink", "free_ports", "init_gloo", "setup_logging"]
+
+
+def setup_logging() -> None:
+    """Worker log level from ``PDPLUG_LOG_LEVEL`` (default WARNING), to stderr."""
+    import logging
+    import os
+
+    level = os.environ.get("PDPLUG_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
