@@ -185,3 +185,16 @@ def test_console_entry_point_in_a_fresh_process() -> None:
     check_schema(doc)
     assert {p["name"] for p in doc["plugins"] if p["distribution"] == "pdplug"} >= DEFAULTS
     assert doc["selected"] == SELECTED
+
+
+def test_the_cli_imports_nothing_heavy() -> None:
+    """`pdplug plugins` must stay instant: bench and host commands import torch lazily."""
+    code = (
+        "import sys, pdplug.cli; "
+        "print(sorted(m for m in ('torch', 'triton', 'nixl_cu12', 'nixl', 'mooncake') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
