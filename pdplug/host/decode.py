@@ -34,10 +34,8 @@ from pdplug.host.messages import (
 from pdplug.host.model import (
     PagedKVCache,
     build_model,
-    dcp_local_len,
     decode_step_dcp,
     greedy,
-    pages_needed,
 )
 from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo, setup_logging
 
@@ -153,13 +151,13 @@ class DecodeRank:
                     )
 
     def _lease(self, msg: NewRequest) -> None:
+        # Virtual pages of page_size * dcp tokens (SGLang DCP): every rank allocates the same
+        # page count, enough for its share of prompt + output.
         n = len(pages_from_bytes(msg.tokens))
-        local_total = dcp_local_len(n + msg.output_len, self.rank, self.size)
-        pages = self.cache.alloc(pages_needed(local_total, self.spec.page_size))
-        req = _Req(msg, pages)
-        self.reqs[msg.rid] = req
-        prompt_pages = pages_needed(dcp_local_len(n, self.rank, self.size), self.spec.page_size)
-        self.receiver.expect(msg.rid, pages[:prompt_pages].numpy(), num_tokens=n)
+        vpage = self.spec.page_size * self.size
+        pages = self.cache.alloc(-(-(n + msg.output_len) // vpage))
+        self.reqs[msg.rid] = _Req(msg, pages)
+        self.receiver.expect(msg.rid, pages[: -(-n // vpage)].numpy(), num_tokens=n)
 
     def _release(self, req: _Req) -> None:
         # A failed room's pages may still be written by a late post: free them once drained.
