@@ -90,6 +90,12 @@ def plugins(
         click.echo(json.dumps(data, indent=2))
     else:
         _print_table(pm, data)
+    if not data["plugins"]:
+        click.echo(
+            "no pdplug entry points found: is pdplug installed (pip install -e .)? "
+            "A source tree on PYTHONPATH has no entry-point metadata.",
+            err=True,
+        )
     problems = pm.problems()
     for c in pm.conflicts():
         if not any(c in p for p in problems):
@@ -118,8 +124,6 @@ def _print_table(pm: PluginManager, data: dict[str, Any]) -> None:
     click.echo("selected: " + ", ".join(f"{k}={v}" for k, v in sel.items()))
     for point, name, new, old in pm.overrides():
         click.echo(f"override: {point} {name!r} from {new} replaces the one from {old}")
-    if not data["plugins"]:
-        click.echo("no pdplug entry points found: is pdplug installed (pip install -e .)?")
 
 
 @main.group()

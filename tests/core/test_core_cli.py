@@ -198,3 +198,14 @@ def test_the_cli_imports_nothing_heavy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_no_entry_points_hints_at_installing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pdplug.manager, "discover_entry_points", lambda: [])
+    res = run("plugins", "--json")
+    assert res.exit_code == 1  # nothing can serve the selected names
+    assert "no pdplug entry points found" in res.stderr
+    assert json.loads(res.stdout) == {
+        "plugins": [],
+        "selected": SELECTED,
+    }
