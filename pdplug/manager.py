@@ -272,10 +272,14 @@ class PluginManager:
                     continue
             try:
                 obj = ep.load()
-                self.pm.register(obj, name=ep.name)
-                self._check_hooks(ep.name, obj)
             except Exception as e:
                 self._fail(ep.name, rec, "import failed", e)
+                continue
+            try:
+                self.pm.register(obj, name=ep.name)
+                self._check_hooks(ep.name, obj)
+            except Exception as e:  # pluggy validation (bad hookimpl) or an unknown hook
+                self._fail(ep.name, rec, "registration failed", e)
         present = {normalize(r.name) for r in self.records} | {
             normalize(r.distribution) for r in self.records
         }

@@ -350,7 +350,7 @@ def test_wrong_record_type_and_unknown_hook_fail_the_plugin(
     assert recs["wrong"].status == (
         "failed: pdplug_register_consensus yielded KVSenderSpec, expected ConsensusSpec"
     )
-    assert recs["typo"].status.startswith("failed: import failed: PluginError: plugin 'typo'")
+    assert recs["typo"].status.startswith("failed: registration failed: PluginError: plugin 'typo'")
     assert "unknown hooks ['pdplug_register_consensuss']" in recs["typo"].status
     assert pm.names("consensus") == ["pp0", "ring"]
 
@@ -530,3 +530,21 @@ def test_emit_isolates_observers_and_configure_is_historic(
     pm.emit(PdplugEvent(kind="decision", source="pp0"))
     assert seen == ["configured pp0", "decision"]
     assert "observer 'bad' failed on decision" in caplog.text
+
+
+def test_a_hookimpl_with_unknown_arguments_fails_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    @hookimpl
+    def pdplug_on_event(event: Any, verbosity: int) -> None:  # no such spec argument
+        return None
+
+    install_module(monkeypatch, "badargs_mod", pdplug_on_event=pdplug_on_event)
+    ep = fake_entry_point("badargs", "badargs_mod", dist="badargs", version="0.1")
+    pm = PluginManager(with_defaults(ep), env={})
+    status = {r.name: r for r in pm.records}["badargs"].status
+    assert status.startswith("failed: registration failed: PluginValidationError")
+    assert "verbosity" in status
+    assert pm.pm.get_plugin("badargs") is None
+    with pytest.raises(PluginError, match=r"'badargs' from badargs 0\.1 failed: registration"):
+        PluginManager(with_defaults(ep), env={}, strict=True)
