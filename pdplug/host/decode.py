@@ -7,9 +7,9 @@ Every rank holds the full weights and its share of each request's tokens (token 
    the room with the KV receiver, which sends the destination pages to every prefill rank;
 2. a room whose KV arrived (``Success``) and whose first token is known is voted ``good`` on the
    ``transfer`` stream (``Failed`` → ``bad``); decisions are applied in order, exactly once;
-3. DCP rank 0 broadcasts how many transfer decisions it has applied; every rank runs the same
-   batch — the requests admitted by those decisions — through one decode step (partial
-   attention over the local share, all-gathered and merged by log-sum-exp).
+3. the ranks agree (all-reduce MIN) on how many transfer decisions all of them applied; every
+   rank runs the same batch — the requests admitted by those decisions — through one decode
+   step (partial attention over the local share, all-gathered and merged by log-sum-exp).
 """
 
 from __future__ import annotations
@@ -175,7 +175,13 @@ class DecodeRank:
         self.draining = keep
 
     def _sync(self) -> tuple[int, bool]:
-        """DCP rank 0's count of applied transfer decisions (and stop flag), on every rank."""
+        """Agree on the step: how many transfer decisions *every* rank applied (MIN), and
+        whether every rank is ready to stop.
+
+        Decisions are applied in the same order everywhere, so the first ``n`` admitted ids
+        are the same list on every rank; a rank that is behind never blocks the others in a
+        collective (a relayed decision, e.g. ``ring``, may reach ranks at different times).
+        """
         n = len(self.admitted)
         stop = self.stopping and not self.reqs
         if self.size == 1:
@@ -183,18 +189,8 @@ class DecodeRank:
         import torch.distributed as dist
 
         t = torch.tensor([n, int(stop)], dtype=torch.int64)
-        dist.broadcast(t, src=0)
-        want, stop_flag = int(t[0]), bool(t[1])
-        deadline = time.monotonic() + self.spec.timeout_s
-        while len(self.admitted) < want:
-            self.poll_control()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"decode rank {self.rank}: DCP rank 0 applied {want} transfer decisions, "
-                    f"this rank {len(self.admitted)} after {self.spec.timeout_s} s"
-                )
-            time.sleep(0.0005)
-        return want, stop_flag
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t[0]), bool(t[1])
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if self.size == 1:
