@@ -231,10 +231,13 @@ class _Run:
 def run_demo(
     opts: DemoOptions,
     progress: Callable[[str, int, int], None] | None = None,
+    on_ready: Callable[[dict[tuple[str, int], int]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the reference host once; returns the report (see ``pdplug demo --json``).
 
     :param progress: called as ``progress(phase, done, total)``.
+    :param on_ready: called once every worker is up, with ``{(role, rank): pid}`` (fault
+        injection in tests, external monitoring).
     :raises DemoError: a worker died, reported a fatal error, or the run timed out; the message
         names the role, rank and the rooms that were in flight.
     """
@@ -259,6 +262,8 @@ def run_demo(
             if time.monotonic() > deadline:
                 missing = sorted(set(run.procs) - set(run.ready))
                 raise DemoError(f"workers not ready after start-up timeout: {missing}")
+        if on_ready:
+            on_ready({k: p.pid for k, p in run.procs.items() if p.pid is not None})
         t0 = time.time()
         order = sorted(requests, key=lambda r: r.arrival_ms)
         base_ms = order[0].arrival_ms if order else 0.0
