@@ -34,6 +34,8 @@ def demo_options(f: Any) -> Any:
                      help="Pack region capacity per destination rank in tokens."),
         click.option("--timeout", "timeout_s", default=30.0, show_default=True,
                      help="Bound on every wait (transfer, consensus, gloo), seconds."),
+        click.option("--log-dir", default=None,
+                     help="Directory for worker logs (default: a new temp dir; '' = terminal)."),
     ]  # fmt: skip
     for o in reversed(opts):
         f = o(f)
@@ -74,6 +76,8 @@ def print_report(rep: dict[str, Any]) -> None:
     for point, d in rep["plugins"].items():
         t.add_row(f"{point}", f"{d.get('name')} ({d.get('distribution')} {d.get('version', '')})")
     c.print(t)
+    if rep.get("worker_logs"):
+        c.print(f"worker logs: {rep['worker_logs']}")
 
 
 def register(main: Any, bench: Any) -> None:

@@ -267,7 +267,7 @@ def decode_main(spec_bytes: bytes) -> None:
 
     torch.set_num_threads(1)
     spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
-    setup_logging()
+    setup_logging(spec.log_path)
     rank: DecodeRank | None = None
     try:
         rank = DecodeRank(spec)

@@ -16,6 +16,8 @@ TTFT of a request = arrival at the driver → its transfer decision applied on d
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +72,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     run_timeout_s: float = 600.0
     reference: bool = True
     profile: bool = True
+    log_dir: str | None = None  # worker logs; None: a fresh temp dir; "": inherit the terminal
 
 
 class DemoError(RuntimeError):
@@ -106,6 +109,9 @@ class _Run:
         self.rx = to_driver_codec(self.wire)
         self.tx = to_worker_codec(self.wire)
         self.server = RendezvousServer(wire=self.wire).start()
+        self.log_dir = opts.log_dir
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="pdplug-demo-")
         self.procs: dict[tuple[str, int], mp.process.BaseProcess] = {}
         self.outs: dict[tuple[str, int], zmq.Socket] = {}
         self.ready: dict[tuple[str, int], Ready] = {}
@@ -153,6 +159,9 @@ class _Run:
                     pack_region_tokens=o.pack_region_tokens,
                     timeout_s=o.timeout_s,
                     profile=o.profile,
+                    log_path=os.path.join(self.log_dir, f"{role}{rank}.log")
+                    if self.log_dir
+                    else "",
                     wire=self.wire,
                 )
                 p = ctx.Process(
@@ -173,6 +182,9 @@ class _Run:
             if role is None or key[0] == role:
                 self.send(key, msg)
 
+    def logs_hint(self) -> str:
+        return f" (worker logs: {self.log_dir})" if self.log_dir else ""
+
     def in_flight(self) -> list[int]:
         return sorted(set(self.sent_at) - set(self.finished) - set(self.failed))
 
@@ -181,7 +193,7 @@ class _Run:
             if p.exitcode is not None and not (self.stopping and p.exitcode == 0):
                 raise DemoError(
                     f"{role} rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
-                    f"rooms failed (in flight): {self.in_flight()}"
+                    f"rooms failed (in flight): {self.in_flight()}{self.logs_hint()}"
                 )
 
     stopping = False
@@ -211,7 +223,7 @@ class _Run:
             elif isinstance(msg, Fatal):
                 raise DemoError(
                     f"{msg.role} rank {msg.rank} failed: {msg.message}; rooms failed "
-                    f"(in flight): {self.in_flight()}"
+                    f"(in flight): {self.in_flight()}{self.logs_hint()}"
                 )
 
     def close(self) -> None:
@@ -391,5 +403,6 @@ def _report(
             "output_tokens_per_s": out_tokens / serve_s if serve_s > 0 else 0.0,
         },
         "config": msgspec.to_builtins(opts),
+        "worker_logs": run.log_dir,
         "worker_stats": {f"{k[0]}{k[1]}": v for k, v in run.stats.items()},
     }

@@ -509,7 +509,7 @@ def prefill_main(spec_bytes: bytes) -> None:
 
     torch.set_num_threads(1)
     spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
-    setup_logging()
+    setup_logging(spec.log_path)
     rank: PrefillRank | None = None
     try:
         rank = PrefillRank(spec)

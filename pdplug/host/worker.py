@@ -17,13 +17,30 @@ from pdplug.host.model import ModelConfig
 __all__ = ["WorkerSpec", "DriverLink", "free_ports", "init_gloo", "setup_logging"]
 
 
-def setup_logging() -> None:
-    """Worker log level from ``PDPLUG_LOG_LEVEL`` (default WARNING), to stderr."""
+def setup_logging(log_path: str = "") -> None:
+    """Worker log level from ``PDPLUG_LOG_LEVEL`` (default WARNING).
+
+    With ``log_path``, the process's stdout and stderr (file descriptors 1 and 2, so native
+    transfer-engine logs too) go to that file instead of the terminal.
+    """
     import logging
     import os
+    import sys
+
+    if log_path:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
 
     level = os.environ.get("PDPLUG_LOG_LEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
+    # Transfer engines are chatty at INFO; keep the demo's terminal readable unless asked.
+    if level != "DEBUG":
+        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake (glog), read at load time
+        logging.getLogger("NIXL").setLevel(logging.WARNING)
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +78,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     pack_region_tokens: int = 256
     timeout_s: float = 30.0
     profile: bool = True
+    log_path: str = ""
     wire: WireConfig = WireConfig()
 
 
