@@ -21,8 +21,8 @@ def demo_options(f: Any) -> Any:
         click.option("--scale", default=32, show_default=True,
                      help="Divide trace lengths by this (512-token blocks -> 512/scale tokens)."),
         click.option("--max-output", default=16, show_default=True, help="Cap output tokens."),
-        click.option("--time-scale", default=0.0, show_default=True,
-                     help="Honour arrival times scaled by this factor (0: as fast as admitted)."),
+        click.option("--time-scale", default=1.0, show_default=True,
+                     help="Honour trace arrival times multiplied by this factor."),
         click.option("--no-arrivals", is_flag=True, help="Send requests as fast as admitted."),
         click.option("--consensus", default=None, help="Consensus name (default pp0)."),
         click.option("--kv-sender", default=None, help="KV sender name (default nixl)."),
@@ -30,7 +30,7 @@ def demo_options(f: Any) -> Any:
         click.option("--scheduler", default=None, help="Scheduler name (default default)."),
         click.option("--chunk-size", default=128, show_default=True,
                      help="Base chunked-prefill size in tokens (dynamic sizing starts here)."),
-        click.option("--pack-region-tokens", default=256, show_default=True,
+        click.option("--pack-region-tokens", default=64, show_default=True,
                      help="Pack region capacity per destination rank in tokens."),
         click.option("--timeout", "timeout_s", default=30.0, show_default=True,
                      help="Bound on every wait (transfer, consensus, gloo), seconds."),
@@ -64,7 +64,9 @@ def print_report(rep: dict[str, Any]) -> None:
     t.add_row("prefix-hit tokens (prefill)", str(rep["prefix_hit_tokens"]))
     t.add_row("tokens transferred", str(rep["tokens_transferred"]))
     t.add_row("bytes transferred", f"{rep['bytes_transferred'] / 2**20:.1f} MiB")
-    t.add_row("segments sent", str(rep["segments"]))
+    t.add_row("segments sent (sends split)", f"{rep['segments']} ({rep['split_sends']})")
+    ch = rep["chunks"]
+    t.add_row("prefill chunks (tokens)", f"{ch['s']} ({ch['_min']}-{ch['_max']})")
     t.add_row("TTFT p50 / p99", f"{rep['ttft_ms']['p50']:.1f} / {rep['ttft_ms']['p99']:.1f} ms")
     for k, v in rep["breakdown_ms"].items():
         t.add_row(f"  {k} p50 / p99", f"{v['p50']:.1f} / {v['p99']:.1f} ms")

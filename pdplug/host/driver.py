@@ -59,14 +59,14 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     trace: str | None = None
     scale: int = 32
     max_output: int = 16
-    time_scale: float = 0.0  # 0 = --no-arrivals
+    time_scale: float = 1.0  # arrival times x this; 0 = as fast as admitted (--no-arrivals)
     consensus: str | None = None
     kv_sender: str | None = None
     pack_planner: str | None = None
     scheduler: str | None = None
     page_size: int = 16
     chunk_size: int = 128
-    pack_region_tokens: int = 256
+    pack_region_tokens: int = 64
     num_pages: int = 4096
     timeout_s: float = 30.0
     run_timeout_s: float = 600.0
@@ -380,6 +380,8 @@ def _report(
     # every PP rank ships the same tokens (its own layers): count them once
     tokens_tx = max((int(s.get("tokens_sent", 0)) for s in prefill_stats), default=0)
     segments = max((int(s.get("segments", 0)) for s in prefill_stats), default=0)
+    split_sends = max((int(s.get("split_sends", 0)) for s in prefill_stats), default=0)
+    p0 = run.stats.get(("prefill", 0), {})
     hit_tokens = max((int(s.get("hit_tokens", 0)) for s in prefill_stats), default=0)
     served = next(iter(run.ready.values())).served_by if run.ready else {}
     out_tokens = sum(len(v) for v in run.finished.values())
@@ -396,6 +398,8 @@ def _report(
         "tokens_transferred": tokens_tx,
         "bytes_transferred": bytes_tx,
         "segments": segments,
+        "split_sends": split_sends,
+        "chunks": {k: int(p0.get(f"chunk{k}", 0)) for k in ("s", "_min", "_max")},
         "serve_s": serve_s,
         "wall_s": wall_s,
         "throughput": {

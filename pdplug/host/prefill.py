@@ -177,7 +177,9 @@ class PrefillRank:
         self.inflight: list[int] = []  # last segment posted, waiting for Success/Failed
         self.stopping = False
         self.segments = 0
+        self.split_sends = 0  # sends the scheduler cut into more than one segment
         self.tokens_sent = 0
+        self.chunk_sizes: list[int] = []
         self.pending_work: list[Any] = []
         self.draining: list[tuple[_Req, float]] = []
         self._next_dump = 0.0
@@ -352,6 +354,7 @@ class PrefillRank:
             self.sender.send(req.rid, seg, req.pages[first:past].numpy())
         req.pack_s += time.perf_counter() - t0
         self.segments += len(segs)
+        self.split_sends += len(segs) > 1
         self.tokens_sent += sum(seg.num_tokens for seg in segs)
         req.chunk_id += len(segs)
         req.sent = stop
@@ -397,6 +400,7 @@ class PrefillRank:
         n = int(req.tokens.numel())
         start = req.computed
         size = max(1, min(self.scheduler.next_chunk_size(start), n - start))
+        self.chunk_sizes.append(size)
         end = start + size
         if end == n:
             self.run_queue.popleft()
@@ -486,6 +490,10 @@ class PrefillRank:
             pass
         stats: dict[str, Any] = {
             "segments": self.segments,
+            "split_sends": self.split_sends,
+            "chunks": len(self.chunk_sizes),
+            "chunk_min": min(self.chunk_sizes, default=0),
+            "chunk_max": max(self.chunk_sizes, default=0),
             "tokens_sent": self.tokens_sent,
             "hit_tokens": self.pcache.hit_tokens,
         }
