@@ -170,16 +170,15 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
 
     res: dict[str, Any] = {"packer": getattr(packer, "kind", type(packer).__name__)}
     if cuda:  # bit-exact against the torch packer before timing
-        from pdplug_dcp.packers import TorchPacker
-
+        # the core never imports a plugin: the reference packer comes through the Protocol
+        torch_packer = planner.packer(device, "torch")
         ref = torch.zeros_like(buf)
         for pl in plans:
-            TorchPacker().pack(pl, entries, ref)
+            torch_packer.pack(pl, entries, ref)
         buf.fill_(0xA5)
         pack()
         torch.cuda.synchronize()
         res["bit_exact_vs_torch"] = bool(torch.equal(ref, buf))
-        torch_packer = TorchPacker()
 
         def pack_torch() -> None:
             for pl in plans:
