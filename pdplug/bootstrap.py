@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Any
 
 import msgspec
 import zmq
@@ -115,7 +116,7 @@ class RendezvousServer:
         self._codec = _codec(
             self.wire, Register, Resolve, Registered, Resolved, name="rendezvous-server"
         )
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if port:
@@ -250,7 +251,7 @@ def _request(
     what: str,
 ) -> msgspec.Struct:
     """One request/reply over a fresh DEALER, retried until ``deadline`` (monotonic seconds)."""
-    ctx = zmq.Context.instance()
+    ctx: Any = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)

@@ -1,12 +1,18 @@
-"""Placeholder until the feature lands: fails loudly, never a silent stub."""
+"""Factory of the ``mooncake`` KV receiver (decode side)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pdplug import KVConfig
+from pdplug.transfer import Compat, KVReceiverSession
 
 
-def make_receiver(*args: Any, **kwargs: Any) -> Any:
-    """Not implemented yet: pdplug_mooncake 'mooncake' receiver (issue 5: KV transfer)."""
-    raise NotImplementedError(
-        "pdplug_mooncake 'mooncake' receiver (issue 5: KV transfer) is not implemented yet"
-    )
+def make_receiver(config: KVConfig, *, compat: Compat | None = None) -> KVReceiverSession:
+    """Build the ``mooncake`` receiver: :class:`pdplug.transfer.KVReceiverSession` over a
+    Mooncake TransferEngine; completion and failure arrive over the control channel.
+
+    :param compat: handshake check; default: the process-wide manager's ``check_compat``.
+    :raises ImportError: mooncake is not installed.
+    """
+    from pdplug_mooncake.engine import MooncakeEngine
+
+    return KVReceiverSession(config, MooncakeEngine(config), compat=compat)

@@ -1,12 +1,24 @@
-"""Placeholder until the feature lands: fails loudly, never a silent stub."""
+"""Factory of the ``mooncake`` KV sender (prefill side)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pdplug import KVConfig, Packer, PackPlanner
+from pdplug.transfer import Compat, KVSenderSession
 
 
-def make_sender(*args: Any, **kwargs: Any) -> Any:
-    """Not implemented yet: pdplug_mooncake 'mooncake' sender (issue 5: KV transfer)."""
-    raise NotImplementedError(
-        "pdplug_mooncake 'mooncake' sender (issue 5: KV transfer) is not implemented yet"
-    )
+def make_sender(
+    config: KVConfig,
+    planner: PackPlanner,
+    packer: Packer | None = None,
+    *,
+    compat: Compat | None = None,
+) -> KVSenderSession:
+    """Build the ``mooncake`` sender: :class:`pdplug.transfer.KVSenderSession` over a Mooncake
+    TransferEngine (``KVConfig.extra["protocol"]``: ``"tcp"`` default, ``"rdma"``).
+
+    :param compat: handshake check; default: the process-wide manager's ``check_compat``.
+    :raises ImportError: mooncake is not installed.
+    """
+    from pdplug_mooncake.engine import MooncakeEngine
+
+    return KVSenderSession(config, planner, packer, MooncakeEngine(config), compat=compat)

@@ -1,12 +1,18 @@
-"""Placeholder until the feature lands: fails loudly, never a silent stub."""
+"""Factory of the ``nixl`` KV receiver (decode side)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pdplug import KVConfig
+from pdplug.transfer import Compat, KVReceiverSession
 
 
-def make_receiver(*args: Any, **kwargs: Any) -> Any:
-    """Not implemented yet: pdplug_nixl 'nixl' receiver (issue 5: KV transfer)."""
-    raise NotImplementedError(
-        "pdplug_nixl 'nixl' receiver (issue 5: KV transfer) is not implemented yet"
-    )
+def make_receiver(config: KVConfig, *, compat: Compat | None = None) -> KVReceiverSession:
+    """Build the ``nixl`` receiver: :class:`pdplug.transfer.KVReceiverSession` over a NIXL
+    agent (completion tags arrive as NIXL notifications).
+
+    :param compat: handshake check; default: the process-wide manager's ``check_compat``.
+    :raises ImportError: NIXL is not installed.
+    """
+    from pdplug_nixl.engine import NixlEngine
+
+    return KVReceiverSession(config, NixlEngine(config), compat=compat)

@@ -1,0 +1,79 @@
+"""Engine-neutral KV transfer machinery shared by every KV sender/receiver plugin.
+
+A backend plugin implements only :class:`~pdplug.transfer.engine.TransferEngine` (register,
+agent blob, connect, post, check, release, notify, poll notifications) and returns
+``KVSenderSession(config, planner, packer, engine)`` / ``KVReceiverSession(config, engine)``
+from its factories. The sessions implement :class:`pdplug.protocols.KVSender` /
+:class:`pdplug.protocols.KVReceiver`: control channel (ZMQ + :class:`~pdplug.wire.Codec`,
+never pickle), rendezvous publishing, handshake with compat checks, DestInfo intake, room
+bookkeeping (:mod:`pdplug.rooms`), strict chunk tags with generations, timeouts and heartbeats,
+and the plan -> pack -> post pipeline with double-buffered pack regions (:mod:`pdplug.packing`).
+
+How a host uses it
+------------------
+Start one rendezvous per deployment (any process; it is a thread)::
+
+    from pdplug.bootstrap import RendezvousServer, resolve
+    endpoint = RendezvousServer(wire).start().endpoint
+
+Prefill rank (one :class:`~pdplug.config.KVConfig` with ``role="prefill"`` and
+``bootstrap_endpoint=endpoint``)::
+
+    sender = pm.make_kv_sender(cfg)            # planner: the selected pack planner
+    sender.register_kv(kv_entries)             # registers KV + pack buffer, publishes the rank
+    # per request (room):
+    sender.start(room)                         # Bootstrapping until decode's DestInfos arrive
+    ... sender.poll(room) == KVPoll.WaitingForInput     # (with PP: decided by consensus)
+    d = sender.dest(room)[0]                   # d.decode_prefix_len, d.num_tokens
+    cap = sender.capacity_tokens(room)         # None: no relayout, do not split
+    for seg in scheduler.split_send(token_start=d.decode_prefix_len, token_end=n,
+                                    decode_prefix_len=d.decode_prefix_len,
+                                    is_last_send=True, capacity_tokens=cap):
+        sender.send(room, seg, pages[seg.token_start // page_size:])
+    ... sender.poll(room) in (Success, Failed)  # Failed: sender.failure_reason(room)
+    ... sender.drained(room)                   # no write still reads the pages
+    sender.clear(room)
+
+Decode rank (``role="decode"``, one per DCP rank)::
+
+    recv = pm.make_kv_receiver(cfg)
+    recv.register_kv(kv_entries)
+    recv.connect(resolve(endpoint, "prefill-0", timeout_s=cfg.bootstrap_timeout_s))
+    # raises CompatError naming every mismatch (page size, bytes per token, dtype, …)
+    # per request (room):
+    recv.expect(room, dst_pages, decode_prefix_len=p, num_tokens=n)   # sends DestInfo
+    ... recv.poll(room) in (Success, Failed)
+    ... recv.drained(room)                     # before freeing the pages of a Failed room
+    recv.clear(room)
+    recv.abort(room, "reason")                 # any time: prefill ranks stop and report back
+
+``poll`` never blocks; every other call is bounded (``bootstrap_timeout_s`` for connect, a few
+seconds for calls answered by the engine thread). Rooms end ``Success`` or ``Failed`` — a failed
+post, an abort on either side, a silent peer (``transfer_timeout_s``), or a stuck state
+(``bootstrap_timeout_s`` / ``waiting_timeout_s`` / ``transfer_timeout_s``) — never hang.
+The handshake compat check defaults to the process-wide plugin manager's
+:meth:`~pdplug.manager.PluginManager.check_compat` (layout checks + every plugin's
+``pdplug_check_compat`` veto); factories accept ``compat=`` to use another.
+"""
+
+from __future__ import annotations
+
+from pdplug.transfer.engine import TransferEngine, dedup_regions
+from pdplug.transfer.messages import Abort, Done, Heartbeat, Hello, HelloAck, control_codec
+from pdplug.transfer.receiver import KVReceiverSession
+from pdplug.transfer.sender import Compat, KVSenderSession, default_compat
+
+__all__ = [
+    "TransferEngine",
+    "dedup_regions",
+    "KVSenderSession",
+    "KVReceiverSession",
+    "Compat",
+    "default_compat",
+    "Hello",
+    "HelloAck",
+    "Abort",
+    "Done",
+    "Heartbeat",
+    "control_codec",
+]

@@ -1,0 +1,147 @@
+"""What a KV transfer backend adapts: the :class:`TransferEngine` protocol (+ region helpers).
+
+A backend plugin (``nixl``, ``mooncake``, a third party's) implements only this thin verb set;
+:class:`~pdplug.transfer.sender.KVSenderSession` and
+:class:`~pdplug.transfer.receiver.KVReceiverSession` do everything else (control channel,
+rooms, planning, packing, double buffering, tags, timeouts). Shape from prior-art sglang.md §6
+item 2 (register / export / connect / write / poll / notify) with capability flags.
+
+Threading: a session calls its engine from **one thread only** (its engine thread), so engines
+need not be thread-safe (vLLM serialises NIXL on a single-thread executor for the same reason).
+An engine whose writes are synchronous runs them on its own worker thread and reports them
+through :meth:`TransferEngine.check` like an asynchronous one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from pdplug.types import PeerInfo
+
+__all__ = ["TransferEngine", "dedup_regions", "XFER_DONE", "XFER_PENDING", "XFER_ERROR"]
+
+XFER_PENDING = "PROC"
+XFER_DONE = "DONE"
+XFER_ERROR = "ERR"
+
+
+@runtime_checkable
+class TransferEngine(Protocol):
+    """One rank's handle on a transfer engine (one agent / engine instance per session).
+
+    :ivar name: backend name (``"nixl"``, ``"mooncake"``); peers with another backend are
+        refused at the handshake.
+    :ivar notifications: True when a write can carry a completion tag that the target reads
+        after the data landed (NIXL). False: the session sends the tag over the control
+        channel once :meth:`check` reports ``"DONE"`` (Mooncake).
+    """
+
+    name: str
+    notifications: bool
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Register memory once: ``(address, nbytes)`` pairs, already de-duplicated
+        (:func:`dedup_regions`); memory kind and device come from the engine's config.
+
+        :raises pdplug.errors.TransferError: the engine refused a region.
+        """
+        ...
+
+    def agent(self) -> bytes:
+        """Connection blob a peer needs to write here (``PeerInfo.agent``), taken after
+        :meth:`register` (NIXL agent metadata, Mooncake ``host:rpc_port``)."""
+        ...
+
+    def agent_name(self) -> str:
+        """Name notifications from this engine carry (``""`` when it has none)."""
+        ...
+
+    def connect(self, peer: PeerInfo) -> Any:
+        """Prepare writes to ``peer`` (load its agent blob); returns an opaque peer handle.
+
+        :raises pdplug.errors.TransferError: the blob is unusable (the handshake refuses).
+        """
+        ...
+
+    def disconnect(self, peer: Any) -> None:
+        """Forget a peer handle returned by :meth:`connect`."""
+        ...
+
+    def post(
+        self, peer: Any, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
+    ) -> Any:
+        """Start writing ``length[i]`` bytes from local ``src[i]`` to remote ``dst[i]``.
+
+        :param src/dst/length: int64 ``[R]`` absolute addresses and sizes (bytes).
+        :param tag: completion tag delivered after the data (engines with notifications);
+            ``b""`` otherwise.
+        :returns: a transfer handle for :meth:`check` / :meth:`release`.
+        :raises Exception: an immediate failure (the session fails the room and sends the
+            failure tag; nothing is retried silently).
+        """
+        ...
+
+    def check(self, xfer: Any) -> str:
+        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"``; never raises for a failed write."""
+        ...
+
+    def cancel(self, xfer: Any) -> bool:
+        """Withdraw a posted write that has not started; True if it will never touch memory
+        (then it needs no :meth:`release`). Engines that cannot tell return False."""
+        ...
+
+    def release(self, xfer: Any) -> None:
+        """Free a handle whose write is DONE or ERR (or abandoned after a timeout)."""
+        ...
+
+    def notify(self, peer: Any, tag: bytes) -> None:
+        """Send ``tag`` alone (a chunk with nothing to write; engines with notifications).
+
+        :raises Exception: the notification could not be sent.
+        """
+        ...
+
+    def progress(self) -> None:
+        """Drive the engine's progress (an engine without its own progress thread flushes
+        pending notifications and connection set-up here); called every loop round. A no-op
+        for engines that progress by themselves."""
+        ...
+
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        """New notifications as ``(sender agent name, tag)``; ``[]`` without notifications."""
+        ...
+
+    def close(self) -> None:
+        """Release handles, deregister memory; idempotent."""
+        ...
+
+
+def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge duplicate, overlapping and touching ``(address, nbytes)`` regions (sorted).
+
+    Engines reject re-registration of an overlapping range (Mooncake#3153, prior-art
+    vllm-nixl-mooncake.md §6 row 13), and a unified pool can report one buffer twice.
+    Zero-length regions are dropped.
+
+    :raises ValueError: a negative address or size (named).
+    """
+    if not regions:
+        return []
+    arr = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
+    if (arr < 0).any():
+        i = int(np.flatnonzero((arr < 0).any(axis=1))[0])
+        raise ValueError(f"dedup_regions: region {i} = {tuple(arr[i].tolist())} is negative")
+    arr = arr[arr[:, 1] > 0]
+    if arr.shape[0] == 0:
+        return []
+    arr = arr[np.argsort(arr[:, 0], kind="stable")]
+    starts, ends = arr[:, 0], arr[:, 0] + arr[:, 1]
+    run_end = np.maximum.accumulate(ends)
+    # a new region starts where its start lies beyond every earlier end
+    new = np.concatenate(([True], starts[1:] > run_end[:-1]))
+    idx = np.flatnonzero(new)
+    last = np.concatenate((idx[1:] - 1, [arr.shape[0] - 1]))
+    return [(int(s), int(e - s)) for s, e in zip(starts[idx], run_end[last])]

@@ -1,0 +1,198 @@
+"""The engine thread of a KV session: one thread owns the engine and the control sockets.
+
+Host threads never touch the engine or a socket; they :meth:`EngineLoop.submit` closures (or
+:meth:`EngineLoop.call` them and wait, bounded) and read thread-safe state such as
+:class:`~pdplug.rooms.Rooms`. An inproc PAIR socket wakes the loop as soon as work is
+submitted. While transfers are in flight the loop polls without blocking (``spin_s`` sleeps
+between rounds) so completion latency stays far below a millisecond; idle, it blocks in
+``zmq_poll`` for up to ``idle_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import zmq
+
+from pdplug.errors import TransferError
+
+__all__ = ["EngineLoop"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class EngineLoop:
+    """A daemon thread running ``step`` between socket events and submitted closures.
+
+    :param name: thread name.
+    :param step: called every round with the monotonic time (seconds); must not block.
+    :param busy: True while work is in flight (then the loop does not block in poll).
+    :param idle_s: longest block in ``zmq_poll`` when idle (seconds), or a callable returning
+        it each round (a receiver polling engine notifications shortens it while rooms wait).
+    :param spin_s: sleep between rounds while busy (seconds).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[float], None],
+        busy: Callable[[], bool],
+        *,
+        idle_s: float | Callable[[], float] = 0.005,
+        spin_s: float = 50e-6,
+    ) -> None:
+        self.name = name
+        self._step = step
+        self._busy = busy
+        self._idle = idle_s
+        self._spin_s = spin_s
+        self._ctx: Any = zmq.Context.instance()
+        addr = f"inproc://pdplug-wake-{uuid.uuid4().hex}"
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(addr)
+        self._wake_lock = threading.Lock()
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+        self._todo: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._todo_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.errors = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (after the current round) and close the wake sockets; idempotent."""
+        self._stop.set()
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        with self._wake_lock:
+            for s in (self._wake_tx, self._wake_rx):
+                if not s.closed:
+                    s.close(linger=0)
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is alive and not stopping."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def on_thread(self) -> bool:
+        """Whether the caller runs on the engine thread."""
+        return threading.current_thread() is self._thread
+
+    # ------------------------------------------------------------------ sockets (engine thread)
+    def add_socket(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
+        """Call ``handler(sock)`` whenever ``sock`` is readable (engine thread or before start)."""
+        self._handlers[sock] = handler
+        self._poller.register(sock, zmq.POLLIN)
+
+    def remove_socket(self, sock: zmq.Socket) -> None:
+        """Stop polling ``sock`` (engine thread)."""
+        if self._handlers.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+
+    # ------------------------------------------------------------------ host-side API
+    def submit(self, fn: Callable[[], R]) -> Future[R]:
+        """Run ``fn`` on the engine thread soon; its result or exception lands in the future.
+
+        :raises TransferError: the loop is stopped.
+        """
+        fut: Future[R] = Future()
+        if self._stop.is_set():
+            raise TransferError(f"{self.name}: closed")
+        if self.on_thread():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+            return fut
+        with self._todo_lock:
+            self._todo.append((fn, fut))
+        self._wake()
+        return fut
+
+    def call(self, fn: Callable[[], R], timeout_s: float) -> R:
+        """Run ``fn`` on the engine thread and wait for its result (at most ``timeout_s``).
+
+        :raises TransferError: no result within ``timeout_s`` seconds.
+        """
+        fut = self.submit(fn)
+        try:
+            return fut.result(timeout=timeout_s)
+        except TimeoutError as e:
+            raise TransferError(
+                f"{self.name}: no answer from the engine thread in {timeout_s:g} s"
+            ) from e
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if not self._wake_tx.closed:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self._busy() or bool(self._todo)
+            try:
+                idle = self._idle() if callable(self._idle) else self._idle
+                events = self._poller.poll(0 if busy else max(1, int(idle * 1000)))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                raise
+            for sock, _ in events:
+                if sock is self._wake_rx:
+                    try:
+                        while True:
+                            sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                    continue
+                handler = self._handlers.get(sock)
+                if handler is not None:
+                    self._guard(handler, sock)
+            while True:
+                with self._todo_lock:
+                    if not self._todo:
+                        break
+                    fn, fut = self._todo.popleft()
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:
+                        fut.set_exception(e)
+            self._guard(self._step, time.monotonic())
+            if busy and not events:
+                time.sleep(self._spin_s)
+        # fail whatever is still queued so no caller waits forever
+        with self._todo_lock:
+            todo, self._todo = list(self._todo), deque()
+        for _fn, fut in todo:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(TransferError(f"{self.name}: closed"))
+
+    def _guard(self, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception:  # a bug in one round must not kill the rank's data plane
+            self.errors += 1
+            log.exception("%s: error in the engine loop", self.name)

@@ -1,0 +1,340 @@
+"""Scenarios shared by the per-backend test modules (the same assertions for every engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import _kvharness as kh
+import msgspec
+import pytest
+import zmq
+
+from pdplug import DestInfo, KVPoll
+from pdplug.bootstrap import RendezvousServer
+
+OK = int(KVPoll.Success)
+FAILED = int(KVPoll.Failed)
+
+
+@contextlib.contextmanager
+def pair(backend: str, instances: list[str], **opts: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """A rendezvous (this process), a prefill process and a decode process, both ready."""
+    server = RendezvousServer().start()
+    pre = kh.Child(kh.prefill_main, server.endpoint, backend, opts)
+    dec = kh.Child(kh.decode_main, server.endpoint, backend, {**opts, "instances": instances})
+    try:
+        pre.info = pre.wait("ready", 60)
+        dec.info = dec.wait("ready", 60)
+        yield server, pre, dec
+    finally:
+        for c in (dec, pre):
+            c.stop()
+        server.stop()
+
+
+def roundtrip(backend: str) -> None:
+    rooms = [
+        r
+        for inst in ("dec-tp", "dec-dcp2", "dec-dcp4")
+        for r in kh.REQUESTS[inst]
+        if r not in kh.FAILURE_ROOMS
+    ]
+    with pair(backend, ["dec-tp", "dec-dcp2", "dec-dcp4"]) as (_s, pre, dec):
+        dec.cmd(op="expect", rooms=rooms)
+        pre.cmd(op="serve", rooms=rooms)
+        for room in rooms:
+            d = dec.wait("done", 30, room=room)
+            p = pre.wait("done", 30, room=room)
+            assert d["status"] == [OK] * kh.request(room)[3], (room, d, p)
+            assert d["bytes_ok"] is True, (room, d)
+            assert p["status"] == [OK, OK], (room, p)
+            assert all(p["drained"]), p
+            inst = kh.request(room)[0]
+            if inst == "dec-tp":  # no relayout: the send is not split
+                assert p["cap"] is None and p["segments"] == 1, p
+            else:
+                assert p["cap"] == 32 * kh.DCP[inst], p  # region of 32 tokens per rank
+        dec.cmd(op="final_check")
+        assert dec.wait("final_check", 30)["ok"] is True
+        dec.cmd(op="stats")
+        st = dec.wait("stats")["stats"]
+        for inst, per_rank in st.items():
+            for s in per_rank:
+                assert s["tags_dropped"] == 0 and s["control_dropped"] == 0, (inst, s)
+                assert s.get("rooms_ok") == len([r for r in rooms if kh.request(r)[0] == inst]), (
+                    inst,
+                    s,
+                )
+
+
+def _raw_frames(endpoint: str, frames: list[list[bytes]]) -> None:
+    """Send raw multipart frames to a control endpoint from an anonymous DEALER."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    for f in frames:
+        sock.send_multipart(f)
+    time.sleep(0.2)
+    sock.close()
+
+
+def failures(backend: str) -> None:
+    """Compat refusal, a failed post, recovery, a decode-side abort, control-channel fuzz."""
+    with pair(backend, ["dec-dcp2"], timeout=3.0) as (_s, pre, dec):
+        endpoints = pre.info["endpoints"]
+
+        # -- compat: another page size and other bytes per token, refused at the handshake
+        dec.cmd(op="bad_connect")
+        bad = dec.wait("bad_connect", 30)
+        text = bad["error"]
+        assert text.startswith("peer refused at handshake"), text
+        assert "page_size" in text and "32" in text and "16" in text, text
+        assert "entry_bytes_per_token[1]" in text and "40" in text and "48" in text, text
+        assert any(m.startswith("prefill prefill-0 rank 0 refused:") for m in bad["mismatches"])
+        assert any(m.startswith("prefill prefill-0 rank 1 refused:") for m in bad["mismatches"])
+
+        # -- decode aborts mid-transfer: prefill stops, reports back, releases
+        pre.cmd(op="serve", rooms=[213], hold=[213])
+        dec.cmd(op="expect", rooms=[213])
+        pre.wait("sent_first", 30, room=213)
+        dec.wait("transferring", 30, room=213)
+        dec.cmd(op="abort", room=213)
+        p = pre.wait("done", 30, room=213)
+        assert p["status"] == [FAILED, FAILED], p
+        assert all("aborted by decode dec-dcp2" in r and "test abort" in r for r in p["reasons"])
+        assert all(p["drained"]), p
+        pre.cmd(op="release", room=213)  # the host tries to send the held last segment
+        time.sleep(0.3)
+        pre.cmd(op="stats")
+        st = pre.wait("stats")["stats"]
+        assert [s["posts"] for s in st] == p["posts"], (st, p)  # nothing posted after the abort
+        assert all(s["send_after_failure"] >= 1 and s["aborted_by_decode"] == 1 for s in st)
+        d = dec.wait("done", 30, room=213)
+        assert d["status"] == [FAILED, FAILED] and "test abort" in d["reasons"][0], d
+        dec.cmd(op="drained", room=213)
+        assert dec.wait("drained", 10)["drained"] == [True, True]
+
+        # -- control-channel fuzz: malformed frames dropped and counted, the session goes on
+        enc = msgspec.msgpack.Encoder()
+        dest = DestInfo(room=9, generation=1, decode_instance="x", dcp_rank=0, dst_pages=b"")
+        for ep in endpoints:
+            _raw_frames(
+                ep,
+                [
+                    [b"\xc1not msgpack"],
+                    [enc.encode({"type": "nope"})],
+                    [enc.encode({"type": "dest", "room": "x"})],
+                    [enc.encode(dest)],  # well-formed, but no handshake: unknown rank
+                    [b"a", b"b"],  # one frame too many
+                    [b"\x00" * (17 << 20)],  # over the 16 MiB limit
+                ],
+            )
+        dec.cmd(op="expect", rooms=[214])
+        pre.cmd(op="serve", rooms=[214])
+        d = dec.wait("done", 30, room=214)
+        assert d["status"] == [OK, OK] and d["bytes_ok"] is True, d
+        pre.wait("done", 30, room=214)
+        pre.cmd(op="stats")
+        for s in pre.wait("stats")["stats"]:
+            assert s["control_dropped_malformed"] == 2, s
+            assert s["control_dropped_unknown_kind"] == 1, s
+            assert s["control_dropped_wrong_type"] == 1, s
+            assert s["control_dropped_unknown_rank"] == 1, s
+            assert s["control_dropped_oversize"] == 1, s
+            assert s["refused"] == 1, s
+            assert s["loop_errors"] == 0, s
+        # -- a failed post (writes to an address outside the decode's registered memory)
+        pre.cmd(op="corrupt", on=True)
+        dec.cmd(op="expect", rooms=[211])
+        pre.cmd(op="serve", rooms=[211])
+        p = pre.wait("done", 30, room=211)
+        d = dec.wait("done", 30, room=211)
+        pre.cmd(op="corrupt", on=False)
+        assert p["status"] == [FAILED, FAILED], p
+        assert all("failed" in r or "refused" in r for r in p["reasons"]), str(p)
+        assert all(p["drained"]), p
+        assert d["status"] == [FAILED, FAILED], d
+        assert all(r.startswith("prefill prefill-0 rank") for r in d["reasons"]), d
+        # the explicit failure tag, not the 3 s transfer timeout, ended the decode room
+        assert d["elapsed"] < 2.0, d
+
+        # -- the session goes on (Mooncake's TCP transport resets a peer's connection after a
+        # rejected write and may fail the next write while it reconnects: a host retries)
+        for room in (212, 216):
+            dec.cmd(op="expect", rooms=[room])
+            pre.cmd(op="serve", rooms=[room])
+            d = dec.wait("done", 30, room=room)
+            p = pre.wait("done", 30, room=room)
+            if d["status"] == [OK, OK] or backend == "nixl":
+                break
+            time.sleep(2.5)
+        assert d["status"] == [OK, OK] and d["bytes_ok"] is True, d
+        assert p["status"] == [OK, OK], p
+
+        dec.cmd(op="final_check")
+        assert dec.wait("final_check", 30)["ok"] is True
+
+
+def kill_prefill(backend: str) -> None:
+    """The prefill process dies mid-transfer: the decode room fails within the timeout."""
+    timeout = 2.0
+    with pair(backend, ["dec-dcp2"], timeout=timeout) as (_s, pre, dec):
+        pre.cmd(op="serve", rooms=[215], hold=[215])
+        dec.cmd(op="expect", rooms=[215])
+        pre.wait("sent_first", 30, room=215)
+        dec.wait("transferring", 30, room=215)
+        pre.proc.kill()
+        dec.cmd(op="mark", room=215)
+        d = dec.wait("done", 10, room=215)
+        assert d["status"] == [FAILED, FAILED], d
+        assert d["elapsed"] <= timeout + 1.0, d
+        assert all("silent" in r or "Transferring" in r for r in d["reasons"]), str(d)
+        # the dead source is declared so (silent > timeout) soon after: the pages are free
+        t_end = time.monotonic() + timeout + 1.0
+        while True:
+            dec.cmd(op="drained", room=215)
+            drained = dec.wait("drained", 10)["drained"]
+            if drained == [True, True] or time.monotonic() > t_end:
+                break
+            time.sleep(0.1)
+        assert drained == [True, True]
+
+
+class Rogue:
+    """A prefill rank assembled from pdplug's core parts (real engine, real sockets) that
+    keeps sending tags for a lease the decode side already recycled."""
+
+    def __init__(self, backend: str, endpoint: str) -> None:
+        import torch
+
+        from pdplug import KVConfig, KVLayout, PeerInfo, WireConfig
+        from pdplug.bootstrap import bind_random, register
+        from pdplug.transfer.loop import EngineLoop
+        from pdplug.transfer.messages import control_codec, tag_codec
+
+        lay = KVLayout(
+            page_size=kh.P,
+            entry_bytes_per_token=kh.BPT * kh.LAYERS,
+            dtype="bfloat16",
+            num_layers=kh.LAYERS,
+        )
+        cfg = KVConfig(instance=kh.PREFILL, role="prefill", layout=lay)
+        if backend == "nixl":
+            from pdplug_nixl.engine import NixlEngine
+
+            self.engine: Any = NixlEngine(cfg)
+        else:
+            from pdplug_mooncake.engine import MooncakeEngine
+
+            self.engine = MooncakeEngine(cfg)
+        self.buf = torch.ones(1 << 16, dtype=torch.uint8)
+        self.engine.register([(self.buf.data_ptr(), self.buf.numel())])
+        self.codec = control_codec(WireConfig())
+        self.tags = tag_codec(WireConfig())
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        ep = bind_random(self.sock, "127.0.0.1")
+        self.info = PeerInfo(
+            instance=kh.PREFILL,
+            role="prefill",
+            layout=lay,
+            control_endpoint=ep,
+            backend=self.engine.name,
+            agent=self.engine.agent(),
+            entry_base=(self.buf.data_ptr(),) * lay.num_entries,
+            extra={"agent_name": self.engine.agent_name()},
+        )
+        self.peer: tuple[bytes, Any] | None = None
+        self.got: list[Any] = []
+        self.loop = EngineLoop("rogue", lambda now: self.engine.progress(), lambda: False)
+        self.loop.add_socket(self.sock, self._on)
+        self.loop.start()
+        register(endpoint, self.info, timeout_s=10)
+
+    def _on(self, sock: Any) -> None:
+        from pdplug.transfer.messages import Hello, HelloAck
+
+        ident, frame = sock.recv_multipart()
+        msg = self.codec.decode(frame)
+        if isinstance(msg, Hello):
+            self.peer = (ident, self.engine.connect(msg.peer))
+            ack = HelloAck(nonce=msg.nonce, accepted=True, rank=0, peer=self.info)
+            sock.send_multipart([ident, self.codec.encode(ack)])
+        elif msg is not None:
+            self.got.append(msg)
+
+    def wait_for(self, kind: type, n: int, timeout: float = 10.0) -> list[Any]:
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            seen = [m for m in list(self.got) if isinstance(m, kind)]
+            if len(seen) >= n:
+                return seen
+            time.sleep(0.01)
+        raise TimeoutError(f"rogue: {n} {kind.__name__} not received; got {self.got}")
+
+    def send(self, tag: Any = None, raw_notif: bytes | None = None) -> None:
+        from pdplug.transfer.messages import Done
+
+        def go() -> None:
+            assert self.peer is not None
+            ident, handle = self.peer
+            if tag is not None:
+                self.sock.send_multipart([ident, self.codec.encode(Done(chunk=tag))])
+            if self.engine.notifications:
+                self.engine.notify(
+                    handle, raw_notif if raw_notif is not None else self.tags.encode(tag)
+                )
+
+        self.loop.call(go, 10.0)
+
+    def close(self) -> None:
+        self.loop.call(self.engine.close, 10.0)
+        self.loop.stop()
+        self.sock.close(linger=0)
+
+
+def late_tags(backend: str) -> None:
+    """Tags for a recycled room's previous lease (and malformed tags) are dropped, counted,
+    and never complete the new lease; the current lease's tag completes it."""
+    from pdplug import ChunkTag
+    from pdplug.transfer.messages import Abort
+
+    server = RendezvousServer().start()
+    rogue = Rogue(backend, server.endpoint)
+    dec = kh.Child(kh.decode_main, server.endpoint, backend, {"instances": ["dec-tp"]})
+    try:
+        dec.wait("ready", 60)
+        dec.cmd(op="expect", rooms=[104])
+        (first,) = rogue.wait_for(DestInfo, 1)
+        dec.cmd(op="clear", room=104)  # unfinished: the decode side aborts it first
+        (abort,) = rogue.wait_for(Abort, 1)
+        assert (abort.room, abort.generation) == (104, first.generation)
+        dec.cmd(op="expect", rooms=[104])
+        second = rogue.wait_for(DestInfo, 2)[1]
+        assert second.generation > first.generation
+
+        def tag(gen: int, src: int = 0) -> ChunkTag:
+            return ChunkTag(generation=gen, room=104, chunk_id=0, is_last=True, src_rank=src)
+
+        rogue.send(tag(first.generation))  # late: the previous lease
+        rogue.send(tag(second.generation, src=5))  # claims another source rank
+        if backend == "nixl":
+            rogue.send(raw_notif=b"\x93garbage")
+        with pytest.raises(TimeoutError):
+            dec.wait("done", 1.0, room=104)
+        dec.cmd(op="stats")
+        (s,) = dec.wait("stats")["stats"]["dec-tp"]
+        assert s["control_dropped_stale"] == 1 and s["control_dropped_unknown_rank"] == 1, s
+        if backend == "nixl":
+            assert s["tags_dropped_stale"] == 1 and s["tags_dropped_unknown_rank"] == 1, s
+            assert s.get("tags_dropped_malformed", 0) + s.get("tags_dropped_wrong_type", 0) == 1, s
+        rogue.send(tag(second.generation))  # the current lease completes
+        d = dec.wait("done", 10, room=104)
+        assert d["status"] == [OK] and d["bytes_ok"] is True, d
+    finally:
+        dec.stop()
+        rogue.close()
+        server.stop()
