@@ -279,6 +279,7 @@ class PluginManager:
                 self.pm.register(obj, name=ep.name)
                 self._check_hooks(ep.name, obj)
             except Exception as e:  # pluggy validation (bad hookimpl) or an unknown hook
+                self._forget(ep.name)
                 self._fail(ep.name, rec, "registration failed", e)
         present = {normalize(r.name) for r in self.records} | {
             normalize(r.distribution) for r in self.records
@@ -290,11 +291,18 @@ class PluginManager:
             if self.strict:
                 raise PluginError(msg + " (PDPLUG_STRICT_PLUGINS=1)")
 
+    def _forget(self, name: str) -> None:
+        """Undo a failed registration (pluggy < 1.6 keeps a plugin whose validation failed)."""
+        if self.pm.get_plugin(name) is not None:
+            try:
+                self.pm.unregister(name=name)
+            except Exception:
+                log.debug("pdplug: could not unregister %r", name, exc_info=True)
+
     def _check_hooks(self, name: str, plugin: object) -> None:
         """A ``pdplug_*`` function matching no hook spec is a typo; refuse the plugin."""
         unknown = sorted(h.name for h in self.pm.get_hookcallers(plugin) or () if not h.has_spec())
         if unknown:
-            self.pm.unregister(plugin)
             raise PluginError(
                 f"plugin {name!r} implements unknown hooks {unknown}; known hooks: "
                 + ", ".join(sorted(n for n in dir(PdplugSpecs) if n.startswith("pdplug_")))
@@ -311,8 +319,12 @@ class PluginManager:
         """
         if self.pm.has_plugin(name) or self.pm.is_blocked(name):
             raise PluginError(f"a plugin named {name!r} is already registered or blocked")
-        self.pm.register(plugin, name=name)
-        self._check_hooks(name, plugin)
+        try:
+            self.pm.register(plugin, name=name)
+            self._check_hooks(name, plugin)
+        except Exception:
+            self._forget(name)
+            raise
         self.records.append(
             PluginRecord(name=name, distribution=distribution, version="", value=repr(plugin))
         )

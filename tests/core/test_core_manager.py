@@ -548,3 +548,17 @@ def test_a_hookimpl_with_unknown_arguments_fails_registration(
     assert pm.pm.get_plugin("badargs") is None
     with pytest.raises(PluginError, match=r"'badargs' from badargs 0\.1 failed: registration"):
         PluginManager(with_defaults(ep), env={}, strict=True)
+
+
+def test_a_refused_in_process_plugin_leaves_no_trace() -> None:
+    class Typo:
+        @hookimpl
+        def pdplug_on_evnt(self, event: Any) -> None:
+            return None
+
+    pm = make_plugin_manager()
+    with pytest.raises(PluginError, match=r"unknown hooks \['pdplug_on_evnt'\]"):
+        pm.register(Typo(), name="typo")
+    assert pm.pm.get_plugin("typo") is None
+    assert "typo" not in {r.name for r in pm.records}
+    pm.register(object(), name="typo")  # the name is free again
