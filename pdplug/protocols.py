@@ -157,39 +157,92 @@ class PackPlanner(Protocol):
 
 @runtime_checkable
 class KVSender(Protocol):
-    """Prefill-side data plane of one rank: owns registered KV and pack memory."""
+    """Prefill-side data plane of one rank: owns registered KV and pack memory.
+
+    Call order per request (room): :meth:`start` -> :meth:`poll` until ``WaitingForInput`` ->
+    :meth:`dest` / :meth:`capacity_tokens` -> :meth:`send` each segment -> :meth:`poll` (or
+    :meth:`wait`) until ``Success``/``Failed`` -> :meth:`clear`. Every wait ends within the
+    configured timeouts (``KVConfig``); see :mod:`pdplug.transfer` for the default
+    implementation and the full host walkthrough.
+    """
 
     def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
-        """Register the rank's KV entries (contiguous tensors, ``layout`` order) once."""
+        """Register the rank's KV entries (contiguous tensors, ``layout`` order) and the pack
+        buffer once; publish the rank at ``KVConfig.bootstrap_endpoint`` when set.
+
+        :raises ValueError: entry count, contiguity or size (named).
+        :raises pdplug.errors.TransferError: the engine or the rendezvous refused.
+        """
         ...
 
     def peer_info(self) -> PeerInfo:
-        """What this rank publishes at the rendezvous."""
+        """What this rank publishes at the rendezvous (after :meth:`register_kv`)."""
+        ...
+
+    def start(self, room: int) -> int:
+        """Lease ``room``: ``Bootstrapping`` until every decode DCP rank's DestInfo arrived
+        (``bootstrap_timeout_s``), then ``WaitingForInput``. Returns the lease generation.
+
+        :raises ValueError: ``room`` is already leased (clear it first).
+        """
         ...
 
     def poll(self, room: int) -> KVPoll:
-        """Room status on this rank (Bootstrapping until every decode rank sent its DestInfo)."""
+        """Room status on this rank; never blocks.
+
+        :raises KeyError: ``room`` is not leased.
+        """
+        ...
+
+    def wait(
+        self,
+        room: int,
+        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
+        timeout_s: float | None = None,
+    ) -> KVPoll:
+        """Block (no polling) until ``room`` reaches a status in ``until`` (a single
+        non-terminal status means "at least"); ``timeout_s=None`` is bounded by the room's
+        deadlines. Returns the status."""
         ...
 
     def dest(self, room: int) -> list[DestInfo]:
-        """The DestInfos received for ``room`` (one per destination DCP rank)."""
+        """The DestInfos received for ``room``, one per destination DCP rank (sorted); all
+        carry the same ``decode_prefix_len`` and ``num_tokens``."""
+        ...
+
+    def capacity_tokens(self, room: int) -> int | None:
+        """Largest segment (tokens) a send of ``room`` may have: the pack-region bound when a
+        destination needs relayout (pass it to ``Scheduler.split_send``), ``None`` otherwise.
+
+        :raises ValueError: the room has no destination yet.
+        """
         ...
 
     def send(self, room: int, segment: Segment, src_pages: np.ndarray) -> None:
         """Plan, pack and post the writes of one segment to every destination rank.
 
-        :param src_pages: int64 ``[n]`` this segment's source page ids.
-        Non-blocking for asynchronous engines; the room turns Success when the last segment
-        completed on every destination, Failed on any error or timeout.
+        :param src_pages: int64 ``[n]`` source page ids from the segment's first page on.
+        Non-blocking; segments go in ``chunk_id`` order (0, 1, … per rank), the last with
+        ``is_last``. The room turns Success when the last segment completed on every
+        destination (never while a chunk is pending), Failed on any error or timeout. A send
+        for a failed room is ignored.
+
+        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, or a page id
+            is outside the registered KV.
         """
         ...
 
     def abort(self, room: int, reason: str = "aborted") -> None:
-        """Fail ``room`` here and tell every destination; in-flight writes are drained first."""
+        """Fail ``room`` here and tell every destination (again once in-flight writes
+        drained)."""
+        ...
+
+    def drained(self, room: int) -> bool:
+        """Whether no write of ``room`` is in flight here (its source pages may be reused)."""
         ...
 
     def clear(self, room: int) -> None:
-        """Forget ``room`` (after the host released it)."""
+        """Forget ``room`` (after the host released it); an unfinished room is aborted first."""
         ...
 
     def failure_reason(self, room: int) -> str | None:
@@ -207,21 +260,31 @@ class KVSender(Protocol):
 
 @runtime_checkable
 class KVReceiver(Protocol):
-    """Decode-side data plane of one rank: owns the registered destination KV."""
+    """Decode-side data plane of one rank (one per DCP rank): owns the registered destination
+    KV.
+
+    Call order: :meth:`register_kv` -> :meth:`connect` (peers from
+    :func:`pdplug.bootstrap.resolve`) -> per request :meth:`expect` -> :meth:`poll` (or
+    :meth:`wait`) until ``Success``/``Failed`` -> (:meth:`drained` before reusing the pages
+    of a failed room) -> :meth:`clear`.
+    """
 
     def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
-        """Register the rank's KV entries (contiguous tensors, ``layout`` order) once."""
+        """Register the rank's KV entries (contiguous tensors, ``layout`` order) once; draft
+        entries hold whole virtual pages (``page_size * dcp_size`` tokens each)."""
         ...
 
     def peer_info(self) -> PeerInfo:
         """What this rank sends to prefill ranks at the handshake."""
         ...
 
-    def connect(self, prefill: Sequence[PeerInfo]) -> None:
-        """Handshake with every rank of a prefill instance.
+    def connect(self, prefill: Sequence[PeerInfo], timeout_s: float | None = None) -> None:
+        """Handshake with every rank of a prefill instance (bounded by ``timeout_s``, default
+        ``bootstrap_timeout_s``).
 
         :raises pdplug.errors.CompatError: naming every mismatch (page size, bytes per token,
-            dtype, layout version, plugin vetoes).
+            dtype, layout version, backend, plugin vetoes) from both sides.
+        :raises pdplug.errors.TransferError: a prefill rank did not answer.
         """
         ...
 
@@ -232,20 +295,47 @@ class KVReceiver(Protocol):
         *,
         decode_prefix_len: int = 0,
         num_tokens: int = 0,
+        instance: str | None = None,
     ) -> int:
-        """Lease ``room`` and send its DestInfo to every prefill rank; returns the generation."""
+        """Lease ``room`` (``WaitingForInput``) and send its DestInfo to every prefill rank of
+        ``instance`` (optional when one is connected); returns the generation.
+
+        :param dst_pages: int64 ``[n]`` this rank's destination (virtual) page ids from
+            ``decode_prefix_len`` on.
+        :raises ValueError: a page outside the registered KV, too few pages for
+            ``num_tokens``, a prefix not aligned to the virtual page, a leased room.
+        """
         ...
 
     def poll(self, room: int) -> KVPoll:
-        """Room status on this rank (Success when every source rank's last chunk arrived)."""
+        """Room status on this rank (Success when every source rank's last chunk arrived).
+
+        :raises KeyError: ``room`` is not leased.
+        """
+        ...
+
+    def wait(
+        self,
+        room: int,
+        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
+        timeout_s: float | None = None,
+    ) -> KVPoll:
+        """Block (no polling) until ``room`` reaches a status in ``until``; see
+        :meth:`KVSender.wait`."""
         ...
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every prefill rank to stop sending it."""
         ...
 
+    def drained(self, room: int) -> bool:
+        """Whether no prefill rank can still write into ``room``'s pages (succeeded, every
+        source acknowledged the failure or died, or ``transfer_timeout_s`` passed)."""
+        ...
+
     def clear(self, room: int) -> None:
-        """Forget ``room``; later tags of its generation are ignored."""
+        """Forget ``room``; later tags of its generation are ignored (an unfinished room is
+        aborted first)."""
         ...
 
     def failure_reason(self, room: int) -> str | None:

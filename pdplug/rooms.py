@@ -110,6 +110,7 @@ class Rooms:
         }
         self._clock = clock
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._rooms: dict[int, _Room] = {}
         self.ignored = 0  # events for unknown rooms or other generations
 
@@ -137,6 +138,7 @@ class Rooms:
             self._rooms[room] = _Room(
                 generation=gen, status=status, deadline=self._deadline(status)
             )
+            self._changed.notify_all()
         return gen
 
     def clear(self, room: int, generation: int | None = None) -> bool:
@@ -146,6 +148,7 @@ class Rooms:
             if r is None or (generation is not None and generation != r.generation):
                 return False
             del self._rooms[room]
+            self._changed.notify_all()
             return True
 
     def __contains__(self, room: object) -> bool:
@@ -201,6 +204,37 @@ class Rooms:
                 deadline=r.deadline,
             )
 
+    def wait(
+        self,
+        room: int,
+        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
+        timeout_s: float | None = None,
+    ) -> KVPoll:
+        """Block until ``room`` reaches a status in ``until`` (or a later one on the lattice
+        when ``until`` is a single non-terminal status), without polling.
+
+        :param timeout_s: seconds; ``None`` waits for as long as the room's own deadlines
+            allow (a non-terminal room always ends by them).
+        :returns: the status when woken (it may still be outside ``until`` on timeout).
+        :raises KeyError: ``room`` is not leased, or was cleared while waiting.
+        """
+        t_end = None if timeout_s is None else self._clock() + timeout_s
+        floor = min(until) if len(until) == 1 and until[0] != KVPoll.Failed else None
+        with self._changed:
+            while True:
+                r = self._rooms.get(room)
+                if r is None:
+                    raise KeyError(f"room {room} is not leased on this rank (never or cleared)")
+                if r.status in until or (floor is not None and r.status >= floor):
+                    return r.status
+                if r.status == KVPoll.Failed:
+                    return r.status
+                left = None if t_end is None else t_end - self._clock()
+                if left is not None and left <= 0:
+                    return r.status
+                # wake at least every 50 ms: deadlines are enforced by another thread
+                self._changed.wait(0.05 if left is None else min(left, 0.05))
+
     # ------------------------------------------------------------------ transitions
     def advance(self, room: int, status: KVPoll, generation: int | None = None) -> KVPoll | None:
         """Merge ``status`` into the room (monotonic; Failed absorbing).
@@ -238,6 +272,7 @@ class Rooms:
             r.reason = reason
             r.deadline = 0.0
             r.success_held = False
+            self._changed.notify_all()
             return True
 
     def touch(self, room: int, generation: int | None = None) -> None:
@@ -303,6 +338,8 @@ class Rooms:
                     r.deadline = 0.0
                     r.success_held = False
                     out.append((room, r.generation, r.reason))
+            if out:
+                self._changed.notify_all()
         return out
 
     # ------------------------------------------------------------------ internals
@@ -317,6 +354,7 @@ class Rooms:
         if status != r.status:
             r.status = status
             r.deadline = self._deadline(status)
+            self._changed.notify_all()
 
     def _deadline(self, status: KVPoll) -> float:
         spec = self._timeouts.get(status)

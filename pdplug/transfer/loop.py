@@ -3,9 +3,10 @@
 Host threads never touch the engine or a socket; they :meth:`EngineLoop.submit` closures (or
 :meth:`EngineLoop.call` them and wait, bounded) and read thread-safe state such as
 :class:`~pdplug.rooms.Rooms`. An inproc PAIR socket wakes the loop as soon as work is
-submitted. While transfers are in flight the loop polls without blocking (``spin_s`` sleeps
-between rounds) so completion latency stays far below a millisecond; idle, it blocks in
-``zmq_poll`` for up to ``idle_s``.
+submitted. While transfers are in flight the loop polls without blocking — hot for ``spin_s``,
+then with sleeps of 2% of the elapsed time up to ``backoff_s`` — so completion is seen within a
+few percent of the transfer time without a polling thread eating the CPU a loopback copy needs;
+idle, it blocks in ``zmq_poll`` for up to ``idle_s``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ class EngineLoop:
     :param busy: True while work is in flight (then the loop does not block in poll).
     :param idle_s: longest block in ``zmq_poll`` when idle (seconds), or a callable returning
         it each round (a receiver polling engine notifications shortens it while rooms wait).
-    :param spin_s: sleep between rounds while busy (seconds).
+    :param spin_s: while busy, poll again at once (yielding the GIL) for this long (seconds):
+        engines without a progress thread (NIXL as configured here) move data only while
+        polled, and most completions arrive within it.
+    :param backoff_s: then sleep between rounds 2% of the time the work has been in flight,
+        at most this long (seconds).
     """
 
     def __init__(
@@ -48,13 +53,15 @@ class EngineLoop:
         busy: Callable[[], bool],
         *,
         idle_s: float | Callable[[], float] = 0.005,
-        spin_s: float = 50e-6,
+        spin_s: float = 0.0002,
+        backoff_s: float = 0.001,
     ) -> None:
         self.name = name
         self._step = step
         self._busy = busy
         self._idle = idle_s
         self._spin_s = spin_s
+        self._backoff_s = backoff_s
         self._ctx: Any = zmq.Context.instance()
         addr = f"inproc://pdplug-wake-{uuid.uuid4().hex}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
@@ -150,6 +157,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        busy_since = 0.0
         while not self._stop.is_set():
             busy = self._busy() or bool(self._todo)
             try:
@@ -180,9 +188,17 @@ class EngineLoop:
                         fut.set_result(fn())
                     except BaseException as e:
                         fut.set_exception(e)
-            self._guard(self._step, time.monotonic())
-            if busy and not events:
-                time.sleep(self._spin_s)
+            now = time.monotonic()
+            self._guard(self._step, now)
+            if not busy:
+                busy_since = 0.0
+            elif not events:
+                busy_since = busy_since or now
+                # poll hot right after work was posted (fast completions), then back off in
+                # proportion to how long the work has run (detection adds <= 2% to a long
+                # write) so a polling thread does not take the CPU the transfer needs
+                busy_for = now - busy_since
+                time.sleep(0 if busy_for < self._spin_s else min(self._backoff_s, busy_for / 50))
         # fail whatever is still queued so no caller waits forever
         with self._todo_lock:
             todo, self._todo = list(self._todo), deque()

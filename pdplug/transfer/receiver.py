@@ -272,6 +272,22 @@ class KVReceiverSession:
         """
         return self.rooms.status(room)
 
+    def wait(
+        self,
+        room: int,
+        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
+        timeout_s: float | None = None,
+    ) -> KVPoll:
+        """Block until ``room`` reaches a status in ``until`` — a single non-terminal status
+        means "at least" — without polling (:meth:`pdplug.rooms.Rooms.wait`). For hosts and
+        tools that would otherwise spin on :meth:`poll` (a spinning host steals the CPU a
+        loopback copy needs).
+
+        :param timeout_s: seconds; ``None``: as long as the room's deadlines allow.
+        :raises KeyError: ``room`` is not leased.
+        """
+        return self.rooms.wait(room, until, timeout_s)
+
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every prefill rank to stop sending it."""
         gen = self.rooms.generation(room)

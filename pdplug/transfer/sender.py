@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,13 +43,12 @@ from pdplug.packing import (
     pack_buffer_nbytes,
     pack_bytes_per_token,
     pack_regions,
-    run_addresses,
     segment_to_chunk,
     send_capacity_tokens,
 )
 from pdplug.protocols import Packer, PackPlanner
 from pdplug.rooms import Rooms
-from pdplug.transfer.engine import XFER_DONE, XFER_PENDING, TransferEngine, dedup_regions
+from pdplug.transfer.engine import TransferEngine, dedup_regions
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import (
     Abort,
@@ -60,6 +59,7 @@ from pdplug.transfer.messages import (
     control_codec,
     tag_codec,
 )
+from pdplug.transfer.pipeline import Job, Lease, Peer, SendPipeline
 from pdplug.types import ChunkTag, DestInfo, KVPoll, PackRegion, PeerInfo, Segment, pages_from_bytes
 
 if TYPE_CHECKING:
@@ -117,51 +117,6 @@ def entries_geometry(
     return base, nbytes, int(pages or 0)
 
 
-class _Peer(msgspec.Struct, kw_only=True):
-    ident: bytes
-    info: PeerInfo
-    key: tuple[str, int]
-    handle: Any
-    emap: np.ndarray
-    dst_base: np.ndarray
-    relayout: bool
-    last_seen: float
-    alive: bool = True
-
-
-class _Lease(msgspec.Struct, kw_only=True):
-    room: int
-    generation: int
-    instance: str = ""
-    expected: int = 0
-    dests: dict[int, DestInfo] = {}
-    peers: dict[int, _Peer] = {}
-    segments: dict[int, int] = {}  # chunk_id -> jobs not yet completed
-    inflight: int = 0
-    failed: bool = False
-    reason: str = ""
-    notified: int = 0  # failure notices sent: 0 none, 1 failed, 2 failed and drained
-    cleared: bool = False
-
-
-class _Job(msgspec.Struct, kw_only=True):
-    lease: _Lease
-    dst_rank: int
-    chunk: Any  # SendChunk (numpy arrays)
-
-
-class _Xfer(msgspec.Struct, kw_only=True):
-    job: _Job
-    handle: Any
-    region: int
-    t_post: float
-    nbytes: int
-    runs: int
-    tag: ChunkTag
-    abandoned: bool = False
-    cancelled: bool = False
-
-
 class KVSenderSession:
     """Engine-neutral prefill-side KV sender (implements :class:`pdplug.protocols.KVSender`).
 
@@ -211,34 +166,51 @@ class KVSenderSession:
         self.endpoint = bootstrap.bind_random(self._sock, w.bind_host)
         self._hb_s = max(0.05, min(1.0, config.transfer_timeout_s / 5))
         self._peer_timeout_s = config.transfer_timeout_s
-        self._peers: dict[bytes, _Peer] = {}
+        self._peers: dict[bytes, Peer] = {}
         self._by_key: dict[tuple[str, int], bytes] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._draining: list[_Lease] = []
+        self._leases: dict[int, Lease] = {}
+        self._draining: list[Lease] = []
         self._inbox: dict[int, dict[tuple[str, int], tuple[DestInfo, float]]] = {}
-        self._queue: deque[_Job] = deque()
-        self._xfers: list[_Xfer] = []
         self._regions: list[PackRegion] = []
-        self._region_busy = np.zeros(0, dtype=bool)
-        self._entries: list[torch.Tensor] = []
         self._pack: torch.Tensor | None = None
-        self._pack_base = 0
-        self._src_base = np.zeros(0, dtype=np.int64)
         self._num_pages = 0
         self._info: PeerInfo | None = None
         self._next_periodic = 0.0
         self._next_hb = 0.0
         self._hb_seq = 0
         self.counts: Counter[str] = Counter()
-        self.timings: dict[str, float] = dict.fromkeys(("plan_s", "pack_s", "post_s"), 0.0)
         self._closed = False
         self._loop = EngineLoop(
             f"pdplug-{engine.name}-send-{config.instance}-{self.rank}",
             self._step,
-            lambda: bool(self._xfers) or bool(self._queue),
+            lambda: self._pipe.busy(),
+        )
+        self._pipe = SendPipeline(
+            engine=engine,
+            planner=planner,
+            layout=config.layout,
+            rank=self.rank,
+            tags=self._tags,
+            timeout_s=config.transfer_timeout_s,
+            max_inflight=max_inflight,
+            on_done=self._job_done,
+            on_fail=self._fail,
+            on_written=self._written,
+            on_drained=self._notify_failure,
         )
         self._loop.add_socket(self._sock, self._on_control)
         self._loop.start()
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The backend adapter (replaceable before the first send, e.g. to inject faults)."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: TransferEngine) -> None:
+        self._engine = engine
+        if hasattr(self, "_pipe"):
+            self._pipe.engine = engine
 
     # ================================================================== host-facing API
     def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
@@ -343,6 +315,22 @@ class KVSenderSession:
             self.rooms.advance(room, KVPoll.Success, gen)  # held until nothing is pending
         self._loop.submit(lambda: self._enqueue(room, gen, segment, pages))
 
+    def wait(
+        self,
+        room: int,
+        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
+        timeout_s: float | None = None,
+    ) -> KVPoll:
+        """Block until ``room`` reaches a status in ``until`` — a single non-terminal status
+        means "at least" — without polling (:meth:`pdplug.rooms.Rooms.wait`). For hosts and
+        tools that would otherwise spin on :meth:`poll` (a spinning host steals the CPU a
+        loopback copy needs).
+
+        :param timeout_s: seconds; ``None``: as long as the room's deadlines allow.
+        :raises KeyError: ``room`` is not leased.
+        """
+        return self.rooms.wait(room, until, timeout_s)
+
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every destination once in-flight writes drained."""
         gen = self.rooms.generation(room)
@@ -375,7 +363,8 @@ class KVSenderSession:
         peers_dead, pack_s/plan_s/post_s (seconds), and control-channel drops by reason."""
         out: dict[str, Any] = {"backend": self.engine.name, "rank": self.rank}
         out.update(self.counts)
-        out.update({k: round(v, 6) for k, v in self.timings.items()})
+        out.update(self._pipe.counts)
+        out.update({k: round(v, 6) for k, v in self._pipe.timings.items()})
         out.update({f"control_{k}": v for k, v in self._codec.stats().items()})
         out.update({f"tags_{k}": v for k, v in self._tags.stats().items()})
         out["loop_errors"] = self._loop.errors
@@ -417,21 +406,17 @@ class KVSenderSession:
                 depth=cfg.pack_depth,
             )
             self._pack = torch.empty(nb, dtype=torch.uint8, device=cfg.device)
-            self._pack_base = int(self._pack.data_ptr())
             self._regions = pack_regions(
                 lay,
                 dst_dcp_size=cfg.max_dst_dcp,
                 depth=cfg.pack_depth,
                 region_tokens=cfg.pack_region_tokens,
             )
-            self._region_busy = np.zeros(len(self._regions), dtype=bool)
-            regions.append((self._pack_base, nb))
+            regions.append((int(self._pack.data_ptr()), nb))
         self.engine.register(dedup_regions(regions))
-        self._entries = entries
-        self._src_base = base
         self._num_pages = pages
-        if self._packer is None:
-            self._packer = self.planner.packer(cfg.device)
+        packer = self._packer or self.planner.packer(cfg.device)
+        self._pipe.set_memory(entries, base, self._pack, self._regions, cfg.pack_depth, packer)
         self._info = PeerInfo(
             instance=cfg.instance,
             role="prefill",
@@ -440,18 +425,13 @@ class KVSenderSession:
             backend=self.engine.name,
             agent=self.engine.agent(),
             entry_base=tuple(int(b) for b in base),
-            pack_base=self._pack_base,
+            pack_base=0 if self._pack is None else int(self._pack.data_ptr()),
             pack_nbytes=0 if self._pack is None else int(self._pack.numel()),
             extra={"agent_name": self.engine.agent_name(), "rank": str(self.rank)},
         )
 
     def _shutdown(self) -> None:
-        for x in self._xfers:
-            try:
-                self.engine.release(x.handle)
-            except Exception:
-                pass
-        self._xfers.clear()
+        self._pipe.close()
         for p in self._peers.values():
             try:
                 self.engine.disconnect(p.handle)
@@ -565,7 +545,7 @@ class KVSenderSession:
         if prev is not None and prev.handle is not None and prev.handle is not handle:
             self.engine.disconnect(prev.handle)
         assert emap is not None
-        self._peers[ident] = _Peer(
+        self._peers[ident] = Peer(
             ident=ident,
             info=remote,
             key=key,
@@ -581,7 +561,7 @@ class KVSenderSession:
             ident, HelloAck(nonce=msg.nonce, accepted=True, rank=self.rank, peer=self.peer_info())
         )
 
-    def _drop_peer(self, peer: _Peer, reason: str) -> None:
+    def _drop_peer(self, peer: Peer, reason: str) -> None:
         peer.alive = False
         self._peers.pop(peer.ident, None)
         if self._by_key.get(peer.key) == peer.ident:
@@ -594,7 +574,7 @@ class KVSenderSession:
         except Exception:
             pass
 
-    def _on_dest(self, peer: _Peer, d: DestInfo, now: float) -> None:
+    def _on_dest(self, peer: Peer, d: DestInfo, now: float) -> None:
         if (d.decode_instance, d.dcp_rank) != peer.key:
             self._codec.drop("unknown_rank")
             return
@@ -609,7 +589,7 @@ class KVSenderSession:
             return
         self._add_dest(lease, peer, d, now)
 
-    def _add_dest(self, lease: _Lease, peer: _Peer, d: DestInfo, now: float) -> None:
+    def _add_dest(self, lease: Lease, peer: Peer, d: DestInfo, now: float) -> None:
         if lease.instance and lease.instance != d.decode_instance:
             self._codec.drop("other")
             return
@@ -641,7 +621,7 @@ class KVSenderSession:
             return
         self.rooms.advance(lease.room, KVPoll.WaitingForInput, lease.generation)
 
-    def _on_abort(self, peer: _Peer, a: Abort) -> None:
+    def _on_abort(self, peer: Peer, a: Abort) -> None:
         lease = self._leases.get(a.room)
         mine = None if lease is None else lease.dests.get(peer.key[1])
         if (
@@ -666,7 +646,7 @@ class KVSenderSession:
     def _start(self, room: int, gen: int) -> None:
         if self.rooms.generation(room) != gen:
             return  # cleared before we got here
-        lease = _Lease(room=room, generation=gen)
+        lease = Lease(room=room, generation=gen)
         self._leases[room] = lease
         now = time.monotonic()
         for key, (d, _t) in sorted(self._inbox.pop(room, {}).items()):
@@ -713,7 +693,7 @@ class KVSenderSession:
                     d.decode_prefix_len,
                     lay.page_size,
                 )
-                jobs.append(_Job(lease=lease, dst_rank=r, chunk=chunk))
+                jobs.append(Job(lease=lease, dst_rank=r, chunk=chunk))
         except ValueError as e:
             self._fail(lease, f"segment {seg.chunk_id}: {e}")
             return
@@ -722,7 +702,7 @@ class KVSenderSession:
             return
         lease.segments[seg.chunk_id] = len(jobs)
         self.counts["segments"] += 1
-        self._queue.extend(jobs)
+        self._pipe.submit(jobs)
 
     def _abort(self, room: int, gen: int) -> None:
         lease = self._leases.get(room)
@@ -737,7 +717,7 @@ class KVSenderSession:
             self._fail(lease, f"cleared on prefill rank {self.rank} before completion")
         del self._leases[room]
         lease.cleared = True
-        self._purge_queue(lease)
+        self._pipe.purge(lease)
         if lease.inflight:
             self._draining.append(lease)
 
@@ -745,34 +725,17 @@ class KVSenderSession:
         lease = self._leases.get(room)
         return lease is None or lease.inflight == 0
 
-    def _fail(self, lease: _Lease, reason: str) -> None:
+    def _fail(self, lease: Lease, reason: str) -> None:
         if lease.failed:
             return
         lease.failed = True
         lease.reason = reason
         self.rooms.fail(lease.room, reason, lease.generation)
         self.counts["rooms_failed"] += 1
-        self._purge_queue(lease)
-        if lease.inflight:
-            self._cancel_queued(lease)
+        self._pipe.purge(lease)
         self._notify_failure(lease)
 
-    def _cancel_queued(self, lease: _Lease) -> None:
-        """Withdraw the lease's posts the engine has not started (a failed room must not keep
-        a single-threaded engine busy with doomed writes)."""
-        for x in self._xfers:
-            if x.job.lease is lease and not x.cancelled and self.engine.cancel(x.handle):
-                x.cancelled = True  # _reap drops it
-                if x.region >= 0:
-                    self._region_busy[x.region] = False
-                lease.inflight -= 1
-                self.counts["cancelled"] += 1
-
-    def _purge_queue(self, lease: _Lease) -> None:
-        if self._queue:
-            self._queue = deque(j for j in self._queue if j.lease is not lease)
-
-    def _notify_failure(self, lease: _Lease) -> None:
+    def _notify_failure(self, lease: Lease) -> None:
         """Tell every destination the room failed: at once, and again (``drained``) once no
         write of the room is in flight here any more."""
         drained = lease.inflight == 0
@@ -804,132 +767,18 @@ class KVSenderSession:
     # ------------------------------------------------------------------ data path
     def _step(self, now: float) -> None:
         self.engine.progress()
-        if self._xfers:
-            self._reap(now)
-        if self._queue:
-            self._dispatch(now)
+        if self._pipe.busy():
+            self._pipe.step(now)
+            if self._draining:
+                self._draining = [ls for ls in self._draining if ls.inflight]
         if now >= self._next_periodic:
             self._next_periodic = now + 0.01
             self._periodic(now)
 
-    def _free_region(self, peer: _Peer, rank: int) -> int:
-        if not peer.relayout:
-            return -1
-        depth = self.config.pack_depth
-        for i in range(rank * depth, rank * depth + depth):
-            if not self._region_busy[i]:
-                return i
-        return -2
-
-    def _dispatch(self, now: float) -> None:
-        blocked: set[int] = set()
-        keep: deque[_Job] = deque()
-        budget = 8  # jobs per round, so completions are reaped between packs
-        while self._queue:
-            job = self._queue.popleft()
-            lease = job.lease
-            if lease.failed or lease.cleared:
-                continue
-            peer = lease.peers[job.dst_rank]
-            if not peer.alive:
-                self._fail(lease, f"decode {peer.key[0]} dcp {peer.key[1]} is gone")
-                continue
-            region = self._free_region(peer, job.dst_rank)
-            if (
-                budget <= 0
-                or job.dst_rank in blocked
-                or region == -2
-                or (region == -1 and len(self._xfers) >= self.max_inflight)
-            ):
-                blocked.add(job.dst_rank)
-                keep.append(job)
-                continue
-            budget -= 1
-            self._run_job(job, peer, region, now)
-        keep.extend(self._queue)
-        self._queue = keep
-
-    def _run_job(self, job: _Job, peer: _Peer, region: int, now: float) -> None:
-        lease = job.lease
-        d = lease.dests[job.dst_rank]
-        t0 = time.perf_counter()
-        try:
-            plan = self.planner.plan(
-                job.chunk,
-                self.layout,
-                peer.info.layout,
-                job.dst_rank,
-                self._regions[region] if region >= 0 else None,
-            )
-        except Exception as e:
-            self._fail(lease, f"plan of chunk {job.chunk.chunk_id} for dcp {job.dst_rank}: {e}")
-            return
-        tag = ChunkTag(
-            generation=d.generation,
-            room=lease.room,
-            chunk_id=plan.chunk_id,
-            is_last=plan.is_last,
-            src_rank=self.rank,
-        )
-        t1 = time.perf_counter()
-        self.timings["plan_s"] += t1 - t0
-        if plan.num_runs == 0:
-            self._notify_only(peer, tag, lease)
-            self._job_done(job)
-            return
-        try:
-            if plan.packed:
-                assert self._packer is not None and self._pack is not None
-                self._packer.pack(plan, self._entries, self._pack)
-                if self._pack.is_cuda:
-                    import torch
-
-                    torch.cuda.current_stream(self._pack.device).synchronize()
-            t2 = time.perf_counter()
-            self.timings["pack_s"] += t2 - t1
-            src, dst, ln = run_addresses(
-                plan, self._src_base, peer.dst_base, peer.emap, self._pack_base
-            )
-            wire_tag = self._tags.encode(tag) if self.engine.notifications else b""
-            handle = self.engine.post(peer.handle, src, dst, ln, wire_tag)
-            self.timings["post_s"] += time.perf_counter() - t2
-        except Exception as e:
-            self.counts["post_failed"] += 1
-            self._fail(
-                lease,
-                f"post of chunk {plan.chunk_id} to dcp {job.dst_rank} failed: "
-                f"{type(e).__name__}: {e}",
-            )
-            return
-        if region >= 0:
-            self._region_busy[region] = True
-        lease.inflight += 1
-        self._xfers.append(
-            _Xfer(
-                job=job,
-                handle=handle,
-                region=region,
-                t_post=now,
-                nbytes=plan.nbytes,
-                runs=plan.num_runs,
-                tag=tag,
-            )
-        )
-        self.counts["posts"] += 1
-        self.counts["runs"] += plan.num_runs
-
-    def _notify_only(self, peer: _Peer, tag: ChunkTag, lease: _Lease) -> None:
-        self.counts["notify_only"] += 1
-        if self.engine.notifications:
-            try:
-                self.engine.notify(peer.handle, self._tags.encode(tag))
-                return
-            except Exception as e:
-                self._fail(lease, f"notification of chunk {tag.chunk_id} failed: {e}")
-                return
+    def _written(self, peer: Peer, tag: ChunkTag) -> None:
         self._send(peer.ident, Done(chunk=tag))
 
-    def _job_done(self, job: _Job) -> None:
+    def _job_done(self, job: Job) -> None:
         lease = job.lease
         left = lease.segments.get(job.chunk.chunk_id, 0) - 1
         lease.segments[job.chunk.chunk_id] = left
@@ -938,58 +787,6 @@ class KVSenderSession:
             st = self.rooms.done_pending(lease.room, 1, lease.generation)
             if st == KVPoll.Success:
                 self.counts["rooms_ok"] += 1
-
-    def _reap(self, now: float) -> None:
-        keep: list[_Xfer] = []
-        limit = self.config.transfer_timeout_s
-        for x in self._xfers:
-            if x.cancelled:
-                continue
-            try:
-                st = self.engine.check(x.handle)
-            except Exception as e:
-                st = "ERR"
-                log.debug("%s: check raised %s", self._loop.name, e)
-            if st == XFER_PENDING:
-                age = now - x.t_post
-                if not x.abandoned and age > limit:
-                    x.abandoned = True
-                    self._fail(
-                        x.job.lease,
-                        f"write of chunk {x.tag.chunk_id} to dcp "
-                        f"{x.job.dst_rank} not done after {limit:g} s "
-                        "(KVConfig.transfer_timeout_s)",
-                    )
-                if age <= 2 * limit:
-                    keep.append(x)
-                    continue
-                self.counts["abandoned"] += 1
-            try:
-                self.engine.release(x.handle)
-            except Exception:
-                pass
-            if x.region >= 0:
-                self._region_busy[x.region] = False
-            lease = x.job.lease
-            lease.inflight -= 1
-            if st == XFER_DONE and not lease.failed:
-                self.counts["bytes"] += x.nbytes
-                peer = lease.peers[x.job.dst_rank]
-                if not self.engine.notifications:
-                    self._send(peer.ident, Done(chunk=x.tag))
-                self._job_done(x.job)
-            elif st != XFER_DONE and st != XFER_PENDING:
-                self.counts["post_failed"] += 1
-                self._fail(
-                    lease,
-                    f"write of chunk {x.tag.chunk_id} to dcp {x.job.dst_rank} "
-                    f"failed (engine state {st})",
-                )
-            if lease.failed and lease.inflight == 0:
-                self._notify_failure(lease)
-        self._xfers = keep
-        if self._draining:
-            self._draining = [ls for ls in self._draining if ls.inflight]
 
     def _periodic(self, now: float) -> None:
         for room, gen, reason in self.rooms.expire(now):

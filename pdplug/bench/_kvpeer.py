@@ -1,0 +1,183 @@
+"""A decode process for the transfer benchmarks (``bench transfer`` / ``bench pack``).
+
+The benchmark process is the prefill side (a real :class:`~pdplug.protocols.KVSender` from the
+plugin manager, plus the raw engine for the side-by-side baseline); this spawned process holds
+one real :class:`~pdplug.protocols.KVReceiver` per decode DCP rank of one or more decode
+instances, connected through a rendezvous. Commands and events cross a Pipe as msgspec-JSON
+(no pickle); PeerInfos cross as msgspec-msgpack bytes (hex).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from pdplug.types import KVLayout, PeerInfo
+
+__all__ = ["DecodeInstance", "DecodePeer"]
+
+
+class DecodeInstance(msgspec.Struct, frozen=True, kw_only=True):
+    """One decode instance: ``layout.dcp_size`` receivers (dcp_rank set per receiver).
+
+    :ivar rows: token rows of every sharded entry (drafts unsupported here).
+    :ivar prefill: the prefill instance its receivers connect to ("" = the peer's default).
+    """
+
+    name: str
+    layout: KVLayout
+    rows: int
+    prefill: str = ""
+
+
+_enc = msgspec.json.Encoder()
+
+
+def _send(conn: Any, **msg: Any) -> None:
+    conn.send_bytes(_enc.encode(msg))
+
+
+def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -> None:
+    import numpy as np
+    import torch
+
+    from pdplug import KVConfig, KVPoll, PluginManager
+    from pdplug.bootstrap import resolve
+
+    insts = msgspec.msgpack.decode(spec, type=list[DecodeInstance])
+    pm = PluginManager()
+    recvs: dict[str, list[Any]] = {}
+    keep: list[Any] = []
+    infos: dict[str, list[str]] = {}
+    for inst in insts:
+        peers = resolve(endpoint, inst.prefill or prefill, timeout_s=60)
+        recvs[inst.name] = []
+        for r in range(inst.layout.dcp_size):
+            lay = msgspec.structs.replace(inst.layout, dcp_rank=r)
+            cfg = KVConfig(
+                instance=inst.name,
+                role="decode",
+                layout=lay,
+                bootstrap_timeout_s=60,
+                waiting_timeout_s=120,
+                transfer_timeout_s=60,
+            )
+            rc = pm.make_kv_receiver(cfg, name=backend)
+            kv = [torch.empty((inst.rows, b), dtype=torch.uint8) for b in lay.entry_bytes_per_token]
+            for t in kv:
+                t.fill_(0x5A)  # touch the pages so the first transfer does not fault them in
+            keep.append(kv)
+            rc.register_kv(kv)
+            rc.connect(peers)
+            recvs[inst.name].append(rc)
+        infos[inst.name] = [msgspec.msgpack.encode(rc.peer_info()).hex() for rc in recvs[inst.name]]
+    _send(conn, event="ready", infos=infos, pid=os.getpid())
+    watching: dict[int, str] = {}
+    while True:
+        while conn.poll(0):
+            cmd = msgspec.json.decode(conn.recv_bytes())
+            if cmd["op"] == "quit":
+                for rs in recvs.values():
+                    for rc in rs:
+                        rc.close()
+                _send(conn, event="bye")
+                return
+            if cmd["op"] == "expect":
+                name, room = cmd["instance"], cmd["room"]
+                for r, rc in enumerate(recvs[name]):
+                    pages = np.asarray(cmd["pages"][r], dtype=np.int64)
+                    rc.expect(room, pages, num_tokens=cmd["num_tokens"])
+                watching[room] = name
+            elif cmd["op"] == "clear":
+                for rc in recvs[cmd["instance"]]:
+                    rc.clear(cmd["room"])
+        for room, name in list(watching.items()):
+            polls = [rc.poll(room) for rc in recvs[name]]
+            if all(p in (KVPoll.Success, KVPoll.Failed) for p in polls):
+                _send(
+                    conn,
+                    event="done",
+                    room=room,
+                    ok=all(p == KVPoll.Success for p in polls),
+                    reasons=[rc.failure_reason(room) for rc in recvs[name]],
+                )
+                del watching[room]
+        time.sleep(0.0005)
+
+
+def _main(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -> None:
+    try:
+        _worker(conn, backend, endpoint, prefill, spec)
+    except BaseException as e:
+        _send(conn, event="error", error=f"{type(e).__name__}: {e}")
+        raise
+    conn.close()
+    os._exit(0)
+
+
+class DecodePeer:
+    """Spawn the decode process and talk to it.
+
+    :param backend: KV sender name (``"nixl"``, ``"mooncake"``).
+    :param endpoint: rendezvous endpoint; ``prefill``: the prefill instance to connect to.
+    :param instances: the decode instances to build.
+    """
+
+    def __init__(
+        self, backend: str, endpoint: str, prefill: str, instances: list[DecodeInstance]
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        spec = msgspec.msgpack.encode(instances)
+        self.proc = ctx.Process(
+            target=_main, args=(child, backend, endpoint, prefill, spec), daemon=True
+        )
+        self.proc.start()
+        self.infos: dict[str, list[PeerInfo]] = {}
+
+    def _recv(self, timeout: float) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"decode process: no answer in {timeout} s")
+        msg = msgspec.json.decode(self.conn.recv_bytes())
+        if msg.get("event") == "error":
+            raise RuntimeError(f"decode process failed: {msg['error']}")
+        return msg  # type: ignore[no-any-return]
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until every receiver connected; keeps their PeerInfos in ``infos``."""
+        msg = self._recv(timeout)
+        self.infos = {
+            k: [msgspec.msgpack.decode(bytes.fromhex(h), type=PeerInfo) for h in v]
+            for k, v in msg["infos"].items()
+        }
+
+    def expect(self, instance: str, room: int, pages: list[list[int]], num_tokens: int) -> None:
+        """Every receiver of ``instance`` expects ``room`` (``pages[r]`` for DCP rank r)."""
+        _send(
+            self.conn, op="expect", instance=instance, room=room, pages=pages, num_tokens=num_tokens
+        )
+
+    def done(self, room: int, timeout: float = 120.0) -> dict[str, Any]:
+        """The decode side's verdict on ``room``."""
+        while True:
+            msg = self._recv(timeout)
+            if msg.get("event") == "done" and msg["room"] == room:
+                return msg
+
+    def clear(self, instance: str, room: int) -> None:
+        """Forget ``room`` on every receiver of ``instance``."""
+        _send(self.conn, op="clear", instance=instance, room=room)
+
+    def close(self) -> None:
+        """Stop the process (bounded)."""
+        try:
+            _send(self.conn, op="quit")
+            self.proc.join(10)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)

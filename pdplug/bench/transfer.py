@@ -1,0 +1,298 @@
+"""``pdplug bench transfer``: pdplug's KV sender vs the raw engine call on the same descriptors,
+and both vs a plain memcpy on this machine (DESIGN.md §6).
+
+Prefill side = this process: a real KV sender from the plugin manager (``--backend``), and the
+raw engine (a second NIXL agent / Mooncake TransferEngine registering the same source
+memory). Decode side = a spawned process with a real KV receiver. KV: 2 entries x 2,048 B per
+token, page 64 tokens (128 KiB per page and entry), pages shuffled on both sides, so a send of
+S bytes is S / 128 KiB descriptors (merged where pages happen to be adjacent).
+
+Per size, interleaved, each timed the median of ``repeats`` runs after one warm-up:
+
+* ``pdplug``: ``sender.send(room, one segment)`` until ``sender.poll(room) == Success`` (plan,
+  descriptor build, post, completion through the session's engine thread);
+* ``raw``: the engine call on the *same* descriptors (``pdplug.packing.run_addresses`` of the
+  same plan): NIXL ``get_xfer_descs`` + ``initialize_xfer`` + ``transfer`` + a tight
+  ``check_xfer_state`` loop; Mooncake ``batch_transfer_sync_write`` (1,024 descriptors a call);
+* ``memcpy``: ``dst.copy_(src)`` of the same bytes in this process.
+
+``overhead = 1 - pdplug_gbps / raw_gbps`` at 64 MiB (goal <= 5%). JSON:
+``{"rows": [{"backend", "bytes", "mode", "gbps"}], "overhead": {backend: x}, ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from typing import Any
+
+import click
+
+MIB = 1 << 20
+PAGE = 64
+BPT = (2048, 2048)
+_NOTIF = b"\x96" + b"\x00" * 24  # a tag-sized notification, like a pdplug completion tag
+
+
+def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> Any:
+    import importlib
+
+    import numpy as np
+
+    api = None
+    for mod in ("nixl._api", "nixl_cu12._api"):
+        try:
+            api = importlib.import_module(mod)
+            break
+        except ImportError:
+            continue
+    if api is None:
+        raise click.ClickException("nixl is not installed")
+    agent = api.nixl_agent(
+        f"bench-raw-{uuid.uuid4().hex[:8]}",
+        api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+    )
+    agent.register_memory(agent.get_reg_descs([(a, n, 0, "") for a, n in src_regions], "DRAM"))
+    name = agent.add_remote_agent(peer_agent)
+    name = name.decode() if isinstance(name, bytes) else name
+
+    def run(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> float:
+        n = ln.shape[0]
+        z = np.zeros(n, dtype=np.uint64)
+        t0 = time.perf_counter()
+        local = agent.get_xfer_descs(
+            np.stack([src.astype(np.uint64), ln.astype(np.uint64), z], 1), "DRAM"
+        )
+        remote = agent.get_xfer_descs(
+            np.stack([dst.astype(np.uint64), ln.astype(np.uint64), z], 1), "DRAM"
+        )
+        h = agent.initialize_xfer("WRITE", local, remote, name, _NOTIF)
+        st = agent.transfer(h)
+        while st == "PROC":
+            st = agent.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        agent.release_xfer_handle(h)
+        if st != "DONE":
+            raise click.ClickException(f"raw nixl transfer ended {st}")
+        return dt
+
+    return run
+
+
+def _raw_mooncake(src_regions: list[tuple[int, int]], peer_agent: bytes) -> Any:
+    import numpy as np
+
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise click.ClickException(f"mooncake is not installed: {e}") from e
+    eng = TransferEngine()
+    if eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise click.ClickException("raw mooncake: initialize failed")
+    eng.batch_register_memory([a for a, _ in src_regions], [n for _, n in src_regions])
+    session = peer_agent.decode()
+
+    def run(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        s, d, n = src.tolist(), dst.tolist(), ln.tolist()
+        for i in range(0, len(n), 1024):
+            rc = eng.batch_transfer_sync_write(
+                session, s[i : i + 1024], d[i : i + 1024], n[i : i + 1024]
+            )
+            if rc != 0:
+                raise click.ClickException(f"raw mooncake write returned {rc}")
+        return time.perf_counter() - t0
+
+    return run
+
+
+def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    import numpy as np
+    import torch
+
+    from pdplug import KVConfig, KVLayout, KVPoll, PluginManager, Segment
+    from pdplug.bench._kvpeer import DecodeInstance, DecodePeer
+    from pdplug.bootstrap import RendezvousServer
+    from pdplug.layout import entry_map
+    from pdplug.packing import run_addresses, segment_to_chunk
+
+    bpt_total = sum(BPT)
+    max_tokens = max(sizes) // bpt_total
+    pages = -(-max_tokens // PAGE) + 16
+    src_l = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
+    dst_l = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
+    server = RendezvousServer().start()
+    pm = PluginManager()
+    planner = pm.make_pack_planner()
+    cfg = KVConfig(
+        instance="bench-prefill",
+        role="prefill",
+        layout=src_l,
+        bootstrap_endpoint=server.endpoint,
+        bootstrap_timeout_s=60,
+        waiting_timeout_s=120,
+        transfer_timeout_s=60,
+        pack_region_tokens=PAGE,
+        max_dst_dcp=1,
+    )
+    sender = pm.make_kv_sender(cfg, planner, name=backend)
+    g = torch.Generator().manual_seed(0)
+    kv = [torch.randint(1, 256, (pages * PAGE, b), dtype=torch.uint8, generator=g) for b in BPT]
+    sender.register_kv(kv)
+    peer = DecodePeer(
+        backend,
+        server.endpoint,
+        "bench-prefill",
+        [DecodeInstance(name="bench-decode", layout=dst_l, rows=pages * PAGE)],
+    )
+    rows: list[dict[str, Any]] = []
+    try:
+        peer.wait_ready()
+        dinfo = peer.infos["bench-decode"][0]
+        regions = [(t.data_ptr(), t.numel()) for t in kv]
+        raw = (_raw_nixl if backend == "nixl" else _raw_mooncake)(regions, dinfo.agent)
+        src_base = np.array([t.data_ptr() for t in kv], dtype=np.int64)
+        dst_base = np.asarray(dinfo.entry_base, dtype=np.int64)
+        emap = entry_map(src_l, dst_l)
+        rng = np.random.default_rng(1)
+        room = 1
+        for size in sizes:
+            n_tok = size // bpt_total
+            n_pages = -(-n_tok // PAGE)
+            sp = rng.permutation(pages)[:n_pages].astype(np.int64)
+            dp = rng.permutation(pages)[:n_pages].astype(np.int64)
+            seg = Segment(
+                token_start=0,
+                token_end=n_tok,
+                page_start=0,
+                num_tokens=n_tok,
+                chunk_id=0,
+                is_last=True,
+            )
+            plan = planner.plan(segment_to_chunk(0, seg, sp, dp, 0, PAGE), src_l, dst_l, 0, None)
+            s_addr, d_addr, ln = run_addresses(plan, src_base, dst_base, emap)
+            src_t = torch.randint(1, 256, (size,), dtype=torch.uint8, generator=g)
+            dst_t = torch.empty(size, dtype=torch.uint8)
+            dst_t.fill_(0)
+            reps = min(30, max(repeats, (64 * MIB) // size))
+            times: dict[str, list[float]] = {"pdplug": [], "raw": [], "memcpy": []}
+            for rep in range(reps + 1):
+                # pdplug: the sender's full path for one segment
+                peer.expect("bench-decode", room, [dp.tolist()], n_tok)
+                sender.start(room)
+                if sender.wait(room, (KVPoll.WaitingForInput,), 60) != KVPoll.WaitingForInput:
+                    raise click.ClickException(f"{backend}: {sender.failure_reason(room)}")
+                t0 = time.perf_counter()
+                sender.send(room, seg, sp)
+                st = sender.wait(room, timeout_s=60)  # blocks on a condition: no spinning host
+                dt = time.perf_counter() - t0
+                if st != KVPoll.Success:
+                    raise click.ClickException(f"{backend}: {sender.failure_reason(room)}")
+                verdict = peer.done(room)
+                if not verdict["ok"]:
+                    raise click.ClickException(f"{backend} decode: {verdict['reasons']}")
+                sender.clear(room)
+                peer.clear("bench-decode", room)
+                room += 1
+                t_raw = raw(s_addr, d_addr, ln)
+                t0 = time.perf_counter()
+                dst_t.copy_(src_t)
+                t_cpy = time.perf_counter() - t0
+                if rep:  # the first round warms connections and pages up
+                    times["pdplug"].append(dt)
+                    times["raw"].append(t_raw)
+                    times["memcpy"].append(t_cpy)
+            for mode, ts in times.items():
+                rows.append(
+                    {
+                        "backend": backend,
+                        "bytes": size,
+                        "mode": mode,
+                        "gbps": size / statistics.median(ts) / 1e9,
+                        "runs": plan.num_runs,
+                        "repeats": reps,
+                    }
+                )
+    finally:
+        peer.close()
+        sender.close()
+        server.stop()
+    return rows
+
+
+@click.command()
+@click.option(
+    "--backend", default="nixl,mooncake", show_default=True, help="Comma-separated KV sender names."
+)
+@click.option("--sizes", default="1,4,16,64,256", show_default=True, help="Sizes in MiB.")
+@click.option("--repeats", default=7, show_default=True, help="Timed runs per size (min).")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the results here.",
+)
+def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
+    """pdplug's KV sender vs the raw engine call on the same descriptors, and vs memcpy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdplug.bench.machine import machine_info, machine_line
+
+    size_list = [int(float(s) * MIB) for s in sizes.split(",") if s.strip()]
+    if not size_list or min(size_list) < sum(BPT) * PAGE:
+        raise click.BadParameter(f"sizes must be >= one page ({sum(BPT) * PAGE} bytes)")
+    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    console = Console()
+    console.print(machine_line())
+    console.print(
+        f"KV: {len(BPT)} entries x {BPT[0]} B/token, page {PAGE} tokens "
+        f"({BPT[0] * PAGE // 1024} KiB per page and entry), shuffled pages; sizes "
+        + ", ".join(f"{s // MIB} MiB" for s in size_list)
+    )
+    rows: list[dict[str, Any]] = []
+    for b in backends:
+        rows.extend(_bench_backend(b, size_list, repeats))
+    t = Table(title="pdplug bench transfer (GB/s, median)")
+    for col in ("backend", "size", "descriptors", "pdplug", "raw", "memcpy", "pdplug/raw"):
+        t.add_column(col, justify="right")
+    overhead: dict[str, float] = {}
+    ref = 64 * MIB if 64 * MIB in size_list else max(size_list)
+    for b in backends:
+        for size in size_list:
+            g = {r["mode"]: r for r in rows if r["backend"] == b and r["bytes"] == size}
+            ratio = g["pdplug"]["gbps"] / g["raw"]["gbps"]
+            if size == ref:
+                overhead[b] = 1.0 - ratio
+            t.add_row(
+                b,
+                f"{size // MIB} MiB",
+                str(g["pdplug"]["runs"]),
+                f"{g['pdplug']['gbps']:.2f}",
+                f"{g['raw']['gbps']:.2f}",
+                f"{g['memcpy']['gbps']:.2f}",
+                f"{ratio:.3f}",
+            )
+    console.print(t)
+    for b, o in overhead.items():
+        verdict = "meets" if o <= 0.05 else "misses"
+        console.print(
+            f"{b}: overhead at {ref // MIB} MiB = 1 - pdplug/raw = {o:+.1%} ({verdict} goal <= 5%)"
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(
+                {
+                    "rows": [{k: r[k] for k in ("backend", "bytes", "mode", "gbps")} for r in rows],
+                    "overhead": overhead,
+                    "overhead_at_bytes": ref,
+                    "machine": machine_info(),
+                    "layout": {"entries_bytes_per_token": list(BPT), "page_size": PAGE},
+                },
+                f,
+                indent=2,
+            )
+        console.print(f"wrote {json_path}")

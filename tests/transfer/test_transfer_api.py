@@ -1,0 +1,99 @@
+"""The host-facing API: sessions satisfy the KVSender/KVReceiver Protocols (same method names
+and parameters), factories come through the plugin manager, public names are documented, and
+bad input is refused with a message naming the field and the value."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+import pdplug.bootstrap
+import pdplug.rooms
+import pdplug.transfer
+from pdplug import KVConfig, KVLayout, KVSender, PluginManager, Segment
+from pdplug.protocols import KVReceiver
+from pdplug.testing import probe_module
+from pdplug.transfer import KVReceiverSession, KVSenderSession
+
+BACKENDS = [b for b in ("nixl", "mooncake") if probe_module(b)[0] is not None]
+
+
+@pytest.mark.parametrize(
+    ("proto", "impl"), [(KVSender, KVSenderSession), (KVReceiver, KVReceiverSession)]
+)
+def test_sessions_match_the_protocols(proto: type, impl: type) -> None:
+    for name in [n for n in dir(proto) if not n.startswith("_")]:
+        want = list(inspect.signature(getattr(proto, name)).parameters)
+        got = list(inspect.signature(getattr(impl, name)).parameters)
+        assert got == want, (impl.__name__, name, got, want)
+
+
+@pytest.mark.parametrize("module", [pdplug.transfer, pdplug.rooms, pdplug.bootstrap])
+def test_public_names_are_documented(module: object) -> None:
+    for name in module.__all__:  # type: ignore[attr-defined]
+        obj = getattr(module, name)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue  # aliases and data are documented where they are defined
+        assert (inspect.getdoc(obj) or "").strip(), f"{name} has no docstring"
+        for meth, fn in vars(obj).items() if inspect.isclass(obj) else ():
+            if inspect.isfunction(fn) and not meth.startswith("_"):
+                assert inspect.getdoc(fn), f"{name}.{meth} has no docstring"
+
+
+def _layout(**kw: int) -> KVLayout:
+    return KVLayout(page_size=16, entry_bytes_per_token=(32, 32), **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_factories_through_the_manager_and_named_input_errors(backend: str) -> None:
+    pm = PluginManager()
+    sender = pm.make_kv_sender(
+        KVConfig(instance="p", role="prefill", layout=_layout(), pack_region_tokens=16),
+        name=backend,
+    )
+    recv = pm.make_kv_receiver(
+        KVConfig(instance="d", role="decode", layout=_layout(dcp_size=2)), name=backend
+    )
+    try:
+        assert isinstance(sender, KVSender) and isinstance(recv, KVReceiver)
+        assert sender.engine.name == backend
+        with pytest.raises(ValueError, match="got 1 entries, layout has 2"):
+            sender.register_kv([torch.ones(16 * 4, 32, dtype=torch.uint8)])
+        kv = [torch.ones(16 * 4, 32, dtype=torch.uint8) for _ in range(2)]
+        sender.register_kv(kv)
+        assert sender.peer_info().role == "prefill"
+        assert sender.peer_info().extra["rank"] == "0"
+        with pytest.raises(KeyError, match="room 5 is not leased"):
+            sender.poll(5)
+        sender.start(5)
+        with pytest.raises(ValueError, match="room 5 is already leased"):
+            sender.start(5)
+        seg = Segment(
+            token_start=0, token_end=16, page_start=0, num_tokens=16, chunk_id=0, is_last=True
+        )
+        with pytest.raises(ValueError, match="room 5 is Bootstrapping"):
+            sender.send(5, seg, np.array([0]))
+        recv.register_kv([torch.ones(16 * 4, 32, dtype=torch.uint8) for _ in range(2)])
+        with pytest.raises(ValueError, match="instance is required when 0 prefill"):
+            recv.expect(1, np.array([0]))
+        with pytest.raises(ValueError, match="prefill is empty"):
+            recv.connect([])
+        sender.clear(5)
+    finally:
+        sender.close()
+        recv.close()
+        sender.close()  # idempotent
+
+
+def test_config_role_is_checked() -> None:
+    class _Engine:
+        name = "x"
+
+    with pytest.raises(ValueError, match=r"KVConfig\.role must be 'decode', got 'prefill'"):
+        KVReceiverSession(
+            KVConfig(instance="p", role="prefill", layout=_layout()),
+            _Engine(),  # type: ignore[arg-type]
+        )
