@@ -61,7 +61,7 @@ from __future__ import annotations
 from pdplug.transfer.engine import TransferEngine, dedup_regions
 from pdplug.transfer.messages import Abort, Done, Heartbeat, Hello, HelloAck, control_codec
 from pdplug.transfer.receiver import KVReceiverSession
-from pdplug.transfer.sender import Compat, KVSenderSession, default_compat
+from pdplug.transfer.sender import Compat, Emit, KVSenderSession, default_compat, default_emit
 
 __all__ = [
     "TransferEngine",
@@ -69,7 +69,9 @@ __all__ = [
     "KVSenderSession",
     "KVReceiverSession",
     "Compat",
+    "Emit",
     "default_compat",
+    "default_emit",
     "Hello",
     "HelloAck",
     "Abort",

@@ -48,8 +48,8 @@ from pdplug.transfer.messages import (
     control_codec,
     tag_codec,
 )
-from pdplug.transfer.sender import Compat, default_compat, entries_geometry
-from pdplug.types import ChunkTag, DestInfo, KVPoll, PeerInfo, pages_to_bytes
+from pdplug.transfer.sender import Compat, Emit, default_compat, default_emit, entries_geometry
+from pdplug.types import ChunkTag, DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -94,11 +94,18 @@ class KVReceiverSession:
     :param engine: the backend adapter (:class:`~pdplug.transfer.engine.TransferEngine`).
     :param compat: handshake check ``(local, remote) -> mismatches``; default
         :func:`~pdplug.transfer.sender.default_compat`.
+    :param emit: observer callback for room outcomes (``transfer_done`` /
+        ``transfer_failed``, once per room); ``None`` disables.
     :raises ValueError: ``config.role`` is not ``"decode"``.
     """
 
     def __init__(
-        self, config: KVConfig, engine: TransferEngine, *, compat: Compat | None = None
+        self,
+        config: KVConfig,
+        engine: TransferEngine,
+        *,
+        compat: Compat | None = None,
+        emit: Emit | None = default_emit,
     ) -> None:
         if config.role != "decode":
             raise ValueError(
@@ -108,6 +115,7 @@ class KVReceiverSession:
         self.layout = config.layout
         self.engine = engine
         self.compat: Compat = compat or default_compat
+        self._emit = emit
         self.rooms = Rooms.from_config(config)
         w = config.wire
         name = f"{config.instance}/d{config.layout.dcp_rank}"
@@ -561,6 +569,7 @@ class KVReceiverSession:
     def _failed(self, lease: _Lease, reason: str, tell: bool = False) -> None:
         if self.rooms.fail(lease.room, reason, lease.generation):
             self.counts["rooms_failed"] += 1
+            self._event("transfer_failed", lease, reason=reason)
         if not lease.failed_at:
             lease.failed_at = time.monotonic()
         if tell:
@@ -570,6 +579,21 @@ class KVReceiverSession:
                         src,
                         Abort(room=lease.room, generation=lease.generation, reason=reason[:512]),
                     )
+
+    def _event(self, kind: str, lease: _Lease, **fields: Any) -> None:
+        if self._emit is None:
+            return
+        fields.update(
+            dcp_rank=self.layout.dcp_rank,
+            generation=lease.generation,
+            chunks=sum(len(g) for g in lease.got.values()),
+        )
+        try:
+            self._emit(
+                PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
+            )
+        except Exception:  # an observer must never break the data path
+            log.exception("%s: event observer failed", self._loop.name)
 
     def _on_tag(self, src: _Source, tag: ChunkTag, codec: Any, drained: bool = False) -> None:
         if tag.src_rank != src.rank or src.state != "accepted":
@@ -613,6 +637,7 @@ class KVReceiverSession:
             lease.done = True
             if self.rooms.advance(lease.room, KVPoll.Success, lease.generation) == KVPoll.Success:
                 self.counts["rooms_ok"] += 1
+                self._event("transfer_done", lease)
 
     def _step(self, now: float) -> None:
         if self.engine.notifications:

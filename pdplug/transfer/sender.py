@@ -60,12 +60,28 @@ from pdplug.transfer.messages import (
     tag_codec,
 )
 from pdplug.transfer.pipeline import Job, Lease, Peer, SendPipeline
-from pdplug.types import ChunkTag, DestInfo, KVPoll, PackRegion, PeerInfo, Segment, pages_from_bytes
+from pdplug.types import (
+    ChunkTag,
+    DestInfo,
+    KVPoll,
+    PackRegion,
+    PdplugEvent,
+    PeerInfo,
+    Segment,
+    pages_from_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVSenderSession", "Compat", "default_compat", "entries_geometry"]
+__all__ = [
+    "KVSenderSession",
+    "Compat",
+    "Emit",
+    "default_compat",
+    "default_emit",
+    "entries_geometry",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +95,18 @@ def default_compat(local: PeerInfo, remote: PeerInfo) -> list[str]:
     from pdplug.manager import get_plugin_manager
 
     return get_plugin_manager().check_compat(local, remote)
+
+
+#: ``emit(event)``: observer callback for room outcomes (once per room and rank).
+Emit = Callable[[PdplugEvent], None]
+
+
+def default_emit(event: PdplugEvent) -> None:
+    """Broadcast ``event`` to every plugin's ``pdplug_on_event`` through the process-wide
+    manager (:meth:`pdplug.manager.PluginManager.emit`; observer errors are logged)."""
+    from pdplug.manager import get_plugin_manager
+
+    get_plugin_manager().emit(event)
 
 
 def entries_geometry(
@@ -126,6 +154,8 @@ class KVSenderSession:
     :param engine: the backend adapter (:class:`~pdplug.transfer.engine.TransferEngine`).
     :param compat: handshake check ``(local, remote) -> mismatches``; default
         :func:`default_compat` (layout checks + every plugin's ``pdplug_check_compat``).
+    :param emit: observer callback for room outcomes (``transfer_done`` with bytes and
+        seconds, ``transfer_failed`` with the reason; once per room); ``None`` disables.
     :param max_inflight: posts in flight at once (unpacked sends; packed ones are bounded by
         their regions).
     :raises ValueError: ``config.role`` is not ``"prefill"``, or ``pack_depth``/``max_dst_dcp``
@@ -140,6 +170,7 @@ class KVSenderSession:
         engine: TransferEngine,
         *,
         compat: Compat | None = None,
+        emit: Emit | None = default_emit,
         max_inflight: int = 64,
     ) -> None:
         if config.role != "prefill":
@@ -155,6 +186,7 @@ class KVSenderSession:
         self._packer = packer
         self.engine = engine
         self.compat: Compat = compat or default_compat
+        self._emit = emit
         self.rank = bootstrap.rank_of(config.layout)
         self.rooms = Rooms.from_config(config)
         self.max_inflight = max_inflight
@@ -732,6 +764,7 @@ class KVSenderSession:
         lease.reason = reason
         self.rooms.fail(lease.room, reason, lease.generation)
         self.counts["rooms_failed"] += 1
+        self._event("transfer_failed", lease, reason=reason)
         self._pipe.purge(lease)
         self._notify_failure(lease)
 
@@ -775,6 +808,17 @@ class KVSenderSession:
             self._next_periodic = now + 0.01
             self._periodic(now)
 
+    def _event(self, kind: str, lease: Lease, **fields: Any) -> None:
+        if self._emit is None:
+            return
+        fields.update(rank=self.rank, generation=lease.generation, dests=len(lease.dests))
+        try:
+            self._emit(
+                PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
+            )
+        except Exception:  # an observer must never break the data path
+            log.exception("%s: event observer failed", self._loop.name)
+
     def _written(self, peer: Peer, tag: ChunkTag) -> None:
         self._send(peer.ident, Done(chunk=tag))
 
@@ -787,6 +831,7 @@ class KVSenderSession:
             st = self.rooms.done_pending(lease.room, 1, lease.generation)
             if st == KVPoll.Success:
                 self.counts["rooms_ok"] += 1
+                self._event("transfer_done", lease)
 
     def _periodic(self, now: float) -> None:
         for room, gen, reason in self.rooms.expire(now):

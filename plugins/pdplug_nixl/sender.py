@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdplug import KVConfig, Packer, PackPlanner
-from pdplug.transfer import Compat, KVSenderSession
+from pdplug.transfer import Compat, Emit, KVSenderSession, default_emit
 
 
 def make_sender(
@@ -12,12 +12,15 @@ def make_sender(
     packer: Packer | None = None,
     *,
     compat: Compat | None = None,
+    emit: Emit | None = default_emit,
 ) -> KVSenderSession:
     """Build the ``nixl`` sender: :class:`pdplug.transfer.KVSenderSession` over a NIXL agent.
 
     :param compat: handshake check; default: the process-wide manager's ``check_compat``.
+    :param emit: room-outcome observer; default: the process-wide manager's ``emit``
+        (``pdplug_on_event``); ``None`` disables.
     :raises ImportError: NIXL is not installed.
     """
     from pdplug_nixl.engine import NixlEngine
 
-    return KVSenderSession(config, planner, packer, NixlEngine(config), compat=compat)
+    return KVSenderSession(config, planner, packer, NixlEngine(config), compat=compat, emit=emit)

@@ -22,6 +22,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pdplug import hookimpl
+
 P = 16
 LAYERS = 4
 BPT = (64, 48)
@@ -108,11 +110,13 @@ REQUESTS: dict[str, dict[int, tuple[int, int]]] = {
         214: (200, 0),
         215: (150, 0),
         216: (33, 0),
+        217: (150, 0),
     },
-    "dec-dcp4": {301: (237, 0), 302: (400, 1), 303: (129, 0)},
+    # 303: the 96-token grid leaves a 1-token last segment: DCP ranks 1-3 own no token of it
+    "dec-dcp4": {301: (237, 0), 302: (400, 1), 303: (97, 0)},
 }
 DCP = {"dec-tp": 1, "dec-dcp2": 2, "dec-dcp4": 4}
-FAILURE_ROOMS = (211, 212, 213, 214, 215, 216)
+FAILURE_ROOMS = (211, 212, 213, 214, 215, 216, 217)
 
 
 def request(room: int) -> tuple[str, int, int, int]:
@@ -213,9 +217,23 @@ def prefill_main(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -
     os._exit(0)  # sessions are closed; skip slow engine destructors at interpreter exit
 
 
-def _prefill(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> None:
-    from pdplug import KVPoll, PluginManager, SchedulerConfig
+class Observer:
+    """A ``pdplug_on_event`` plugin registered on the process-wide manager."""
 
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, str]] = []
+
+    @hookimpl
+    def pdplug_on_event(self, event: Any) -> None:
+        """Record every event."""
+        self.events.append((event.kind, event.room, event.source))
+
+
+def _prefill(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> None:
+    from pdplug import KVPoll, PluginManager, SchedulerConfig, get_plugin_manager
+
+    obs = Observer()
+    get_plugin_manager().pm.register(obs, name="test-observer")
     pm = PluginManager()
     planner = pm.make_pack_planner()
     sched = pm.make_scheduler(SchedulerConfig(page_size=P, chunk_size=int(opts.get("grid", 96))))
@@ -256,6 +274,11 @@ def _prefill(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> No
                     s.engine.on = bool(cmd["on"])
             elif op == "release":
                 rooms[cmd["room"]]["hold"] = False
+            elif op == "abort":
+                for s in senders:
+                    s.abort(cmd["room"], "prefill test abort")
+            elif op == "events":
+                send(conn, event="events", events=obs.events)
             elif op == "stats":
                 send(conn, event="stats", stats=[s.stats() for s in senders])
             elif op == "clear":

@@ -59,6 +59,16 @@ def roundtrip(backend: str) -> None:
                 assert p["cap"] == 32 * kh.DCP[inst], p  # region of 32 tokens per rank
         dec.cmd(op="final_check")
         assert dec.wait("final_check", 30)["ok"] is True
+        pre.cmd(op="stats")
+        for s in pre.wait("stats")["stats"]:
+            # ranks that own no token of a chunk got notification-only chunks: room 104 and
+            # 203 have nothing to send (1 + 2 ranks), room 303's last segment has 1 token (3)
+            assert s["notify_only"] == 6 and s["loop_errors"] == 0, s
+        pre.cmd(op="events")
+        events = pre.wait("events")["events"]
+        assert sorted(r for kind, r, _src in events if kind == "transfer_done") == sorted(
+            [r for r in rooms] * 2  # one per room and prefill rank (an observer plugin saw them)
+        )
         dec.cmd(op="stats")
         st = dec.wait("stats")["stats"]
         for inst, per_rank in st.items():
@@ -115,6 +125,21 @@ def failures(backend: str) -> None:
         d = dec.wait("done", 30, room=213)
         assert d["status"] == [FAILED, FAILED] and "test abort" in d["reasons"][0], d
         dec.cmd(op="drained", room=213)
+        assert dec.wait("drained", 10)["drained"] == [True, True]
+
+        # -- prefill aborts mid-transfer: the decode room fails at once with the reason
+        pre.cmd(op="serve", rooms=[217], hold=[217])
+        dec.cmd(op="expect", rooms=[217])
+        dec.wait("transferring", 30, room=217)
+        pre.cmd(op="abort", room=217)
+        d = dec.wait("done", 30, room=217)
+        assert d["status"] == [FAILED, FAILED], d
+        assert all(
+            "aborted on prefill rank" in r and "prefill test abort" in r for r in d["reasons"]
+        ), d
+        p = pre.wait("done", 30, room=217)
+        assert p["status"] == [FAILED, FAILED] and all(p["drained"]), p
+        dec.cmd(op="drained", room=217)
         assert dec.wait("drained", 10)["drained"] == [True, True]
 
         # -- control-channel fuzz: malformed frames dropped and counted, the session goes on
