@@ -23,14 +23,16 @@ Prefill rank (one :class:`~pdplug.config.KVConfig` with ``role="prefill"`` and
     sender.register_kv(kv_entries)             # registers KV + pack buffer, publishes the rank
     # per request (room):
     sender.start(room)                         # Bootstrapping until decode's DestInfos arrive
-    ... sender.poll(room) == KVPoll.WaitingForInput     # (with PP: decided by consensus)
+    ... sender.poll(room) == KVPoll.WaitingForInput     # (with PP: decided by consensus;
+                                               #  or sender.wait(room, (WaitingForInput,)))
     d = sender.dest(room)[0]                   # d.decode_prefix_len, d.num_tokens
     cap = sender.capacity_tokens(room)         # None: no relayout, do not split
     for seg in scheduler.split_send(token_start=d.decode_prefix_len, token_end=n,
                                     decode_prefix_len=d.decode_prefix_len,
                                     is_last_send=True, capacity_tokens=cap):
         sender.send(room, seg, pages[seg.token_start // page_size:])
-    ... sender.poll(room) in (Success, Failed)  # Failed: sender.failure_reason(room)
+    ... sender.poll(room) in (Success, Failed)  # or sender.wait(room): blocks, no spinning
+                                               # Failed: sender.failure_reason(room)
     ... sender.drained(room)                   # no write still reads the pages
     sender.clear(room)
 
@@ -47,13 +49,23 @@ Decode rank (``role="decode"``, one per DCP rank)::
     recv.clear(room)
     recv.abort(room, "reason")                 # any time: prefill ranks stop and report back
 
+Segments of a room go in order with ``chunk_id`` 0, 1, … (the scheduler numbers them); the
+decode side completes a room when every prefill rank delivered chunks ``0..last``. A prefill
+rank with several PP ranks runs one sender per rank; each publishes itself and is a separate
+source for the decode ranks.
+
 ``poll`` never blocks; every other call is bounded (``bootstrap_timeout_s`` for connect, a few
 seconds for calls answered by the engine thread). Rooms end ``Success`` or ``Failed`` — a failed
 post, an abort on either side, a silent peer (``transfer_timeout_s``), or a stuck state
 (``bootstrap_timeout_s`` / ``waiting_timeout_s`` / ``transfer_timeout_s``) — never hang.
 The handshake compat check defaults to the process-wide plugin manager's
 :meth:`~pdplug.manager.PluginManager.check_compat` (layout checks + every plugin's
-``pdplug_check_compat`` veto); factories accept ``compat=`` to use another.
+``pdplug_check_compat`` veto); factories accept ``compat=`` to use another. Room outcomes
+(``transfer_done`` / ``transfer_failed``, once per room and rank) go to ``pdplug_on_event``
+observers the same way (factories accept ``emit=``).
+
+Threads: each session runs one engine thread (the only caller of its engine and sockets) and,
+when it packs, one pack thread. Host calls are thread-safe.
 """
 
 from __future__ import annotations

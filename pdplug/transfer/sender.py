@@ -85,6 +85,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_MAX_INBOX = 65536  # rooms whose DestInfo arrived before start(); older than bootstrap expire
+
 #: ``compat(local, remote) -> mismatches``; the handshake refuses a peer when it is non-empty.
 Compat = Callable[[PeerInfo, PeerInfo], Sequence[str]]
 
@@ -615,6 +617,9 @@ class KVSenderSession:
             return
         lease = self._leases.get(d.room)
         if lease is None or lease.failed:
+            if d.room not in self._inbox and len(self._inbox) >= _MAX_INBOX:
+                self._codec.drop("other")  # a flood of DestInfos nobody starts
+                return
             box = self._inbox.setdefault(d.room, {})
             box[peer.key] = (d, now)
             self.counts["dest_early"] += 1

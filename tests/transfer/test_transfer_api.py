@@ -96,3 +96,13 @@ def test_config_role_is_checked() -> None:
             KVConfig(instance="p", role="prefill", layout=_layout()),
             _Engine(),  # type: ignore[arg-type]
         )
+
+
+def test_dedup_regions_merges_duplicates_overlaps_and_neighbours() -> None:
+    from pdplug.transfer import dedup_regions
+
+    regions = [(100, 50), (100, 50), (120, 10), (150, 10), (300, 0), (400, 8), (404, 100)]
+    assert dedup_regions(regions) == [(100, 60), (400, 104)]
+    assert dedup_regions([]) == []
+    with pytest.raises(ValueError, match=r"region 1 = \(-5, 3\) is negative"):
+        dedup_regions([(1, 1), (-5, 3)])
