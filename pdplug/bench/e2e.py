@@ -23,10 +23,9 @@ from pdplug.host.cli import demo_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     """Throughput and TTFT of the reference host per consensus / KV sender variant."""
-    from rich.console import Console
     from rich.table import Table
 
-    from pdplug.bench.machine import machine_line
+    from pdplug.bench.machine import console, machine_line
     from pdplug.host.cli import _options
     from pdplug.host.driver import run_demo
 
@@ -71,7 +70,7 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
             f"{r['transfer_p50_ms']:.1f} ms",
             f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x",
         )
-    Console().print(t)
+    console().print(t)
     click.echo(machine_line())
     if json_path:
         with open(json_path, "w") as f:

@@ -47,3 +47,13 @@ def machine_line() -> str:
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}, "
         f"torch {m.get('torch')}"
     )
+
+
+def console() -> Any:
+    """A rich Console that keeps tables readable when output is a pipe or a CI log (at least
+    120 columns instead of rich's 80-column fallback)."""
+    import shutil
+
+    from rich.console import Console
+
+    return Console(width=max(120, shutil.get_terminal_size((120, 24)).columns))

@@ -52,10 +52,11 @@ def _options(kw: dict[str, Any], requests: int) -> Any:
 
 def print_report(rep: dict[str, Any]) -> None:
     """Print the summary table of one run."""
-    from rich.console import Console
     from rich.table import Table
 
-    c = Console()
+    from pdplug.bench.machine import console
+
+    c = console()
     t = Table(title="pdplug demo", show_header=False)
     t.add_column("", style="bold")
     t.add_column("")
