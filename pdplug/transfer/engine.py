@@ -14,14 +14,21 @@ through :meth:`TransferEngine.check` like an asynchronous one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from pdplug.types import PeerInfo
 
-__all__ = ["TransferEngine", "dedup_regions", "XFER_DONE", "XFER_PENDING", "XFER_ERROR"]
+__all__ = [
+    "TransferEngine",
+    "dedup_regions",
+    "engine_wakes",
+    "XFER_DONE",
+    "XFER_PENDING",
+    "XFER_ERROR",
+]
 
 XFER_PENDING = "PROC"
 XFER_DONE = "DONE"
@@ -117,6 +124,18 @@ class TransferEngine(Protocol):
     def close(self) -> None:
         """Release handles, deregister memory; idempotent."""
         ...
+
+
+def engine_wakes(engine: object, waker: Callable[[], None]) -> bool:
+    """Give ``engine`` a ``waker`` to call (from any thread) when a posted write completes, if
+    it supports one (an optional ``set_waker(waker)`` method: engines that complete writes on
+    their own threads, like Mooncake's worker). Returns whether it does; then the session's
+    engine thread sleeps until woken instead of polling :meth:`TransferEngine.check`."""
+    setter = getattr(engine, "set_waker", None)
+    if not callable(setter):
+        return False
+    setter(waker)
+    return True
 
 
 def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

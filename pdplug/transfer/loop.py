@@ -147,6 +147,11 @@ class EngineLoop:
                 f"{self.name}: no answer from the engine thread in {timeout_s:g} s"
             ) from e
 
+    def wake(self) -> None:
+        """Wake the loop now (thread-safe); engines whose writes complete on their own threads
+        call it so the loop need not poll them."""
+        self._wake()
+
     def _wake(self) -> None:
         with self._wake_lock:
             if not self._wake_tx.closed:
@@ -198,7 +203,9 @@ class EngineLoop:
                 # proportion to how long the work has run (detection adds <= 2% to a long
                 # write) so a polling thread does not take the CPU the transfer needs
                 busy_for = now - busy_since
-                time.sleep(0 if busy_for < self._spin_s else min(self._backoff_s, busy_for / 50))
+                time.sleep(
+                    20e-6 if busy_for < self._spin_s else min(self._backoff_s, busy_for / 50)
+                )
         # fail whatever is still queued so no caller waits forever
         with self._todo_lock:
             todo, self._todo = list(self._todo), deque()

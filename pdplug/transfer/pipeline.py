@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from pdplug.packing import run_addresses
-from pdplug.transfer.engine import XFER_DONE, XFER_PENDING, TransferEngine
+from pdplug.transfer.engine import XFER_DONE, XFER_PENDING, TransferEngine, engine_wakes
 from pdplug.types import ChunkTag, DestInfo, KVLayout, PackRegion, PeerInfo, TransferPlan
 from pdplug.wire import Codec
 
@@ -124,6 +124,9 @@ class SendPipeline:
     :param on_written: ``(peer, tag)`` after a completed write, for engines without
         notifications (the session sends the tag over the control channel).
     :param on_drained: ``(lease)`` when a failed lease has no write in flight any more.
+    :param waker: thread-safe "run a round now" (the engine loop's ``wake``): finished packs
+        and engines that complete writes on their own threads call it, so the loop sleeps
+        instead of polling them.
     """
 
     def __init__(
@@ -140,8 +143,11 @@ class SendPipeline:
         on_fail: Callable[[Lease, str], None],
         on_written: Callable[[Peer, ChunkTag], None],
         on_drained: Callable[[Lease], None],
+        waker: Callable[[], None] = lambda: None,
     ) -> None:
-        self.engine = engine
+        self._waker = waker
+        self._engine = engine
+        self.wakes = engine_wakes(engine, waker)
         self.planner = planner
         self.packer: Packer | None = None
         self.layout = layout
@@ -164,8 +170,19 @@ class SendPipeline:
         self._packing: deque[_Packing] = deque()
         self._xfers: list[_Xfer] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._more = False  # dispatch stopped at its per-round budget
         self.counts: Counter[str] = Counter()
         self.timings = dict.fromkeys(("plan_s", "pack_s", "post_s", "write_s"), 0.0)
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The backend adapter."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: TransferEngine) -> None:
+        self._engine = engine
+        self.wakes = engine_wakes(engine, self._waker)
 
     def set_memory(
         self,
@@ -187,9 +204,14 @@ class SendPipeline:
         self.packer = packer
 
     # ------------------------------------------------------------------ queue
-    def busy(self) -> bool:
-        """Work queued, packing or in flight."""
+    def has_work(self) -> bool:
+        """Work queued, packing or in flight (a round must look at it)."""
         return bool(self._queue or self._packing or self._xfers)
+
+    def busy(self) -> bool:
+        """Whether the loop must poll rather than sleep until woken: writes on an engine that
+        cannot wake it, or dispatch work left over from the last round."""
+        return self._more or bool(self._xfers and not self.wakes)
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue jobs (FIFO per destination rank)."""
@@ -248,6 +270,7 @@ class SendPipeline:
         blocked: set[int] = set()
         keep: deque[Job] = deque()
         budget = 16  # jobs per round, so completions are reaped in between
+        self._more = False
         while self._queue:
             job = self._queue.popleft()
             lease = job.lease
@@ -258,6 +281,8 @@ class SendPipeline:
                 self._on_fail(lease, f"decode {peer.key[0]} dcp {peer.key[1]} is gone")
                 continue
             region = self._free_region(peer, job.dst_rank)
+            if budget <= 0:
+                self._more = True
             if (
                 budget <= 0
                 or job.dst_rank in blocked
@@ -313,6 +338,8 @@ class SendPipeline:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdplug-pack")
             fut = self._pool.submit(self._pack_one, plan)
+            waker = self._waker
+            fut.add_done_callback(lambda _f: waker())
             self._packing.append(
                 _Packing(job=job, peer=peer, region=region, plan=plan, tag=tag, fut=fut)
             )

@@ -231,6 +231,7 @@ class KVSenderSession:
             on_fail=self._fail,
             on_written=self._written,
             on_drained=self._notify_failure,
+            waker=self._loop.wake,
         )
         self._loop.add_socket(self._sock, self._on_control)
         self._loop.start()
@@ -805,7 +806,7 @@ class KVSenderSession:
     # ------------------------------------------------------------------ data path
     def _step(self, now: float) -> None:
         self.engine.progress()
-        if self._pipe.busy():
+        if self._pipe.has_work():
             self._pipe.step(now)
             if self._draining:
                 self._draining = [ls for ls in self._draining if ls.inflight]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -64,6 +64,7 @@ class MooncakeEngine:
             raise ValueError(f"KVConfig.extra['max_batch'] must be > 0, got {self._max_batch}")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdplug-mooncake-write")
         self._regions: list[tuple[int, int]] = []
+        self._waker: Callable[[], None] | None = None
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ TransferEngine
@@ -102,13 +103,20 @@ class MooncakeEngine:
     def disconnect(self, peer: Any) -> None:
         """Nothing to release (P2P sessions are managed by the engine)."""
 
+    def set_waker(self, waker: Callable[[], None]) -> None:
+        """Call ``waker`` (from the worker thread) whenever a write finishes."""
+        self._waker = waker
+
     def post(
         self, peer: Any, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
     ) -> Future[int]:
-        """Queue the write on the worker thread; :meth:`check` reports it."""
-        return self._pool.submit(
-            self._write, str(peer), src.tolist(), dst.tolist(), length.tolist()
-        )
+        """Queue the write on the worker thread; :meth:`check` reports it (and the waker, if
+        set, fires when it finishes)."""
+        fut = self._pool.submit(self._write, str(peer), src.tolist(), dst.tolist(), length.tolist())
+        if self._waker is not None:
+            waker = self._waker
+            fut.add_done_callback(lambda _f: waker())
+        return fut
 
     def _write(self, session: str, src: list[int], dst: list[int], ln: list[int]) -> int:
         step = self._max_batch
