@@ -142,10 +142,10 @@ class DecodeRank:
                     self.admitted.append(rid)
                     self.reqs[rid].t["t_decided"] = time.time()
             for rid in d.bad:
-                req = self.reqs.pop(rid, None)
-                if req is not None:
+                gone = self.reqs.pop(rid, None)
+                if gone is not None:
                     reason = self.receiver.failure_reason(rid) or "transfer failed"
-                    self._release(req)
+                    self._release(gone)
                     self.link.send(
                         RequestFailed(role="decode", rank=self.rank, rid=rid, reason=reason)
                     )

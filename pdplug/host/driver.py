@@ -102,7 +102,7 @@ class _Run:
         self.opts = opts
         self.requests = requests
         self.wire = WireConfig()
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
         self.to_driver = f"tcp://127.0.0.1:{port}"
@@ -352,7 +352,10 @@ def _report(
                 "want": want[pos] if pos < len(want) else None,
             }
         )
-    ttft, parts = [], {k: [] for k in ("queue", "consensus", "prefill", "pack", "transfer")}
+    ttft: list[float] = []
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("queue", "consensus", "prefill", "pack", "transfer")
+    }
     for r in requests:
         ts = run.timings.get(r.rid, [])
         pre = [t.fields for t in ts if t.role == "prefill"]

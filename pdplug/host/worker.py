@@ -120,7 +120,7 @@ class DriverLink:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.connect(spec.to_worker)
         self.outbox = self.ctx.socket(zmq.PUSH)
@@ -131,7 +131,7 @@ class DriverLink:
 
     def recv_all(self) -> list[Any]:
         """Every message waiting now (non-blocking); malformed frames are dropped and counted."""
-        out = []
+        out: list[Any] = []
         while True:
             try:
                 frame = self.inbox.recv(zmq.NOBLOCK)
