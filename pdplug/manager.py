@@ -588,14 +588,19 @@ class PluginManager:
         }
 
     # ------------------------------------------------------------------ typed facade
-    def make_consensus(self, config: ConsensusConfig, name: str | None = None) -> Consensus:
+    def make_consensus(
+        self, config: ConsensusConfig, name: str | None = None, **options: Any
+    ) -> Consensus:
         """Build the selected consensus for one PP rank.
 
         :param config: the rank's :class:`~pdplug.config.ConsensusConfig`.
         :param name: explicit selection; default ``select=`` / ``PDPLUG_CONSENSUS`` / ``pp0``.
+        :param options: implementation-specific keywords passed to the factory unchanged (e.g.
+            ``relay=`` for ``pp0``'s host-supplied decision fan-out).
         :raises PluginError: as :meth:`resolve`, or the factory failed to import.
+        :raises TypeError: the selected factory does not accept an option.
         """
-        return cast(Consensus, self._factory("consensus", name)(config))
+        return cast(Consensus, self._factory("consensus", name)(config, **options))
 
     def make_scheduler(self, config: SchedulerConfig, name: str | None = None) -> Scheduler:
         """Build the selected scheduler.
