@@ -3,8 +3,11 @@
 Every rank holds the full weights and its share of each request's tokens (token i on rank
 ``i % dcp`` at local offset ``i // dcp``). Loop:
 
-1. new requests from the driver: allocate the local share's pages (prompt + output) and lease
-   the room with the KV receiver, which sends the destination pages to every prefill rank;
+1. new requests from the driver: allocate the local share's pages (prompt + output) and vote on
+   the ``prealloc`` stream (``bad`` when out of pages); once every rank allocated (decision
+   ``good``) lease the room with the KV receiver, which sends the destination pages to every
+   prefill rank (a ``bad`` prealloc frees the pages; prefill fails the room at its bootstrap
+   timeout);
 2. a room whose KV arrived (``Success``) and whose first token is known is voted ``good`` on the
    ``transfer`` stream (``Failed`` → ``bad``); decisions are applied in order, exactly once;
 3. the ranks agree (all-reduce MIN) on how many transfer decisions all of them applied; every
@@ -32,6 +35,7 @@ from pdplug.host.messages import (
     WorkerStats,
 )
 from pdplug.host.model import (
+    OutOfPagesError,
     PagedKVCache,
     build_model,
     decode_step_dcp,
@@ -43,9 +47,11 @@ __all__ = ["decode_main"]
 
 
 class _Req:
-    __slots__ = ("first", "out", "output_len", "pages", "prompt_len", "rid", "t", "voted")
+    __slots__ = (
+        "first", "leased", "out", "output_len", "pages", "prompt_len", "rid", "t", "voted",
+    )  # fmt: skip
 
-    def __init__(self, msg: NewRequest, pages: torch.Tensor) -> None:
+    def __init__(self, msg: NewRequest, pages: torch.Tensor | None) -> None:
         self.rid = msg.rid
         self.prompt_len = len(pages_from_bytes(msg.tokens))
         self.output_len = msg.output_len
@@ -54,6 +60,7 @@ class _Req:
         self.out: list[int] = []
         self.t: dict[str, float] = {}
         self.voted = False
+        self.leased = False
 
 
 class DecodeRank:
@@ -122,7 +129,7 @@ class DecodeRank:
             elif isinstance(msg, Shutdown):
                 self.stopping = True
         for req in list(self.reqs.values()):
-            if req.voted:
+            if req.voted or not req.leased:
                 continue
             st = self.receiver.poll(req.rid)
             if st == KVPoll.Failed:
@@ -135,6 +142,9 @@ class DecodeRank:
         if self.draining:
             self._free_drained()
         for d in self.consensus.poll():
+            if d.stream == "prealloc":
+                self._apply_prealloc(d.good, d.bad)
+                continue
             if d.stream != "transfer":
                 continue
             for rid in d.good:
@@ -155,9 +165,34 @@ class DecodeRank:
         # page count, enough for its share of prompt + output.
         n = len(pages_from_bytes(msg.tokens))
         vpage = self.spec.page_size * self.size
-        pages = self.cache.alloc(-(-(n + msg.output_len) // vpage))
+        try:
+            pages: torch.Tensor | None = self.cache.alloc(-(-(n + msg.output_len) // vpage))
+        except OutOfPagesError:
+            pages = None
         self.reqs[msg.rid] = _Req(msg, pages)
-        self.receiver.expect(msg.rid, pages[: -(-n // vpage)].numpy(), num_tokens=n)
+        if pages is None:
+            self.consensus.offer("prealloc", bad=[msg.rid])
+        else:
+            self.consensus.offer("prealloc", good=[msg.rid])
+
+    def _apply_prealloc(self, good: tuple[int, ...], bad: tuple[int, ...]) -> None:
+        vpage = self.spec.page_size * self.size
+        for rid in good:
+            req = self.reqs.get(rid)
+            if req is not None and req.pages is not None:
+                req.leased = True
+                req.t["t_prealloc"] = time.time()
+                n_pages = -(-req.prompt_len // vpage)
+                self.receiver.expect(rid, req.pages[:n_pages].numpy(), num_tokens=req.prompt_len)
+        for rid in bad:
+            req = self.reqs.pop(rid, None)
+            if req is None:
+                continue
+            if req.pages is not None:
+                self.cache.free(req.pages)
+            self.link.send(
+                RequestFailed(role="decode", rank=self.rank, rid=rid, reason="decode out of pages")
+            )
 
     def _release(self, req: _Req) -> None:
         # A failed room's pages may still be written by a late post: free them once drained.
@@ -168,6 +203,7 @@ class DecodeRank:
         keep = []
         for req, deadline in self.draining:
             if self.receiver.drained(req.rid) or time.monotonic() > deadline:
+                assert req.pages is not None
                 self.cache.free(req.pages)
                 self.receiver.clear(req.rid)
             else:
@@ -216,11 +252,12 @@ class DecodeRank:
         if live:
             ids = torch.tensor([r.out[-1] for r in live], dtype=torch.int64)
             positions = [r.prompt_len + len(r.out) - 1 for r in live]
+            pages = [r.pages for r in live if r.pages is not None]  # admitted => allocated
             logits = decode_step_dcp(
                 self.model,
                 self.cache,
                 ids,
-                [r.pages for r in live],
+                pages,
                 positions,
                 self.rank,
                 self.size,

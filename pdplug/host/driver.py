@@ -4,8 +4,8 @@ checks every request's tokens against a single-process reference run, and report
 TTFT of a request = arrival at the driver → its transfer decision applied on decode DCP rank 0
 (the first token is then ready to stream). The breakdown (milliseconds):
 
-* ``queue``: arrival → every prefill rank locally ready (decode's destination received), plus
-  bootstrap decision → first chunk scheduled on PP0;
+* ``queue``: arrival → every prefill rank locally ready (decode ranks agreed on preallocation
+  and sent their destinations), plus bootstrap decision → first chunk scheduled on PP0;
 * ``consensus``: last prefill rank ready → bootstrap decision applied on PP0, plus last decode
   rank's KV complete → transfer decision applied on decode rank 0;
 * ``prefill``: forward compute of the request's chunks, summed over PP ranks;
