@@ -138,6 +138,7 @@ def _run(backend: str, layers: int, repeats: int) -> list[dict[str, Any]]:
             sp = rng.permutation(src_pages)[: -(-total // PAGE)].astype(np.int64)
             times: dict[str, list[float]] = {m: [] for m in MODES}
             segs_n: dict[str, int] = {}
+            runs_n: dict[str, int] = {}
             for rep in range(repeats + 1):
                 for mode in MODES:
                     sender = senders[mode]
@@ -160,6 +161,7 @@ def _run(backend: str, layers: int, repeats: int) -> list[dict[str, Any]]:
                         capacity_tokens=cap,
                     )
                     segs_n[mode] = len(segs)
+                    runs0 = sender.stats().get("runs", 0)
                     t0 = time.perf_counter()
                     for seg in segs:
                         sender.send(room, seg, sp[seg.token_start // PAGE :])
@@ -173,6 +175,7 @@ def _run(backend: str, layers: int, repeats: int) -> list[dict[str, Any]]:
                     sender.clear(room)
                     peer.clear(f"d-{mode}", room)
                     room += 1
+                    runs_n[mode] = sender.stats().get("runs", 0) - runs0
                     if rep:
                         times[mode].append(dt)
             nbytes = total * ROW * layers
@@ -187,6 +190,7 @@ def _run(backend: str, layers: int, repeats: int) -> list[dict[str, Any]]:
                         "seconds": sec,
                         "gbps": nbytes / sec / 1e9,
                         "segments": segs_n[mode],
+                        "descriptors": runs_n[mode],
                         "bytes": nbytes,
                     }
                 )
@@ -223,7 +227,7 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
 
     if layers <= 0 or repeats <= 0:
         raise click.BadParameter(f"--layers={layers} and --repeats={repeats} must be > 0")
-    console = Console()
+    console = Console(width=120)  # tables stay whole when piped
     console.print(machine_line())
     console.print(
         f"backend {backend}; DCP {DCP}, page {PAGE}, {ROW} B/token x {layers} layers; pack "
@@ -232,7 +236,16 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
     )
     rows = _run(backend, layers, repeats)
     t = Table(title=f"pdplug bench pack ({backend}; seconds = median of {repeats})")
-    for col in ("prefix + unique", "MB", "mode", "segments", "seconds", "GB/s", "vs per_token"):
+    for col in (
+        "prefix + unique",
+        "MB",
+        "mode",
+        "segments",
+        "descriptors",
+        "seconds",
+        "GB/s",
+        "vs per_token",
+    ):
         t.add_column(col, justify="right")
     for prefix, unique in SHAPES:
         g = {r["mode"]: r for r in rows if (r["prefix"], r["unique"]) == (prefix, unique)}
@@ -243,6 +256,7 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
                 f"{r['bytes'] / 1e6:.0f}",
                 mode,
                 str(r["segments"]),
+                f"{r['descriptors']:,}",
                 f"{r['seconds']:.3f}",
                 f"{r['gbps']:.2f}",
                 f"{g['per_token']['seconds'] / r['seconds']:.1f}x",

@@ -264,7 +264,7 @@ def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
     if not size_list or min(size_list) < sum(BPT) * PAGE:
         raise click.BadParameter(f"sizes must be >= one page ({sum(BPT) * PAGE} bytes)")
     backends = [b.strip() for b in backend.split(",") if b.strip()]
-    console = Console()
+    console = Console(width=120)  # tables stay whole when piped
     console.print(machine_line())
     console.print(
         f"KV: {len(BPT)} entries x {BPT[0]} B/token, page {PAGE} tokens "

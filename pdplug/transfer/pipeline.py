@@ -2,9 +2,9 @@
 
 Used by :class:`~pdplug.transfer.sender.KVSenderSession` on its engine thread. One *job* is
 one (segment, destination DCP rank). A job whose peer needs relayout takes a free pack region
-of its rank (``pack_depth`` per rank, :mod:`pdplug.packing`), is planned on the engine thread,
-packed on a dedicated **pack thread**, and posted by the engine thread once packed; the region
-stays busy until the engine reports the write done. So while the engine writes segment ``k``
+of its rank (``pack_depth`` per rank, :mod:`pdplug.packing`), is planned and packed on a
+dedicated **pack thread** (planners are pure), and posted by the engine thread once packed; the
+region stays busy until the engine reports the write done. So while the engine writes segment ``k``
 (asynchronously — RDMA; or synchronously inside the post call, as NIXL does over loopback
 shared memory, which is why packing cannot stay on the posting thread), the pack thread fills
 the other region with segment ``k + 1`` (SGLang #35762's double buffering; prior-art
@@ -96,9 +96,7 @@ class _Packing(msgspec.Struct, kw_only=True):
     job: Job
     peer: Peer
     region: int
-    plan: TransferPlan
-    tag: ChunkTag
-    fut: Future[float]
+    fut: Future[tuple[TransferPlan, float, float]]
 
 
 class _Xfer(msgspec.Struct, kw_only=True):
@@ -299,82 +297,94 @@ class SendPipeline:
 
     def _start(self, job: Job, peer: Peer, region: int, now: float) -> None:
         lease = job.lease
-        d = lease.dests[job.dst_rank]
+        if region >= 0:  # relayout: plan and pack on the pack thread, post when ready
+            self._busy_region[region] = True
+            lease.inflight += 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdplug-pack")
+            fut = self._pool.submit(self._prepare, job, peer, region)
+            waker = self._waker
+            fut.add_done_callback(lambda _f: waker())
+            self._packing.append(_Packing(job=job, peer=peer, region=region, fut=fut))
+            return
         t0 = time.perf_counter()
         try:
-            plan = self.planner.plan(
-                job.chunk,
-                self.layout,
-                peer.info.layout,
-                job.dst_rank,
-                self.regions[region] if region >= 0 else None,
-            )
+            plan = self.planner.plan(job.chunk, self.layout, peer.info.layout, job.dst_rank, None)
         except Exception as e:
             self._on_fail(lease, f"plan of chunk {job.chunk.chunk_id} for dcp {job.dst_rank}: {e}")
             return
         self.timings["plan_s"] += time.perf_counter() - t0
-        tag = ChunkTag(
-            generation=d.generation,
-            room=lease.room,
+        tag = self._tag(job, plan)
+        if plan.num_runs == 0:
+            self._notify_only(job, peer, tag)
+            return
+        lease.inflight += 1
+        self._post(job, peer, -1, plan, tag, now)
+
+    def _tag(self, job: Job, plan: TransferPlan) -> ChunkTag:
+        return ChunkTag(
+            generation=job.lease.dests[job.dst_rank].generation,
+            room=job.lease.room,
             chunk_id=plan.chunk_id,
             is_last=plan.is_last,
             src_rank=self.rank,
         )
-        if plan.num_runs == 0:
-            self.counts["notify_only"] += 1
-            if self.engine.notifications:
-                try:
-                    self.engine.notify(peer.handle, self._tags.encode(tag))
-                except Exception as e:
-                    self._on_fail(lease, f"notification of chunk {tag.chunk_id} failed: {e}")
-                    return
-            else:
-                self._on_written(peer, tag)
-            self._on_done(job)
-            return
-        lease.inflight += 1
-        if plan.packed:
-            self._busy_region[region] = True
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdplug-pack")
-            fut = self._pool.submit(self._pack_one, plan)
-            waker = self._waker
-            fut.add_done_callback(lambda _f: waker())
-            self._packing.append(
-                _Packing(job=job, peer=peer, region=region, plan=plan, tag=tag, fut=fut)
-            )
-            return
-        self._post(job, peer, -1, plan, tag, now)
 
-    def _pack_one(self, plan: TransferPlan) -> float:
-        """Pack thread: gather the plan's rows into its region; returns seconds."""
+    def _notify_only(self, job: Job, peer: Peer, tag: ChunkTag) -> None:
+        self.counts["notify_only"] += 1
+        if self.engine.notifications:
+            try:
+                self.engine.notify(peer.handle, self._tags.encode(tag))
+            except Exception as e:
+                self._on_fail(job.lease, f"notification of chunk {tag.chunk_id} failed: {e}")
+                return
+        else:
+            self._on_written(peer, tag)
+        self._on_done(job)
+
+    def _prepare(self, job: Job, peer: Peer, region: int) -> tuple[TransferPlan, float, float]:
+        """Pack thread: plan into the region and gather the rows; returns (plan, plan seconds,
+        pack seconds). Planners are pure, so planning here is safe and keeps it off the
+        thread that posts."""
         t0 = time.perf_counter()
-        assert self.packer is not None and self._pack is not None
-        self.packer.pack(plan, self._entries, self._pack)
-        if self._pack.is_cuda:
-            import torch
+        plan = self.planner.plan(
+            job.chunk, self.layout, peer.info.layout, job.dst_rank, self.regions[region]
+        )
+        t1 = time.perf_counter()
+        if plan.packed and plan.num_runs:
+            assert self.packer is not None and self._pack is not None
+            self.packer.pack(plan, self._entries, self._pack)
+            if self._pack.is_cuda:
+                import torch
 
-            torch.cuda.current_stream(self._pack.device).synchronize()
-        return time.perf_counter() - t0
+                torch.cuda.current_stream(self._pack.device).synchronize()
+        return plan, t1 - t0, time.perf_counter() - t1
 
     def _post_packed(self, now: float) -> None:
         while self._packing and self._packing[0].fut.done():
             p = self._packing.popleft()
             lease = p.job.lease
             try:
-                self.timings["pack_s"] += p.fut.result()
+                plan, plan_s, pack_s = p.fut.result()
             except Exception as e:
                 self._free(p.region)
                 lease.inflight -= 1
-                self._on_fail(lease, f"pack of chunk {p.tag.chunk_id} failed: {e}")
+                self._on_fail(
+                    lease,
+                    f"plan/pack of chunk {p.job.chunk.chunk_id} for dcp {p.job.dst_rank}: {e}",
+                )
                 self._drain_check(lease)
                 continue
-            if lease.failed or lease.cleared or not p.peer.alive:
+            self.timings["plan_s"] += plan_s
+            self.timings["pack_s"] += pack_s
+            if lease.failed or lease.cleared or not p.peer.alive or plan.num_runs == 0:
                 self._free(p.region)
                 lease.inflight -= 1
+                if plan.num_runs == 0 and not (lease.failed or lease.cleared):
+                    self._notify_only(p.job, p.peer, self._tag(p.job, plan))
                 self._drain_check(lease)
                 continue
-            self._post(p.job, p.peer, p.region, p.plan, p.tag, now)
+            self._post(p.job, p.peer, p.region, plan, self._tag(p.job, plan), now)
 
     def _post(
         self, job: Job, peer: Peer, region: int, plan: TransferPlan, tag: ChunkTag, now: float
