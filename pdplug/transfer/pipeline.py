@@ -235,10 +235,13 @@ class SendPipeline:
         """One round: reap writes, post what finished packing, dispatch queued jobs."""
         if self._xfers:
             self._reap(now)
+        posts = self.counts["posts"]
         if self._packing:
             self._post_packed(now)
         if self._queue:
             self._dispatch(now)
+        if self.counts["posts"] != posts:
+            self._reap(now)  # an engine that copies inside its post call is done already
 
     def close(self) -> None:
         """Release in-flight handles and stop the pack thread."""
@@ -445,10 +448,6 @@ class SendPipeline:
                     keep.append(x)
                     continue
                 self.counts["abandoned"] += 1
-            try:
-                self.engine.release(x.handle)
-            except Exception:
-                pass
             self._free(x.region)
             lease.inflight -= 1
             if st == XFER_DONE and not lease.failed:
@@ -465,4 +464,8 @@ class SendPipeline:
                     f"(engine state {st})",
                 )
             self._drain_check(lease)
+            try:  # after the room's outcome is published: releasing is not on its path
+                self.engine.release(x.handle)
+            except Exception:
+                pass
         self._xfers = keep

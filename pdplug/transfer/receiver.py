@@ -116,6 +116,7 @@ class KVReceiverSession:
         self.engine = engine
         self.compat: Compat = compat or default_compat
         self._emit = emit
+        self._events: list[PdplugEvent] = []
         self.rooms = Rooms.from_config(config)
         w = config.wire
         name = f"{config.instance}/d{config.layout.dcp_rank}"
@@ -401,6 +402,7 @@ class KVReceiverSession:
         )
 
     def _shutdown(self) -> None:
+        self._flush_events()
         for inst in list(self._sources):
             self._disconnect(inst)
         self.engine.close()
@@ -580,21 +582,6 @@ class KVReceiverSession:
                         Abort(room=lease.room, generation=lease.generation, reason=reason[:512]),
                     )
 
-    def _event(self, kind: str, lease: _Lease, **fields: Any) -> None:
-        if self._emit is None:
-            return
-        fields.update(
-            dcp_rank=self.layout.dcp_rank,
-            generation=lease.generation,
-            chunks=sum(len(g) for g in lease.got.values()),
-        )
-        try:
-            self._emit(
-                PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
-            )
-        except Exception:  # an observer must never break the data path
-            log.exception("%s: event observer failed", self._loop.name)
-
     def _on_tag(self, src: _Source, tag: ChunkTag, codec: Any, drained: bool = False) -> None:
         if tag.src_rank != src.rank or src.state != "accepted":
             codec.drop("unknown_rank")
@@ -654,7 +641,31 @@ class KVReceiverSession:
             self._next_periodic = now + 0.01
             self._periodic(now)
 
+    def _event(self, kind: str, lease: _Lease, **fields: Any) -> None:
+        if self._emit is None:
+            return
+        fields.update(
+            dcp_rank=self.layout.dcp_rank,
+            generation=lease.generation,
+            chunks=sum(len(g) for g in lease.got.values()),
+        )
+        # observers run at the next periodic round, off the completion path
+        self._events.append(
+            PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
+        )
+
+    def _flush_events(self) -> None:
+        events, self._events = self._events, []
+        for ev in events:
+            try:
+                assert self._emit is not None
+                self._emit(ev)
+            except Exception:  # an observer must never break the data path
+                log.exception("%s: event observer failed", self._loop.name)
+
     def _periodic(self, now: float) -> None:
+        if self._events:
+            self._flush_events()
         for room, gen, reason in self.rooms.expire(now):
             lease = self._leases.get(room)
             if lease is not None and lease.generation == gen:

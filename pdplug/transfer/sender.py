@@ -189,6 +189,7 @@ class KVSenderSession:
         self.engine = engine
         self.compat: Compat = compat or default_compat
         self._emit = emit
+        self._events: list[PdplugEvent] = []
         self.rank = bootstrap.rank_of(config.layout)
         self.rooms = Rooms.from_config(config)
         self.max_inflight = max_inflight
@@ -466,6 +467,7 @@ class KVSenderSession:
         )
 
     def _shutdown(self) -> None:
+        self._flush_events()
         self._pipe.close()
         for p in self._peers.values():
             try:
@@ -814,17 +816,6 @@ class KVSenderSession:
             self._next_periodic = now + 0.01
             self._periodic(now)
 
-    def _event(self, kind: str, lease: Lease, **fields: Any) -> None:
-        if self._emit is None:
-            return
-        fields.update(rank=self.rank, generation=lease.generation, dests=len(lease.dests))
-        try:
-            self._emit(
-                PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
-            )
-        except Exception:  # an observer must never break the data path
-            log.exception("%s: event observer failed", self._loop.name)
-
     def _written(self, peer: Peer, tag: ChunkTag) -> None:
         self._send(peer.ident, Done(chunk=tag))
 
@@ -839,7 +830,27 @@ class KVSenderSession:
                 self.counts["rooms_ok"] += 1
                 self._event("transfer_done", lease)
 
+    def _event(self, kind: str, lease: Lease, **fields: Any) -> None:
+        if self._emit is None:
+            return
+        fields.update(rank=self.rank, generation=lease.generation, dests=len(lease.dests))
+        # observers run at the next periodic round, off the completion path
+        self._events.append(
+            PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
+        )
+
+    def _flush_events(self) -> None:
+        events, self._events = self._events, []
+        for ev in events:
+            try:
+                assert self._emit is not None
+                self._emit(ev)
+            except Exception:  # an observer must never break the data path
+                log.exception("%s: event observer failed", self._loop.name)
+
     def _periodic(self, now: float) -> None:
+        if self._events:
+            self._flush_events()
         for room, gen, reason in self.rooms.expire(now):
             lease = self._leases.get(room)
             if lease is not None and lease.generation == gen:
