@@ -5,6 +5,7 @@ bad input is refused with a message naming the field and the value."""
 from __future__ import annotations
 
 import inspect
+import time
 
 import numpy as np
 import pytest
@@ -106,3 +107,46 @@ def test_dedup_regions_merges_duplicates_overlaps_and_neighbours() -> None:
     assert dedup_regions([]) == []
     with pytest.raises(ValueError, match=r"region 1 = \(-5, 3\) is negative"):
         dedup_regions([(1, 1), (-5, 3)])
+
+
+def test_nixl_engine_prepares_a_repeated_small_pattern_and_moves_the_bytes() -> None:
+    require("nixl")
+    from pdplug_nixl.engine import NixlEngine
+
+    lay = _layout()
+    a = NixlEngine(KVConfig(instance="p", role="prefill", layout=lay))
+    b = NixlEngine(KVConfig(instance="d", role="decode", layout=lay))
+    src = torch.randint(1, 256, (1 << 16,), dtype=torch.uint8)
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    try:
+        a.register([(src.data_ptr(), src.numel())])
+        b.register([(dst.data_ptr(), dst.numel())])
+        from pdplug import PeerInfo
+
+        peer = a.connect(PeerInfo(instance="d", role="decode", layout=lay, agent=b.agent()))
+        n = 64  # 64 descriptors of 512 B, scattered
+        order = np.random.default_rng(0).permutation(128)[:n].astype(np.int64) * 512
+        s_addr, d_addr = src.data_ptr() + order, dst.data_ptr() + order[::-1]
+        ln = np.full(n, 512, dtype=np.int64)
+        got: list[tuple[str, bytes]] = []
+        for k in range(3):
+            h = a.post(peer, s_addr, d_addr, ln, b"tag%d" % k)
+            t_end = time.monotonic() + 10
+            while (st := a.check(h)) == "PROC" and time.monotonic() < t_end:
+                got.extend(b.poll_notifications())  # the target progresses too
+            a.release(h)
+            assert st == "DONE"
+        t_end = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < t_end:
+            got.extend(b.poll_notifications())
+        assert [m for _, m in got] == [b"tag0", b"tag1", b"tag2"]
+        assert {name for name, _ in got} == {a.agent_name()}
+        assert a.counts["initialize_xfer"] == 1 and a.counts["make_prepped_xfer"] == 2
+        want = torch.zeros_like(dst)
+        want[torch.from_numpy(order[::-1].copy())[:, None] + torch.arange(512)] = src[
+            torch.from_numpy(order.copy())[:, None] + torch.arange(512)
+        ]
+        assert torch.equal(dst, want)
+    finally:
+        a.close()
+        b.close()
