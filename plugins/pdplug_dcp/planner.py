@@ -459,10 +459,15 @@ class DcpPlanner:
         nt = c.num_tokens
         runs: tuple[np.ndarray, ...] = (_EMPTY,) * 4
         if nt:
-            slots = st.slots if st.slots is not None else _src_slots(st.src_pages, p, nt)
-            rel = c.src_page_offset * p + np.arange(nt, dtype=np.int64)
-            dst = st.dst_pages[rel // p] * p + rel % p
-            runs = _expand(g.every, _merged(slots, dst, p))
+            # Both sides start on a page boundary and a run never crosses a destination page,
+            # so the merged runs are exactly one per page: O(pages), not O(tokens).
+            npg = -(-nt // p)
+            tok = np.empty((3, npg), dtype=np.int64)
+            tok[0] = st.src_pages[:npg] * p
+            tok[1] = st.dst_pages[c.src_page_offset : c.src_page_offset + npg] * p
+            tok[2] = p
+            tok[2, -1] = nt - (npg - 1) * p
+            runs = _expand(g.every, tok)
         entry, src_off, dst_off, length = runs
         return TransferPlan(
             room=c.room,
