@@ -299,3 +299,6 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
                 indent=2,
             )
         console.print(f"wrote {json_path}")
+    from pdplug.transfer import hard_exit
+
+    hard_exit(0)  # sessions are closed; skip the engines' native destructors (see hard_exit)

@@ -56,7 +56,9 @@ def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> Any:
         f"bench-raw-{uuid.uuid4().hex[:8]}",
         api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
     )
-    agent.register_memory(agent.get_reg_descs([(a, n, 0, "") for a, n in src_regions], "DRAM"))
+    reg = agent.register_memory(
+        agent.get_reg_descs([(a, n, 0, "") for a, n in src_regions], "DRAM")
+    )
     name = agent.add_remote_agent(peer_agent)
     name = name.decode() if isinstance(name, bytes) else name
 
@@ -80,7 +82,13 @@ def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> Any:
             raise click.ClickException(f"raw nixl transfer ended {st}")
         return dt
 
-    return run
+    def close() -> None:
+        # explicit teardown while the registered tensors are alive (no native destructors
+        # racing the interpreter's exit)
+        agent.remove_remote_agent(name)
+        agent.deregister_memory(reg)
+
+    return run, close
 
 
 def _raw_mooncake(src_regions: list[tuple[int, int]], peer_agent: bytes) -> Any:
@@ -107,7 +115,12 @@ def _raw_mooncake(src_regions: list[tuple[int, int]], peer_agent: bytes) -> Any:
                 raise click.ClickException(f"raw mooncake write returned {rc}")
         return time.perf_counter() - t0
 
-    return run
+    def close() -> None:
+        # explicit teardown while the registered tensors are alive (no native destructors
+        # racing the interpreter's exit)
+        eng.batch_unregister_memory([a for a, _ in src_regions])
+
+    return run, close
 
 
 def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -150,11 +163,12 @@ def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[st
         [DecodeInstance(name="bench-decode", layout=dst_l, rows=pages * PAGE)],
     )
     rows: list[dict[str, Any]] = []
+    raw_close: Any = None
     try:
         peer.wait_ready()
         dinfo = peer.infos["bench-decode"][0]
         regions = [(t.data_ptr(), t.numel()) for t in kv]
-        raw = (_raw_nixl if backend == "nixl" else _raw_mooncake)(regions, dinfo.agent)
+        raw, raw_close = (_raw_nixl if backend == "nixl" else _raw_mooncake)(regions, dinfo.agent)
         src_base = np.array([t.data_ptr() for t in kv], dtype=np.int64)
         dst_base = np.asarray(dinfo.entry_base, dtype=np.int64)
         emap = entry_map(src_l, dst_l)
@@ -236,6 +250,8 @@ def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[st
                     }
                 )
     finally:
+        if raw_close is not None:
+            raw_close()
         peer.close()
         sender.close()
         server.stop()
@@ -327,3 +343,6 @@ def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
                 indent=2,
             )
         console.print(f"wrote {json_path}")
+    from pdplug.transfer import hard_exit
+
+    hard_exit(0)  # sessions are closed; skip the engines' native destructors (see hard_exit)

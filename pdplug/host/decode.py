@@ -18,6 +18,7 @@ Every rank holds the full weights and its share of each request's tokens (token 
 from __future__ import annotations
 
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from pdplug.host.model import (
     greedy,
 )
 from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo, setup_logging
+from pdplug.transfer import hard_exit
 
 __all__ = ["decode_main"]
 
@@ -306,13 +308,16 @@ def decode_main(spec_bytes: bytes) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
     setup_logging(spec.log_path)
     rank: DecodeRank | None = None
+    code = 0
     try:
         rank = DecodeRank(spec)
         rank.run()
     except BaseException as e:
+        code = 1
+        traceback.print_exc()
         link = rank.link if rank else DriverLink(spec)
         link.fatal(f"{type(e).__name__}: {e}")
-        raise
     finally:
         if rank is not None:
             rank.close()
+    hard_exit(code)  # engines are closed; skip their native destructors (see hard_exit)

@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any
 
@@ -64,6 +65,7 @@ from pdplug.host.model import (
 )
 from pdplug.host.prefix_cache import PrefixCache
 from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo, setup_logging
+from pdplug.transfer import hard_exit
 
 __all__ = ["prefill_main"]
 
@@ -519,13 +521,16 @@ def prefill_main(spec_bytes: bytes) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
     setup_logging(spec.log_path)
     rank: PrefillRank | None = None
+    code = 0
     try:
         rank = PrefillRank(spec)
         rank.run()
     except BaseException as e:
+        code = 1
+        traceback.print_exc()
         link = rank.link if rank else DriverLink(spec)
         link.fatal(f"{type(e).__name__}: {e}")
-        raise
     finally:
         if rank is not None:
             rank.close()
+    hard_exit(code)  # engines are closed; skip their native destructors (see hard_exit)

@@ -70,7 +70,7 @@ when it packs, one pack thread. Host calls are thread-safe.
 
 from __future__ import annotations
 
-from pdplug.transfer.engine import TransferEngine, dedup_regions
+from pdplug.transfer.engine import TransferEngine, dedup_regions, hard_exit
 from pdplug.transfer.messages import Abort, Done, Heartbeat, Hello, HelloAck, control_codec
 from pdplug.transfer.receiver import KVReceiverSession
 from pdplug.transfer.sender import Compat, Emit, KVSenderSession, default_compat, default_emit
@@ -78,6 +78,7 @@ from pdplug.transfer.sender import Compat, Emit, KVSenderSession, default_compat
 __all__ = [
     "TransferEngine",
     "dedup_regions",
+    "hard_exit",
     "KVSenderSession",
     "KVReceiverSession",
     "Compat",

@@ -15,7 +15,7 @@ through :meth:`TransferEngine.check` like an asynchronous one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from pdplug.types import PeerInfo
 __all__ = [
     "TransferEngine",
     "dedup_regions",
+    "hard_exit",
     "engine_wakes",
     "XFER_DONE",
     "XFER_PENDING",
@@ -164,3 +165,25 @@ def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     idx = np.flatnonzero(new)
     last = np.concatenate((idx[1:] - 1, [arr.shape[0] - 1]))
     return [(int(s), int(e - s)) for s, e in zip(starts[idx], run_end[last])]
+
+
+def hard_exit(code: int = 0) -> NoReturn:
+    """End a process that owned transfer engines without running native destructors.
+
+    The NIXL 1.5.1 wheel (UCX backend, CPU host) crashes with SIGSEGV in its native destructors
+    at interpreter exit, even for an idle agent; an exit code of 139 would hide the real result
+    of a worker or a benchmark. Close every session first (that releases handles and
+    deregisters memory), then call this: it flushes stdout/stderr and logging and ends the
+    process with ``code`` via ``os._exit``.
+    """
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
