@@ -132,29 +132,16 @@ def bench() -> None:
 
 
 def _register_late_commands() -> None:
-    """Commands filled by later modules register themselves here (kept import-light)."""
-    from importlib import import_module
+    """Attach ``pdplug demo`` and the ``pdplug bench`` commands (their modules import heavy
+    libraries only inside the commands, so ``pdplug plugins`` stays fast)."""
+    from pdplug import bench as bench_cmds
+    from pdplug.host import cli as host_cli
 
-    for mod in ("pdplug.bench", "pdplug.host.cli"):
-        try:
-            m = import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        m.register(main, bench)
+    bench_cmds.register(main, bench)
+    host_cli.register(main, bench)
 
 
 _register_late_commands()
-
-if "demo" not in main.commands:
-
-    @main.command()
-    def demo() -> None:
-        """Replay a trace through PP prefill -> DCP decode (the reference host, issue 6)."""
-        click.echo("pdplug demo: the reference host (issue 6) is not implemented yet", err=True)
-        sys.exit(2)
-
 
 if __name__ == "__main__":  # pragma: no cover
     main()

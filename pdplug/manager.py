@@ -536,16 +536,22 @@ class PluginManager:
                 ) from r.error
         alts = ", ".join(self.names(point)) or "none"
         fails = "; ".join(f"{r.name} ({r.distribution}): {r.status}" for r in failed) or "none"
+        blocked = [r.name for r in self.records if r.status == "blocked"]
+        hint = (
+            f" Blocked plugins (PDPLUG_DISABLE_PLUGINS / block=): {', '.join(blocked)}."
+            if blocked
+            else ""
+        )
         raise UnknownComponentError(
             f"no {point} named {chosen!r} (set by {self._source(point, name)}). Available: "
-            f"{alts}. Plugins that failed to load: {fails}"
+            f"{alts}. Plugins that failed to load: {fails}.{hint}"
         )
 
     def _source(self, point: str, name: str | None) -> str:
         if name:
             return "the caller"
         if self.select.get(point):
-            return "select="
+            return "explicit selection"
         if self.env.get(ENV_SELECT[point], "").strip():
             return ENV_SELECT[point]
         return "default"

@@ -17,9 +17,16 @@ from pdplug.host.cli import demo_options
 
 @click.command()
 @demo_options
-@click.option("--requests", default=64, show_default=True, help="Requests from the trace.")
+@click.option(
+    "--requests",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests from the trace.",
+)
 @click.option("--variants", default="pp0+nixl,ring+nixl,pp0+mooncake", show_default=True,
-              help="Comma list of CONSENSUS+KV_SENDER pairs.")  # fmt: skip
+              help="Comma list of CONSENSUS+KV_SENDER pairs (these override --consensus and "
+                   "--kv-sender).")  # fmt: skip
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     """Throughput and TTFT of the reference host per consensus / KV sender variant."""

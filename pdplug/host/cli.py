@@ -14,25 +14,30 @@ __all__ = ["register", "demo_options", "print_report"]
 def demo_options(f: Any) -> Any:
     """Options shared by ``pdplug demo`` and ``pdplug bench e2e``."""
     opts = [
-        click.option("--prefill-pp", default=2, show_default=True, help="Prefill PP ranks."),
-        click.option("--decode-dcp", default=2, show_default=True, help="Decode DCP ranks."),
+        click.option("--prefill-pp", default=2, show_default=True, type=click.IntRange(min=1),
+                     help="Prefill PP ranks."),
+        click.option("--decode-dcp", default=2, show_default=True, type=click.IntRange(min=1),
+                     help="Decode DCP ranks."),
         click.option("--trace", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Trace JSONL (Mooncake FAST'25 format); default: bundled sample."),
-        click.option("--scale", default=32, show_default=True,
+        click.option("--scale", default=32, show_default=True, type=click.IntRange(1, 512),
                      help="Divide trace lengths by this (512-token blocks -> 512/scale tokens)."),
-        click.option("--max-output", default=16, show_default=True, help="Cap output tokens."),
-        click.option("--time-scale", default=1.0, show_default=True,
+        click.option("--max-output", default=16, show_default=True, type=click.IntRange(min=1),
+                     help="Cap output tokens."),
+        click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0),
                      help="Honour trace arrival times multiplied by this factor."),
         click.option("--no-arrivals", is_flag=True, help="Send requests as fast as admitted."),
         click.option("--consensus", default=None, help="Consensus name (default pp0)."),
         click.option("--kv-sender", default=None, help="KV sender name (default nixl)."),
         click.option("--pack-planner", default=None, help="Pack planner name (default dcp)."),
         click.option("--scheduler", default=None, help="Scheduler name (default default)."),
-        click.option("--chunk-size", default=128, show_default=True,
+        click.option("--chunk-size", default=128, show_default=True, type=click.IntRange(min=1),
                      help="Base chunked-prefill size in tokens (dynamic sizing starts here)."),
         click.option("--pack-region-tokens", default=64, show_default=True,
+                     type=click.IntRange(min=1),
                      help="Pack region capacity per destination rank in tokens."),
         click.option("--timeout", "timeout_s", default=30.0, show_default=True,
+                     type=click.FloatRange(min=1.0),
                      help="Bound on every wait (transfer, consensus, gloo), seconds."),
         click.option("--log-dir", default=None,
                      help="Directory for worker logs (default: a new temp dir; '' = terminal)."),
@@ -88,13 +93,20 @@ def register(main: Any, bench: Any) -> None:
 
     @main.command()
     @demo_options
-    @click.option("--requests", default=32, show_default=True, help="Requests from the trace.")
+    @click.option(
+        "--requests",
+        default=32,
+        show_default=True,
+        type=click.IntRange(min=1),
+        help="Requests from the trace.",
+    )
     @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
                   help="Write the report as JSON here.")  # fmt: skip
     def demo(requests: int, json_path: str | None, **kw: Any) -> None:
         """Replay a trace through PP prefill -> DCP decode; check tokens against a reference."""
         from rich.progress import Progress
 
+        from pdplug import PdplugError
         from pdplug.host.driver import DemoError, run_demo
 
         opts = _options(kw, requests)
@@ -111,6 +123,9 @@ def register(main: Any, bench: Any) -> None:
                 rep = run_demo(opts, progress)
             except DemoError as e:
                 click.echo(f"pdplug demo failed: {e}", err=True)
+                sys.exit(1)
+            except (PdplugError, ValueError) as e:  # a clear message, never a traceback
+                click.echo(f"pdplug demo: {type(e).__name__}: {e}", err=True)
                 sys.exit(1)
         print_report(rep)
         if json_path:

@@ -42,7 +42,7 @@ from pdplug.host.model import (
     decode_step_dcp,
     greedy,
 )
-from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo, setup_logging
+from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, setup_logging
 from pdplug.transfer import hard_exit
 
 __all__ = ["decode_main"]
@@ -87,7 +87,7 @@ class DecodeRank:
         )
         pm = PluginManager()
         names = spec.names
-        self.served_by = {p: pm.describe(p, names.get(p)) for p in names}
+        self.served_by = {p: pm.describe(p, names.get(p)) for p in POINTS}
         kv_cfg = KVConfig(
             instance=spec.decode_instance,
             role="decode",

@@ -15,6 +15,7 @@ TTFT of a request = arrival at the driver → its transfer decision applied on d
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import tempfile
@@ -47,7 +48,9 @@ from pdplug.host.trace import TraceRequest, block_hash_chain, load_trace, prompt
 from pdplug.host.worker import WorkerSpec, free_ports
 from pdplug.types import pages_to_bytes
 
-__all__ = ["DemoOptions", "DemoError", "run_demo"]
+__all__ = ["DemoOptions", "DemoError", "run_demo", "check_options"]
+
+log = logging.getLogger(__name__)
 
 
 class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,15 +83,77 @@ class DemoError(RuntimeError):
 
 
 def _names(opts: DemoOptions) -> dict[str, str]:
+    """Explicit selections only (``None`` options fall back to ``PDPLUG_*`` / the defaults in
+    every worker, exactly as in this process)."""
+    chosen = {
+        "consensus": opts.consensus,
+        "kv_sender": opts.kv_sender,
+        "pack_planner": opts.pack_planner,
+        "scheduler": opts.scheduler,
+    }
+    return {k: v for k, v in chosen.items() if v}
+
+
+def check_options(opts: DemoOptions) -> None:
+    """Refuse a configuration before any worker starts (seconds, not a timeout later).
+
+    Resolves every selected name through the plugin manager and dry-runs the pack planner on
+    the demo's prefill and decode layouts, so e.g. the identity ``tp`` planner with a DCP
+    decode is refused with the planner's own message.
+
+    :raises DemoError: an invalid size, an unknown/blocked/failed component, or a planner that
+        cannot plan for this prefill PP / decode DCP geometry.
+    """
+    from pdplug import KVLayout, PdplugError, PlannerConfig, SendChunk
+    from pdplug.host.model import layer_split
     from pdplug.manager import get_plugin_manager
 
+    for field in ("prefill_pp", "decode_dcp", "page_size", "chunk_size", "pack_region_tokens"):
+        if getattr(opts, field) < 1:
+            raise DemoError(f"{field} must be >= 1, got {getattr(opts, field)}")
+    if opts.timeout_s <= 0:
+        raise DemoError(f"timeout must be > 0 seconds, got {opts.timeout_s}")
+    block = 512 // max(1, opts.scale)  # trace hash blocks are 512 tokens before scaling
+    if block < opts.page_size or block % opts.page_size:
+        raise DemoError(
+            f"--scale {opts.scale} makes a trace block {block} tokens, not a multiple of the "
+            f"{opts.page_size}-token page (prefix-cache blocks are whole pages); use a scale "
+            f"with 512 / scale a multiple of {opts.page_size}, e.g. 32 or 16"
+        )
     pm = get_plugin_manager()
-    return {
-        "consensus": pm.selected("consensus", opts.consensus),
-        "kv_sender": pm.selected("kv_sender", opts.kv_sender),
-        "pack_planner": pm.selected("pack_planner", opts.pack_planner),
-        "scheduler": pm.selected("scheduler", opts.scheduler),
-    }
+    names = _names(opts)
+    try:
+        for point in ("consensus", "kv_sender", "pack_planner", "scheduler"):
+            pm.resolve(point, names.get(point))
+        planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
+        cfg = ModelConfig()
+        lo, hi = layer_split(cfg.num_layers, opts.prefill_pp)[0]
+        bpt = (cfg.kv_bytes_per_token,)
+        src = KVLayout(
+            page_size=opts.page_size,
+            entry_bytes_per_token=bpt * 2 * (hi - lo),
+            dtype=cfg.dtype,
+            pp_size=opts.prefill_pp,
+            first_layer=lo,
+            num_layers=hi - lo,
+        )
+        n = opts.page_size * opts.decode_dcp
+        pages = np.arange(1, dtype=np.int64)
+        for r in range(opts.decode_dcp):
+            dst = KVLayout(
+                page_size=opts.page_size,
+                entry_bytes_per_token=bpt * 2 * cfg.num_layers,
+                dtype=cfg.dtype,
+                dcp_size=opts.decode_dcp,
+                dcp_rank=r,
+                num_layers=cfg.num_layers,
+            )
+            chunk = SendChunk(
+                room=0, src_pages=np.arange(opts.decode_dcp), dst_pages=pages, num_tokens=n
+            )
+            planner.plan(chunk, src, dst, r, None)
+    except PdplugError as e:
+        raise DemoError(str(e)) from e
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -175,7 +240,12 @@ class _Run:
                 self.outs[(role, rank)] = out
 
     def send(self, key: tuple[str, int], msg: Any) -> None:
-        self.outs[key].send(self.tx.encode(msg))
+        # Never block the driver on a worker that is gone (its exit is reported by
+        # check_alive); a late message to an exiting worker is simply dropped.
+        try:
+            self.outs[key].send(self.tx.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("driver: %s %d is not receiving; dropped %s", *key, type(msg).__name__)
 
     def broadcast(self, msg: Any, role: str | None = None) -> None:
         for key in self.outs:
@@ -253,8 +323,20 @@ def run_demo(
     :raises DemoError: a worker died, reported a fatal error, or the run timed out; the message
         names the role, rank and the rooms that were in flight.
     """
+    check_options(opts)
     path = Path(opts.trace) if opts.trace else None
-    requests = load_trace(path, limit=opts.requests, scale=opts.scale, max_output=opts.max_output)
+    try:
+        requests = load_trace(
+            path, limit=opts.requests, scale=opts.scale, max_output=opts.max_output
+        )
+    except (OSError, ValueError) as e:  # TraceFormatError is a ValueError; so is bad UTF-8
+        raise DemoError(f"cannot load the trace: {e}") from e
+    if not requests:
+        raise DemoError(f"the trace {opts.trace or '(bundled sample)'} has no requests")
+    if opts.requests < 1:
+        raise DemoError(f"requests must be >= 1, got {opts.requests}")
+    if len(requests) < opts.requests:
+        log.warning("the trace has %d requests; replaying all of them", len(requests))
     run = _Run(opts, requests)
     t_start = time.time()
     report: dict[str, Any] = {}

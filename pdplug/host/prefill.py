@@ -64,7 +64,7 @@ from pdplug.host.model import (
     run_layers,
 )
 from pdplug.host.prefix_cache import PrefixCache
-from pdplug.host.worker import DriverLink, WorkerSpec, init_gloo, setup_logging
+from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, setup_logging
 from pdplug.transfer import hard_exit
 
 __all__ = ["prefill_main"]
@@ -142,7 +142,7 @@ class PrefillRank:
         )
         pm = PluginManager()
         names = spec.names
-        self.served_by = {p: pm.describe(p, names.get(p)) for p in names}
+        self.served_by = {p: pm.describe(p, names.get(p)) for p in POINTS}
         self.planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
         kv_cfg = KVConfig(
             instance=spec.prefill_instance,

@@ -14,7 +14,10 @@ from pdplug.config import WireConfig
 from pdplug.host.messages import Fatal, to_driver_codec, to_worker_codec
 from pdplug.host.model import ModelConfig
 
-__all__ = ["WorkerSpec", "DriverLink", "free_ports", "init_gloo", "setup_logging"]
+__all__ = ["POINTS", "WorkerSpec", "DriverLink", "free_ports", "init_gloo", "setup_logging"]
+
+#: the extension points every worker reports (which plugin served each)
+POINTS = ("consensus", "kv_sender", "pack_planner", "scheduler")
 
 
 def setup_logging(log_path: str = "") -> None:

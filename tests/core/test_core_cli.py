@@ -136,7 +136,7 @@ def test_selection_precedence_on_the_command_line() -> None:
     assert json.loads(res.stdout)["selected"]["consensus"] == "pp0"
     res = run("plugins", "--json", "--scheduler", "fifo")
     assert res.exit_code == 1
-    assert "no scheduler named 'fifo' (set by select=). Available: default" in res.stderr
+    assert "no scheduler named 'fifo' (set by explicit selection). Available: default" in res.stderr
     res = run("plugins", "--no-plugin", "pdplug-mooncake", "--kv-sender", "mooncake")
     assert res.exit_code == 1
     assert "no kv_sender named 'mooncake'" in res.stderr and "Available: nixl" in res.stderr
