@@ -18,7 +18,6 @@ Every rank holds the full weights and its share of each request's tokens (token 
 from __future__ import annotations
 
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -42,8 +41,7 @@ from pdplug.host.model import (
     decode_step_dcp,
     greedy,
 )
-from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, setup_logging
-from pdplug.transfer import hard_exit
+from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, run_worker
 
 __all__ = ["decode_main"]
 
@@ -302,22 +300,4 @@ class DecodeRank:
 
 def decode_main(spec_bytes: bytes) -> None:
     """Process entry point (``multiprocessing`` spawn target)."""
-    import msgspec
-
-    torch.set_num_threads(1)
-    spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
-    setup_logging(spec.log_path)
-    rank: DecodeRank | None = None
-    code = 0
-    try:
-        rank = DecodeRank(spec)
-        rank.run()
-    except BaseException as e:
-        code = 1
-        traceback.print_exc()
-        link = rank.link if rank else DriverLink(spec)
-        link.fatal(f"{type(e).__name__}: {e}")
-    finally:
-        if rank is not None:
-            rank.close()
-    hard_exit(code)  # engines are closed; skip their native destructors (see hard_exit)
+    run_worker(spec_bytes, DecodeRank)

@@ -26,7 +26,6 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from collections import deque
 from typing import Any
 
@@ -64,8 +63,7 @@ from pdplug.host.model import (
     run_layers,
 )
 from pdplug.host.prefix_cache import PrefixCache
-from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, setup_logging
-from pdplug.transfer import hard_exit
+from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, run_worker
 
 __all__ = ["prefill_main"]
 
@@ -515,22 +513,4 @@ class PrefillRank:
 
 def prefill_main(spec_bytes: bytes) -> None:
     """Process entry point (``multiprocessing`` spawn target)."""
-    import msgspec
-
-    torch.set_num_threads(1)
-    spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
-    setup_logging(spec.log_path)
-    rank: PrefillRank | None = None
-    code = 0
-    try:
-        rank = PrefillRank(spec)
-        rank.run()
-    except BaseException as e:
-        code = 1
-        traceback.print_exc()
-        link = rank.link if rank else DriverLink(spec)
-        link.fatal(f"{type(e).__name__}: {e}")
-    finally:
-        if rank is not None:
-            rank.close()
-    hard_exit(code)  # engines are closed; skip their native destructors (see hard_exit)
+    run_worker(spec_bytes, PrefillRank)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime
 import socket
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -14,7 +15,15 @@ from pdplug.config import WireConfig
 from pdplug.host.messages import Fatal, to_driver_codec, to_worker_codec
 from pdplug.host.model import ModelConfig
 
-__all__ = ["POINTS", "WorkerSpec", "DriverLink", "free_ports", "init_gloo", "setup_logging"]
+__all__ = [
+    "POINTS",
+    "WorkerSpec",
+    "DriverLink",
+    "free_ports",
+    "init_gloo",
+    "run_worker",
+    "setup_logging",
+]
 
 #: the extension points every worker reports (which plugin served each)
 POINTS = ("consensus", "kv_sender", "pack_planner", "scheduler")
@@ -160,3 +169,43 @@ class DriverLink:
         """Close both sockets."""
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
+
+
+class _Rank(Protocol):
+    link: DriverLink
+
+    def run(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def run_worker(spec_bytes: bytes, make: Callable[[WorkerSpec], _Rank]) -> None:
+    """Body of a worker process: decode the spec, build the rank, serve, report, exit.
+
+    A failure is printed to the worker log and reported to the driver as ``Fatal``; the
+    process always ends through :func:`pdplug.transfer.hard_exit` after the rank closed its
+    engines (exit code 0 or 1).
+    """
+    import traceback
+
+    import torch
+
+    from pdplug.transfer import hard_exit
+
+    torch.set_num_threads(1)
+    spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
+    setup_logging(spec.log_path)
+    rank: _Rank | None = None
+    code = 0
+    try:
+        rank = make(spec)
+        rank.run()
+    except BaseException as e:
+        code = 1
+        traceback.print_exc()
+        link = rank.link if rank else DriverLink(spec)
+        link.fatal(f"{type(e).__name__}: {e}")
+    finally:
+        if rank is not None:
+            rank.close()
+    hard_exit(code)  # engines are closed; skip their native destructors (see hard_exit)
