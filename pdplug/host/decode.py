@@ -41,7 +41,14 @@ from pdplug.host.model import (
     decode_step_dcp,
     greedy,
 )
-from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, run_worker
+from pdplug.host.worker import (
+    POINTS,
+    DriverLink,
+    WorkerSpec,
+    close_quietly,
+    init_gloo,
+    run_worker,
+)
 
 __all__ = ["decode_main"]
 
@@ -290,12 +297,7 @@ class DecodeRank:
 
     def close(self) -> None:
         """Release sockets and registered memory."""
-        for obj in (self.consensus, self.receiver):
-            try:
-                obj.close()
-            except Exception:
-                pass
-        self.link.close()
+        close_quietly(self.link, self.consensus, self.receiver)
 
 
 def decode_main(spec_bytes: bytes) -> None:

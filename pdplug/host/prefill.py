@@ -63,7 +63,14 @@ from pdplug.host.model import (
     run_layers,
 )
 from pdplug.host.prefix_cache import PrefixCache
-from pdplug.host.worker import POINTS, DriverLink, WorkerSpec, init_gloo, run_worker
+from pdplug.host.worker import (
+    POINTS,
+    DriverLink,
+    WorkerSpec,
+    close_quietly,
+    init_gloo,
+    run_worker,
+)
 
 __all__ = ["prefill_main"]
 
@@ -503,12 +510,7 @@ class PrefillRank:
 
     def close(self) -> None:
         """Release sockets and registered memory."""
-        for obj in (self.consensus, self.sender):
-            try:
-                obj.close()
-            except Exception:
-                pass
-        self.link.close()
+        close_quietly(self.link, self.consensus, self.sender)
 
 
 def prefill_main(spec_bytes: bytes) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "DriverLink",
     "free_ports",
     "init_gloo",
+    "close_quietly",
     "run_worker",
     "setup_logging",
 ]
@@ -169,6 +170,17 @@ class DriverLink:
         """Close both sockets."""
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
+
+
+def close_quietly(link: DriverLink, *objs: Any) -> None:
+    """Close a rank's components (consensus, KV sender/receiver), then its driver link;
+    teardown errors are swallowed so one failing close does not leak the others."""
+    for obj in objs:
+        try:
+            obj.close()
+        except Exception:
+            pass
+    link.close()
 
 
 class _Rank(Protocol):
