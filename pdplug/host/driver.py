@@ -291,6 +291,24 @@ class _Run:
             elif isinstance(msg, WorkerStats):
                 self.stats[(msg.role, msg.rank)] = msg.stats
             elif isinstance(msg, Fatal):
+                # A peer's death often surfaces first as a collective error on a survivor:
+                # name the dead rank (the cause) when one exits within a short grace period.
+                consequence = f"; then {msg.role} rank {msg.rank} failed: {msg.message}"
+                deadline = time.monotonic() + 2.0
+                while time.monotonic() < deadline:
+                    dead = [
+                        (k, p)
+                        for k, p in self.procs.items()
+                        if p.exitcode not in (None, 0) and k != (msg.role, msg.rank)
+                    ]
+                    if dead:
+                        (role, rank), p = dead[0]
+                        raise DemoError(
+                            f"{role} rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                            f"{consequence}; rooms failed (in flight): {self.in_flight()}"
+                            f"{self.logs_hint()}"
+                        )
+                    time.sleep(0.05)
                 raise DemoError(
                     f"{msg.role} rank {msg.rank} failed: {msg.message}; rooms failed "
                     f"(in flight): {self.in_flight()}{self.logs_hint()}"
