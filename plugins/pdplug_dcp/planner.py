@@ -25,7 +25,7 @@ used only by benchmarks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -62,34 +62,29 @@ class EntrySet(msgspec.Struct, frozen=True):
 
     :ivar entries: int64 ``[E]`` source entry indices.
     :ivar bpt: int64 ``[E]`` their bytes per token.
-    :ivar ubpt: int64 ``[U]`` distinct bytes per token; ``inv``: int64 ``[E]`` index into it.
     """
 
     entries: np.ndarray
     bpt: np.ndarray
-    ubpt: np.ndarray
-    inv: np.ndarray
     _entry_cols: dict[int, np.ndarray] = {}
 
     def entry_column(self, runs: int) -> np.ndarray:
-        """Read-only int64 ``[E * runs]``: each entry repeated ``runs`` times (cached, shared
-        by every plan with that many runs per entry)."""
+        """Read-only int64 ``[E * runs]``: each entry repeated ``runs`` times (entry-major;
+        cached, shared by every plan with that many token runs)."""
         col = self._entry_cols.get(runs)
         if col is None:
             col = np.repeat(self.entries, runs)
             col.flags.writeable = False
-            if len(self._entry_cols) < 64:
+            if len(self._entry_cols) < 256:
                 self._entry_cols[runs] = col
         return col
 
     @classmethod
     def of(cls, entries: np.ndarray, bpt: np.ndarray) -> EntrySet:
         """Build (arrays are made read-only)."""
-        u, inv = np.unique(bpt, return_inverse=True)
-        arrs = (entries, bpt, u.astype(np.int64), inv.astype(np.int64).reshape(-1))
-        for a in arrs:
+        for a in (entries, bpt):
             a.flags.writeable = False
-        return cls(*arrs, {})
+        return cls(entries, bpt, {})
 
 
 class Geometry(msgspec.Struct, frozen=True):
@@ -103,6 +98,7 @@ class Geometry(msgspec.Struct, frozen=True):
     :ivar pack_cum: int64 bytes per token before each sharded entry in a region.
     :ivar pack_bpt: bytes per token of all sharded entries together.
     :ivar pack_entries/pack_row_bytes: the sharded entries and their sizes as tuples.
+    :ivar uniform_bpt: the sharded entries' common bytes per token, 0 when they differ.
     """
 
     page_size: int
@@ -115,6 +111,7 @@ class Geometry(msgspec.Struct, frozen=True):
     pack_bpt: int
     pack_entries: tuple[int, ...]
     pack_row_bytes: tuple[int, ...]
+    uniform_bpt: int
 
 
 @functools.lru_cache(maxsize=256)
@@ -171,6 +168,7 @@ def geometry(src: KVLayout, dst: KVLayout) -> Geometry:
         pack_bpt=int(sb.sum()),
         pack_entries=tuple(sharded.tolist()),
         pack_row_bytes=tuple(sb.tolist()),
+        uniform_bpt=int(sb[0]) if sb.size and (sb == sb[0]).all() else 0,
     )
 
 
@@ -216,24 +214,18 @@ def _src_slots(src_pages: np.ndarray, p: int, n: int) -> np.ndarray:
 def _expand(
     es: EntrySet, tok: np.ndarray, src_base: np.ndarray | int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Token runs -> byte runs of every entry of ``es``, entry-major.
+    """Token runs -> byte runs of every entry of ``es``, entry-major (all runs of entry 0, then
+    of entry 1, ...).
 
     :param tok: int64 ``[3, R]`` token runs: source start, destination start, length.
     :param src_base: bytes (scalar or int64 ``[E]``) added to every source offset.
     :returns: four int64 ``[E * R]`` arrays ``(entry, src_offset, dst_offset, length)``.
-    Multiplies once per distinct bytes-per-token value, then broadcasts to the entries.
     """
     r = tok.shape[1]
-    e = es.entries.shape[0]
-    small = tok[:, None, :] * es.ubpt[None, :, None]  # [3, U, R]
-    out = np.empty((3, e, r), dtype=np.int64)
-    if es.ubpt.shape[0] == 1:
-        out[:] = small
-    else:
-        np.take(small, es.inv, axis=1, out=out)
+    out = tok[:, None, :] * es.bpt[None, :, None]  # [3, E, R]: inner axis contiguous
     if not (isinstance(src_base, int) and src_base == 0):
         out[0] += np.asarray(src_base, dtype=np.int64).reshape(-1, 1)
-    flat = out.reshape(3, e * r)
+    flat = out.reshape(3, -1)
     return es.entry_column(r), flat[0], flat[1], flat[2]
 
 
@@ -259,6 +251,37 @@ class _Chunk(msgspec.Struct, frozen=True):
     dst_pages: np.ndarray
     slots: np.ndarray | None  # all source token slots (lazily shared)
     draft_runs: tuple[np.ndarray, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _inpage_offsets(p: int, d: int, npg: int) -> np.ndarray:
+    """Read-only int64 ``[d, npg * p / d]``: row ``f`` = in-page offsets ``f, f + d, ...`` of
+    ``npg`` consecutive pages (``d`` divides ``p``)."""
+    out = np.tile(np.arange(p, dtype=np.int64).reshape(p // d, d).T, (1, npg))
+    out.flags.writeable = False
+    return out
+
+
+def _slot_maker(st: _Chunk, g: Geometry) -> Callable[[int, int], np.ndarray]:
+    """``(first, n) -> `` gather slots (int64 ``[n]``) of the rank whose first chunk token is
+    ``first``: chunk tokens ``first, first + d, ...``. When ``d`` divides the page size that
+    rank owns in-page offsets ``first, first + d, ...`` of every page (chunks start on a page),
+    so its slots are one add of a cached offset row to the repeated page bases."""
+    d, p = g.dcp, g.page_size
+    nt = st.chunk.num_tokens
+    if p % d == 0 and nt:
+        npg = -(-nt // p)
+        bases = np.repeat(st.src_pages[:npg] * p, p // d)
+        offs = _inpage_offsets(p, d, npg)
+        return lambda first, n: bases[:n] + offs[first, :n]
+
+    def generic(first: int, n: int) -> np.ndarray:
+        if st.slots is not None:
+            return np.ascontiguousarray(st.slots[first::d])
+        o = np.arange(first, nt, d, dtype=np.int64)
+        return st.src_pages[o // p] * p + o % p
+
+    return generic
 
 
 class DcpPlanner:
@@ -338,6 +361,8 @@ class DcpPlanner:
             if seq is not None and len(seq) != d:
                 raise PlanError(f"{name} has {len(seq)} items, expected dst dcp_size={d}")
         base = self._chunk_state(chunk, g, shared=True)
+        if dst_pages is None and d > 1 and regions is not None and None not in regions:
+            return self._plan_packed(base, g, list(range(d)), list(regions))  # type: ignore[arg-type]
         out = []
         for r in range(d):
             st = base
@@ -374,7 +399,7 @@ class DcpPlanner:
         slots = None
         if like is not None:
             slots = like.slots
-        elif shared and g.dcp > 1 and chunk.num_tokens:
+        elif shared and g.dcp > 1 and chunk.num_tokens and g.page_size % g.dcp:
             slots = _src_slots(src_pages, g.page_size, chunk.num_tokens)
         draft_runs: tuple[np.ndarray, ...] = (_EMPTY,) * 4
         if g.draft.entries.size and chunk.num_tokens and g.dcp > 1:
@@ -395,6 +420,8 @@ class DcpPlanner:
             raise PlanError(f"room {c.room}: dst_dcp_rank={rank} not in [0, dcp_size={d})")
         if d == 1:
             return self._identity(st, g)
+        if region is not None:
+            return self._plan_packed(st, g, [rank], [region])[0]
         nt = c.num_tokens
         rel0 = c.src_page_offset * p
         first = (rank - rel0) % d
@@ -405,33 +432,8 @@ class DcpPlanner:
             o = np.arange(first, nt, d, dtype=np.int64)
             slots = st.src_pages[o // p] * p + o % p
         l0 = (rel0 + first) // d  # local offset of the rank's first token
-        packed = region is not None
-        if region is not None:
-            cap = region.capacity_tokens
-            if n > cap or n * g.pack_bpt > region.nbytes:
-                raise CapacityError(
-                    f"room {c.room}: chunk {c.chunk_id} puts {n} tokens on dst DCP rank {rank}, "
-                    f"pack region {region.index} holds capacity={cap} tokens ({region.nbytes} "
-                    f"bytes, {g.pack_bpt} bytes/token); split the send at "
-                    f"capacity*dcp_size={cap * d} tokens"
-                )
-        if n == 0:
-            shard: tuple[np.ndarray, ...] = (_EMPTY,) * 4
-        elif packed:
-            # one token run per destination page touched: locals [l0, l0 + n) are consecutive
-            q0, q1 = l0 // p, (l0 + n - 1) // p
-            tok = np.empty((3, q1 - q0 + 1), dtype=np.int64)
-            np.multiply(st.dst_pages[q0 : q1 + 1], p, out=tok[1])  # destination page starts
-            tok[2] = p
-            tok[1, 0] += l0 - q0 * p
-            tok[2, 0] = min(l0 + n, q0 * p + p) - l0
-            if q1 > q0:
-                tok[2, -1] = l0 + n - q1 * p
-            np.cumsum(tok[2], out=tok[0])
-            tok[0] -= tok[2]  # pack-region token start of each run
-            assert region is not None
-            shard = _expand(g.sharded, tok, region.offset + n * g.pack_cum)
-        else:
+        shard: tuple[np.ndarray, ...] = (_EMPTY,) * 4
+        if n:  # per-token baseline: runs merge only where both sides happen to be contiguous
             loc = np.arange(l0, l0 + n, dtype=np.int64)
             dst_tok = st.dst_pages[loc // p] * p + loc % p
             shard = _expand(g.sharded, _merged(slots, dst_tok, p))
@@ -442,16 +444,96 @@ class DcpPlanner:
             is_last=c.is_last,
             dst_dcp_rank=rank,
             num_tokens=n,
-            packed=packed,
+            packed=False,
             entry=entry,
             src_offset=src_off,
             dst_offset=dst_off,
             length=length,
-            region=region,
-            pack_src_slots=np.ascontiguousarray(slots) if packed else _EMPTY,
-            pack_entries=g.pack_entries if packed else (),
-            pack_row_bytes=g.pack_row_bytes if packed else (),
+            pack_src_slots=_EMPTY,
         )
+
+    def _plan_packed(
+        self, st: _Chunk, g: Geometry, ranks: list[int], regions: list[PackRegion]
+    ) -> list[TransferPlan]:
+        """Packed plans of ``ranks`` (region ``regions[i]`` for ``ranks[i]``).
+
+        A rank's locals ``[l0, l0 + n)`` are consecutive, so it gets one token run per
+        destination page touched (``R`` runs). Per rank: scalar bookkeeping in Python (a loop
+        over at most ``dcp_size`` ranks, never over tokens or pages), a ``[3, R]`` token-run
+        array, and one broadcast into the ``[3, E, R]`` byte runs.
+        """
+        c = st.chunk
+        d, p = g.dcp, g.page_size
+        nt = c.num_tokens
+        rel0 = c.src_page_offset * p
+        es = g.sharded
+        e = es.entries.shape[0]
+        uniform = g.uniform_bpt
+        slots_of = _slot_maker(st, g)
+        plans = []
+        for r, rg in zip(ranks, regions):
+            first = (r - rel0) % d
+            n = (nt - first + d - 1) // d if nt > first else 0
+            if n > rg.capacity_tokens or n * g.pack_bpt > rg.nbytes:
+                cap = rg.capacity_tokens
+                raise CapacityError(
+                    f"room {c.room}: chunk {c.chunk_id} puts {n} tokens on dst DCP rank {r}, "
+                    f"pack region {rg.index} holds capacity={cap} tokens ({rg.nbytes} bytes, "
+                    f"{g.pack_bpt} bytes/token); split the send at capacity*dcp_size="
+                    f"{cap * d} tokens"
+                )
+            if n:
+                l0 = (rel0 + first) // d  # local offset of the rank's first token
+                q0, q1 = l0 // p, (l0 + n - 1) // p
+                nr, skew = q1 - q0 + 1, l0 - q0 * p
+                tok = np.empty((3, nr), dtype=np.int64)
+                # region token start of run j: j*p - skew (the first run starts at 0)
+                tok[0] = np.arange(-skew, nr * p - skew, p, dtype=np.int64)
+                tok[0, 0] = 0
+                np.multiply(st.dst_pages[q0 : q1 + 1], p, out=tok[1])
+                tok[1, 0] += skew
+                tok[2] = p
+                tok[2, 0] = min(l0 + n, q0 * p + p) - l0
+                if nr > 1:
+                    tok[2, -1] = l0 + n - q1 * p
+                # source bytes of entry e: region offset + n * (bytes of the entries before e
+                # in the region) + token offset * bpt
+                ebase = n * g.pack_cum
+                ebase += rg.offset
+                blk = np.empty((3, e, nr), dtype=np.int64)
+                if uniform:  # one multiply on [3, R], then broadcasts straight into blk
+                    tok *= uniform
+                    np.add(tok[0][None, :], ebase[:, None], out=blk[0])
+                    blk[1:] = tok[1:, None, :]
+                else:
+                    np.multiply(tok[:, None, :], es.bpt[None, :, None], out=blk)
+                    blk[0] += ebase[:, None]
+                flat = blk.reshape(3, -1)
+                runs: tuple[np.ndarray, ...] = (es.entry_column(nr), flat[0], flat[1], flat[2])
+                slots = slots_of(first, n)
+            else:
+                runs, slots = (_EMPTY,) * 4, _EMPTY
+            if st.draft_runs[0].shape[0]:
+                runs = _cat([runs, st.draft_runs])
+            plans.append(
+                TransferPlan(
+                    room=c.room,
+                    chunk_id=c.chunk_id,
+                    is_last=c.is_last,
+                    dst_dcp_rank=r,
+                    num_tokens=n,
+                    packed=True,
+                    entry=runs[0],
+                    src_offset=runs[1],
+                    dst_offset=runs[2],
+                    length=runs[3],
+                    region=rg,
+                    pack_src_slots=slots,
+                    pack_entries=g.pack_entries,
+                    pack_row_bytes=g.pack_row_bytes,
+                )
+            )
+        return plans
 
     def _identity(self, st: _Chunk, g: Geometry) -> TransferPlan:
         c = st.chunk
