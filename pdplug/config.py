@@ -66,9 +66,16 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Config of a pack planner.
 
     :ivar packer: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
+    :ivar pack_threads: CPU threads one torch-packer call gathers with (entries split among
+        them); 0 = ``torch.get_num_threads()``. Ignored on CUDA.
     """
 
     packer: str = "auto"
+    pack_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.pack_threads < 0:
+            raise ValueError(f"PlannerConfig.pack_threads must be >= 0, got {self.pack_threads}")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):

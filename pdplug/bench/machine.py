@@ -8,7 +8,8 @@ from typing import Any
 
 
 def machine_info() -> dict[str, Any]:
-    """``{"cpu", "cores", "memory_gib", "python", "torch", "cuda"}`` of this machine."""
+    """``{"cpu", "cores", "memory_gib", "python", "omp_wait_policy", "torch", "cuda"}`` of this
+    machine (and process)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -28,6 +29,7 @@ def machine_info() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "memory_gib": round(mem, 1),
         "python": platform.python_version(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
     }
     try:
         import torch
@@ -45,7 +47,7 @@ def machine_line() -> str:
     gpu = f", GPU {m['cuda']}" if m.get("cuda") else ", no GPU"
     return (
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}, "
-        f"torch {m.get('torch')}"
+        f"torch {m.get('torch')}, OMP_WAIT_POLICY={m['omp_wait_policy']}"
     )
 
 

@@ -64,7 +64,9 @@ class PerTokenPlanner:
         return self.inner.packer(device, kind)
 
 
-def _run(backend: str, layers: int, repeats: int) -> list[dict[str, Any]]:
+def _run(
+    backend: str, layers: int, repeats: int
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     import numpy as np
     import torch
 
@@ -194,12 +196,18 @@ def _run(backend: str, layers: int, repeats: int) -> list[dict[str, Any]]:
                         "bytes": nbytes,
                     }
                 )
+        # where each sender's time went, over all runs (plan_s/pack_s: pack thread; post_s:
+        # engine thread inside post calls; write_s: post to completion seen)
+        stats = {
+            mode: {k: v for k, v in s.stats().items() if k.endswith("_s") or k == "posts"}
+            for mode, s in senders.items()
+        }
     finally:
         peer.close()
         for s in senders.values():
             s.close()
         server.stop()
-    return rows
+    return rows, stats
 
 
 @click.command()
@@ -234,7 +242,7 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
         f"regions {REGION_TOKENS} tokens per rank x 2 (double-buffered); shapes "
         + ", ".join(f"{a:,} + {b:,}" for a, b in SHAPES)
     )
-    rows = _run(backend, layers, repeats)
+    rows, stats = _run(backend, layers, repeats)
     t = Table(title=f"pdplug bench pack ({backend}; seconds = median of {repeats})")
     for col in (
         "prefix + unique",
@@ -279,6 +287,13 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
         f"packed / tp = {ratios['packed_over_tp']:.1%} (goal >= 95%; field 95%) "
         "[total bytes / total seconds over the three shapes]"
     )
+    console.print(
+        "sender time (all runs): "
+        + "; ".join(
+            f"{m}: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items() if k.endswith("_s"))
+            for m, st in stats.items()
+        )
+    )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(
@@ -288,6 +303,7 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
                         for r in rows
                     ],
                     "ratios": ratios,
+                    "sender_stats": stats,
                     "backend": backend,
                     "layers": layers,
                     "bytes_per_token_per_layer": ROW,

@@ -2,8 +2,9 @@
 
 * :class:`TorchPacker` — one gather per entry into a preallocated region view, over rows viewed
   as the widest integer type the row size and addresses allow (no per-token loop, no
-  allocation): ``numpy.take(..., out=)`` on zero-copy views of CPU tensors,
-  ``torch.index_select(..., out=)`` on other devices. Default on CPU.
+  allocation): ``numpy.take(..., out=)`` on zero-copy views of CPU tensors (GIL released; the
+  entries are split among ``threads`` threads), ``torch.index_select(..., out=)`` on other
+  devices. Default on CPU.
 * :class:`pdplug_dcp.triton_pack.TritonPacker` — one Triton launch for all entries (SGLang
   ``copy_mla_rows_into_pack``, PR #35762; prior-art sglang.md §3.3). Default on CUDA; runs on
   CPU tensors only under ``TRITON_INTERPRET=1`` (tests).
@@ -15,7 +16,9 @@ before posting the writes that read the region.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -113,12 +116,32 @@ class TorchPacker:
     """Gather into preallocated region views (CPU default): ``numpy.take`` on CPU tensors'
     zero-copy views, ``torch.index_select`` elsewhere.
 
-    Satisfies :class:`pdplug.protocols.Packer`. One call per pack entry; rows are read as
+    Satisfies :class:`pdplug.protocols.Packer`. One gather per pack entry; rows are read as
     int64/int32/int16 words when the row size and both addresses allow (bit-exact: integer
-    views never convert).
+    views never convert). On CPU the entries are split into ``threads`` contiguous groups, one
+    per thread (the caller's thread takes the first); ``numpy.take`` releases the GIL, so they
+    run in parallel. A row gather is bound by memory latency more than bandwidth, so on a
+    machine with idle cores more threads help; a sender whose engine copies on the same cores
+    may prefer fewer (``PlannerConfig.pack_threads``).
+
+    :param threads: CPU gather threads, >= 1 (0 = ``torch.get_num_threads()``).
+    :raises ValueError: ``threads < 0``.
     """
 
     kind = "torch"
+
+    def __init__(self, threads: int = 0) -> None:
+        if threads < 0:
+            raise ValueError(f"TorchPacker threads must be >= 0, got {threads}")
+        self.threads = threads or max(1, torch.get_num_threads())
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="pdplug-pack")
+            return self._pool
 
     def pack(
         self, plan: TransferPlan, entries: Sequence[torch.Tensor], pack_buffer: torch.Tensor
@@ -136,47 +159,58 @@ class TorchPacker:
         if n == 0:
             return
         slots = np.ascontiguousarray(plan.pack_src_slots, dtype=np.int64)
-        cpu = pack_buffer.device.type == "cpu"
-        idx = None if cpu else torch.from_numpy(slots).to(pack_buffer.device, non_blocking=True)
         pb = pack_buffer.data_ptr()
+        views = []
         for src, b, o in zip(rows, rb.tolist(), off.tolist()):
             w, dt = _widest(b, src.data_ptr(), pb + o)
             out = pack_buffer[o : o + n * b]
             if w > 1:
                 src = src.view(dt)
                 out = out.view(dt)
-            out = out.view(n, b // w)
-            if cpu:
-                # numpy.take on zero-copy views, one thread: inside a sender the pack overlaps
-                # the engine's copy, and torch's multi-threaded index_select (faster alone:
-                # 40-43% vs 28-36% of memcpy in bench plan) then competes with that copy for
-                # the cores (bench pack: 7.2x/37% vs 8.1x/47% with numpy.take); slots were
-                # range-checked, so mode="clip" (unbuffered)
-                np.take(src.numpy(), slots, axis=0, out=out.numpy(), mode="clip")
-            else:
-                assert idx is not None
+            views.append((src, out.view(n, b // w)))
+        if pack_buffer.device.type != "cpu":
+            idx = torch.from_numpy(slots).to(pack_buffer.device, non_blocking=True)
+            for src, out in views:
                 torch.index_select(src, 0, idx, out=out)
+            return
+        # slots were range-checked, so mode="clip" (no bounds pass, no buffering)
+        arrays = [(src.numpy(), out.numpy()) for src, out in views]
+
+        def gather(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
+            for s, o in part:
+                np.take(s, slots, axis=0, out=o, mode="clip")
+
+        k = min(self.threads, len(arrays))
+        if k <= 1:
+            gather(arrays)
+            return
+        parts = [arrays[i::k] for i in range(k)]
+        futs = [self._executor().submit(gather, part) for part in parts[1:]]
+        gather(parts[0])
+        for f in futs:
+            f.result()
 
 
-def make_packer(device: str = "cpu", kind: str = "auto") -> Packer:
+def make_packer(device: str = "cpu", kind: str = "auto", threads: int = 0) -> Packer:
     """Packer for ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"`` …).
 
     ``kind="auto"``: Triton on CUDA when triton imports (else torch, logged), torch on CPU.
     ``kind="triton"`` on CPU needs ``TRITON_INTERPRET=1`` (checked at ``pack`` time).
+    ``threads``: the torch packer's CPU gather threads (0 = ``torch.get_num_threads()``).
 
-    :raises ValueError: unknown ``kind``.
+    :raises ValueError: unknown ``kind``, ``threads < 0``.
     :raises RuntimeError: ``kind="triton"`` and triton is not importable.
     """
     if kind not in ("auto", "torch", "triton"):
         raise ValueError(f"packer kind must be 'auto', 'torch' or 'triton', got {kind!r}")
     dev = torch.device(device)
     if kind == "torch" or (kind == "auto" and dev.type != "cuda"):
-        return TorchPacker()
+        return TorchPacker(threads)
     try:
         from pdplug_dcp.triton_pack import TritonPacker
     except ImportError as e:
         if kind == "triton":
             raise RuntimeError(f"packer kind 'triton' requested but triton is unusable: {e}") from e
         log.warning("triton not importable (%s); using the torch packer on %s", e, device)
-        return TorchPacker()
+        return TorchPacker(threads)
     return TritonPacker()

@@ -385,7 +385,9 @@ class DcpPlanner:
         """
         from pdplug_dcp.packers import make_packer
 
-        return make_packer(device, self.config.packer if kind == "auto" else kind)
+        return make_packer(
+            device, self.config.packer if kind == "auto" else kind, self.config.pack_threads
+        )
 
     # ------------------------------------------------------------------ internals
 
