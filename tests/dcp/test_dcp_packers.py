@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug import KVLayout, Packer, PackRegion, SendChunk, TransferPlan
+from pdplug import KVLayout, Packer, PackRegion, PlannerConfig, SendChunk, TransferPlan
 from pdplug.packing import pack_regions
 from pdplug.testing import require
 from pdplug_dcp.packers import TorchPacker, make_packer
@@ -48,8 +48,13 @@ DTYPES = [torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.float32
     region_offset=st.integers(0, 40),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**32 - 1),
+    threads=st.sampled_from([1, 2, 3]),
 )
-def test_torch_packer_matches_reference(rows, n, slots, region_offset, dtype, seed) -> None:
+def test_torch_packer_matches_reference(
+    rows, n, slots, region_offset, dtype, seed, threads
+) -> None:
+    """Any row size, dtype, region offset and gather thread count (entries split among
+    threads, more threads than entries included)."""
     rng = np.random.default_rng(seed)
     raw = [rng.integers(1, 256, slots * b, dtype=np.uint8) for b in rows]  # never zeros
     es = torch.empty(0, dtype=dtype).element_size()
@@ -67,7 +72,7 @@ def test_torch_packer_matches_reference(rows, n, slots, region_offset, dtype, se
     )  # fmt: skip
     size = region_offset + region.nbytes + 32
     buf = torch.full((size,), POISON, dtype=torch.uint8)
-    TorchPacker().pack(plan, entries, buf)
+    TorchPacker(threads).pack(plan, entries, buf)
     assert np.array_equal(buf.numpy(), reference_pack(plan, raw, size))
 
 
@@ -110,6 +115,12 @@ def test_packer_errors_name_the_values() -> None:
         TorchPacker().pack(plan, [torch.zeros(63, dtype=torch.uint8)], buf)
     with pytest.raises(ValueError, match="'gpu'"):
         make_packer("cpu", "gpu")
+    with pytest.raises(ValueError, match="threads must be >= 0, got -1"):
+        make_packer("cpu", "torch", -1)
+    with pytest.raises(ValueError, match="pack_threads must be >= 0, got -2"):
+        PlannerConfig(pack_threads=-2)
+    assert make_dcp_planner(PlannerConfig(pack_threads=3)).packer("cpu").threads == 3
+    assert TorchPacker().threads == max(1, torch.get_num_threads())
     assert isinstance(make_packer("cpu"), Packer) and make_packer("cpu").kind == "torch"
     assert make_dcp_planner().packer("cpu", "torch").kind == "torch"
 
