@@ -9,7 +9,9 @@ TTFT of a request = arrival at the driver → its transfer decision applied on d
 * ``consensus``: last prefill rank ready → bootstrap decision applied on PP0, plus last decode
   rank's KV complete → transfer decision applied on decode rank 0;
 * ``prefill``: forward compute of the request's chunks, summed over PP ranks;
-* ``pack``: time inside the KV sender's ``send`` (plan + pack + post), max over PP ranks;
+* ``send``: the host's time inside the KV sender's ``send`` calls (hand-off to the sender's
+  engine thread; planning, packing and posting run there and count in ``transfer``), max over
+  PP ranks;
 * ``transfer``: last prefill rank's final ``send`` → KV complete on the last decode rank.
 """
 
@@ -454,7 +456,7 @@ def _report(
         )
     ttft: list[float] = []
     parts: dict[str, list[float]] = {
-        k: [] for k in ("queue", "consensus", "prefill", "pack", "transfer")
+        k: [] for k in ("queue", "consensus", "prefill", "send", "transfer")
     }
     for r in requests:
         ts = run.timings.get(r.rid, [])
@@ -476,7 +478,7 @@ def _report(
             (max(0.0, admit - ready) + max(0.0, d0["t_decided"] - success)) * 1e3
         )
         parts["prefill"].append(sum(f.get("compute_s", 0.0) for f in pre) * 1e3)
-        parts["pack"].append(max(f.get("pack_s", 0.0) for f in pre) * 1e3)
+        parts["send"].append(max(f.get("send_s", 0.0) for f in pre) * 1e3)
         parts["transfer"].append(max(0.0, success - last_send) * 1e3)
     prefill_stats = [s for (role, _), s in run.stats.items() if role == "prefill"]
     bytes_tx = sum(int(s.get("sender_bytes", 0)) for s in prefill_stats)

@@ -92,9 +92,9 @@ class _Req:
         "hit",
         "last_sent",
         "output_len",
-        "pack_s",
         "pages",
         "rid",
+        "send_s",
         "sent",
         "t",
         "tokens",
@@ -116,7 +116,7 @@ class _Req:
         self.last_sent = False
         self.t: dict[str, float] = {}
         self.compute_s = 0.0
-        self.pack_s = 0.0
+        self.send_s = 0.0
         self.voted_boot = False
         self.voted_release = False
 
@@ -295,7 +295,7 @@ class PrefillRank:
         if not ok:
             self.link.send(RequestFailed(role="prefill", rank=self.rank, rid=rid, reason=reason))
         fields = dict(req.t)
-        fields.update(compute_s=req.compute_s, pack_s=req.pack_s)
+        fields.update(compute_s=req.compute_s, send_s=req.send_s)
         self.link.send(Timing(role="prefill", rank=self.rank, rid=rid, fields=fields))
 
     def _free_drained(self) -> None:
@@ -359,7 +359,7 @@ class PrefillRank:
         for seg in segs:
             first, past = seg.token_start // ps, -(-seg.token_end // ps)
             self.sender.send(req.rid, seg, req.pages[first:past].numpy())
-        req.pack_s += time.perf_counter() - t0
+        req.send_s += time.perf_counter() - t0
         self.segments += len(segs)
         self.split_sends += len(segs) > 1
         self.tokens_sent += sum(seg.num_tokens for seg in segs)
