@@ -16,6 +16,7 @@ before posting the writes that read the region.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -135,12 +136,15 @@ class TorchPacker:
             raise ValueError(f"TorchPacker threads must be >= 0, got {threads}")
         self.threads = threads or max(1, torch.get_num_threads())
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
         self._lock = threading.Lock()
 
     def _executor(self) -> ThreadPoolExecutor:
+        # a forked child inherits the pool object but not its threads: start a new one there
         with self._lock:
-            if self._pool is None:
+            if self._pool is None or self._pool_pid != os.getpid():
                 self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="pdplug-pack")
+                self._pool_pid = os.getpid()
             return self._pool
 
     def pack(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +76,46 @@ def test_torch_packer_matches_reference(
     buf = torch.full((size,), POISON, dtype=torch.uint8)
     TorchPacker(threads).pack(plan, entries, buf)
     assert np.array_equal(buf.numpy(), reference_pack(plan, raw, size))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_threaded_packer_works_in_a_forked_child() -> None:
+    """A packer whose gather threads started before a fork still packs in the child (the
+    child starts its own threads instead of queueing work for threads it does not have)."""
+    rows = [torch.arange(1, 65, dtype=torch.uint8).repeat(8) for _ in range(4)]  # 8 slots x 64 B
+    region = PackRegion(index=0, offset=0, nbytes=3 * 64 * 4, capacity_tokens=3)
+    plan = TransferPlan(
+        room=1, chunk_id=0, is_last=True, dst_dcp_rank=0, num_tokens=3, packed=True,
+        entry=np.zeros(0, np.int64), src_offset=np.zeros(0, np.int64),
+        dst_offset=np.zeros(0, np.int64), length=np.zeros(0, np.int64), region=region,
+        pack_src_slots=np.array([5, 0, 7]), pack_entries=(0, 1, 2, 3), pack_row_bytes=(64,) * 4,
+    )  # fmt: skip
+    packer = TorchPacker(2)
+    buf = torch.zeros(region.nbytes, dtype=torch.uint8)
+    packer.pack(plan, rows, buf)  # starts the gather thread in this process
+    want = bytes(buf)
+    r, w = os.pipe()
+    ready: list[int] = []
+    pid = os.fork()
+    if pid == 0:  # child: pack again with the inherited packer, report through the pipe
+        code = 1
+        try:
+            out = torch.zeros(region.nbytes, dtype=torch.uint8)
+            packer.pack(plan, rows, out)
+            code = 0 if bytes(out) == want else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], 20)
+        assert ready, "forked child did not finish packing within 20 s"
+        assert os.read(r, 1) == b"\x00"
+    finally:
+        if not ready:
+            os.kill(pid, signal.SIGKILL)  # a hung child must not hang the test run
+        os.waitpid(pid, 0)
+        os.close(r)
 
 
 def test_planned_pack_reads_back_the_tokens() -> None:
