@@ -9,9 +9,10 @@ TTFT of a request = arrival at the driver → its transfer decision applied on d
 * ``consensus``: last prefill rank ready → bootstrap decision applied on PP0, plus last decode
   rank's KV complete → transfer decision applied on decode rank 0;
 * ``prefill``: forward compute of the request's chunks, summed over PP ranks;
-* ``send``: the host's time inside the KV sender's ``send`` calls (hand-off to the sender's
-  engine thread; planning, packing and posting run there and count in ``transfer``), max over
-  PP ranks;
+* ``send``: the host's time inside the KV sender's ``send`` calls (the hand-off to the sender's
+  engine thread), max over PP ranks. Planning, packing and posting run on the sender's threads:
+  for segments sent while prefill goes on they overlap it and appear in no part; for the final
+  segment they are inside ``transfer``;
 * ``transfer``: last prefill rank's final ``send`` → KV complete on the last decode rank.
 """
 

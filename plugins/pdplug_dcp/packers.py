@@ -119,8 +119,8 @@ class TorchPacker:
 
     Satisfies :class:`pdplug.protocols.Packer`. One gather per pack entry; rows are read as
     int64/int32/int16 words when the row size and both addresses allow (bit-exact: integer
-    views never convert). On CPU the entries are split into ``threads`` contiguous groups, one
-    per thread (the caller's thread takes the first); ``numpy.take`` releases the GIL, so they
+    views never convert). On CPU the entries are dealt round-robin to ``threads`` threads (the
+    caller's thread takes the first share); ``numpy.take`` releases the GIL, so they
     run in parallel. A row gather is bound by memory latency more than bandwidth, so on a
     machine with idle cores more threads help; a sender whose engine copies on the same cores
     may prefer fewer (``PlannerConfig.pack_threads``).

@@ -40,7 +40,7 @@ from pdplug import (
     TransferPlan,
     entry_map,
 )
-from pdplug.packing import merge_runs, region_capacity_tokens
+from pdplug.packing import merge_runs, pack_bytes_per_token, region_capacity_tokens
 from pdplug.protocols import Packer
 
 __all__ = [
@@ -51,10 +51,13 @@ __all__ = [
     "Geometry",
     "EntrySet",
     "geometry",
+    "checked_geometry",
 ]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
+_COL_MAX_BYTES = 64 << 10  # largest cached entry column (8,192 runs)
+_COLS_BUDGET = 1 << 20  # cached entry columns per entry set, in bytes
 
 
 class EntrySet(msgspec.Struct, frozen=True):
@@ -75,9 +78,14 @@ class EntrySet(msgspec.Struct, frozen=True):
         if col is None:
             col = np.repeat(self.entries, runs)
             col.flags.writeable = False
-            if len(self._entry_cols) < 256:
+            # packed plans repeat a few run counts (pages per region); per-token and identity
+            # plans vary theirs per chunk, so only small columns are kept, up to a byte budget
+            if col.nbytes <= _COL_MAX_BYTES and self._cached_bytes() + col.nbytes <= _COLS_BUDGET:
                 self._entry_cols[runs] = col
         return col
+
+    def _cached_bytes(self) -> int:
+        return sum(c.nbytes for c in self._entry_cols.values())
 
     @classmethod
     def of(cls, entries: np.ndarray, bpt: np.ndarray) -> EntrySet:
@@ -114,8 +122,28 @@ class Geometry(msgspec.Struct, frozen=True):
     uniform_bpt: int
 
 
-@functools.lru_cache(maxsize=256)
+_BY_ID: dict[tuple[int, int], tuple[KVLayout, KVLayout, Geometry]] = {}
+
+
 def geometry(src: KVLayout, dst: KVLayout) -> Geometry:
+    """:func:`checked_geometry`, memoised: a sender passes the same two layout objects with
+    every plan, so they are looked up by identity first (no hash of their entry tuples); the
+    entry keeps both objects alive, so an id is never reused while it is cached.
+
+    :raises PlanError: as :func:`checked_geometry`.
+    """
+    hit = _BY_ID.get((id(src), id(dst)))
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    g = checked_geometry(src, dst)
+    if len(_BY_ID) >= 256:
+        _BY_ID.clear()
+    _BY_ID[(id(src), id(dst))] = (src, dst, g)
+    return g
+
+
+@functools.lru_cache(maxsize=256)
+def checked_geometry(src: KVLayout, dst: KVLayout) -> Geometry:
     """Check that ``src`` (prefill, plain TP) can feed ``dst`` and precompute the mapping.
 
     :raises PlanError: page sizes differ, the source is DCP-sharded, layers do not map, an
@@ -266,14 +294,21 @@ def _slot_maker(st: _Chunk, g: Geometry) -> Callable[[int, int], np.ndarray]:
     """``(first, n) -> `` gather slots (int64 ``[n]``) of the rank whose first chunk token is
     ``first``: chunk tokens ``first, first + d, ...``. When ``d`` divides the page size that
     rank owns in-page offsets ``first, first + d, ...`` of every page (chunks start on a page),
-    so its slots are one add of a cached offset row to the repeated page bases."""
+    so its slots are one add of a cached offset row to its pages' repeated bases."""
     d, p = g.dcp, g.page_size
     nt = st.chunk.num_tokens
     if p % d == 0 and nt:
         npg = -(-nt // p)
-        bases = np.repeat(st.src_pages[:npg] * p, p // d)
         offs = _inpage_offsets(p, d, npg)
-        return lambda first, n: bases[:n] + offs[first, :n]
+        per_page = p // d
+        src_pages = st.src_pages
+
+        def divisible(first: int, n: int) -> np.ndarray:
+            # the rank's n tokens sit on the first ceil(n / per_page) pages
+            bases = (src_pages[: -(-n // per_page)] * p).repeat(per_page)
+            return offs[first, :n] + bases[:n]
+
+        return divisible
 
     def generic(first: int, n: int) -> np.ndarray:
         if st.slots is not None:
@@ -304,8 +339,10 @@ class DcpPlanner:
     # ------------------------------------------------------------------ Protocol
 
     def needs_relayout(self, src: KVLayout, dst: KVLayout) -> bool:
-        """True when the destination is DCP-sharded (``dst.dcp_size > 1``): sends are packed."""
-        return dst.dcp_size > 1
+        """True when the destination is DCP-sharded (``dst.dcp_size > 1``) and the source has
+        an entry to shard: sends are packed. (Draft entries alone are copied whole, straight
+        from the source, without regions.)"""
+        return dst.dcp_size > 1 and pack_bytes_per_token(src) > 0
 
     def capacity_tokens(self, src: KVLayout, dst: KVLayout, region_nbytes: int) -> int:
         """Tokens (per destination rank) a region of ``region_nbytes`` bytes holds: bytes over
@@ -422,7 +459,7 @@ class DcpPlanner:
             raise PlanError(f"room {c.room}: dst_dcp_rank={rank} not in [0, dcp_size={d})")
         if d == 1:
             return self._identity(st, g)
-        if region is not None:
+        if region is not None and g.pack_bpt:
             return self._plan_packed(st, g, [rank], [region])[0]
         nt = c.num_tokens
         rel0 = c.src_page_offset * p
@@ -478,6 +515,8 @@ class DcpPlanner:
             n = (nt - first + d - 1) // d if nt > first else 0
             if n > rg.capacity_tokens or n * g.pack_bpt > rg.nbytes:
                 cap = rg.capacity_tokens
+                if g.pack_bpt:  # the region's bytes may bind before its token capacity
+                    cap = min(cap, rg.nbytes // g.pack_bpt // p * p)
                 raise CapacityError(
                     f"room {c.room}: chunk {c.chunk_id} puts {n} tokens on dst DCP rank {r}, "
                     f"pack region {rg.index} holds capacity={cap} tokens ({rg.nbytes} bytes, "

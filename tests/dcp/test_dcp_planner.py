@@ -443,6 +443,11 @@ def test_capacity_error_names_room_rank_tokens_capacity() -> None:
     lying = PackRegion(index=0, offset=0, nbytes=10, capacity_tokens=64)
     with pytest.raises(CapacityError, match="10 bytes"):
         make_dcp_planner().plan(_chunk(), SRC, DST, 0, lying)
+    # when the bytes bind first, the advice names the bound the bytes allow (24 B/token, page 4:
+    # 100 bytes hold 4 tokens -> split at 4 * 2 = 8), not the claimed 64-token capacity
+    short = PackRegion(index=0, offset=0, nbytes=100, capacity_tokens=64)
+    with pytest.raises(CapacityError, match=r"capacity=4 tokens.*split the send at .*=8 tokens"):
+        make_dcp_planner().plan(_chunk(), SRC, DST, 0, short)
 
 
 def test_tp_planner_refuses_dcp_and_planner_config() -> None:
@@ -486,3 +491,38 @@ def test_plan_all_with_per_rank_destination_pages() -> None:
     assert not np.array_equal(plans[0].dst_offset, plans[1].dst_offset)
     with pytest.raises(PlanError, match="dst_pages has 1 items, expected dst dcp_size=2"):
         planner.plan_all(chunk, src, dst, regions, dst_pages=per_rank[:1])
+
+
+def test_draft_only_source_is_not_packed() -> None:
+    """A source whose entries are all draft entries has nothing to shard: no relayout, no
+    regions; every rank gets the draft tokens whole, straight from the source."""
+    lay = dict(page_size=2, entry_bytes_per_token=(4,), draft_entries=(0,))
+    src, dst = KVLayout(**lay), KVLayout(**lay, dcp_size=2)
+    planner = make_dcp_planner()
+    assert not planner.needs_relayout(src, dst)
+    chunk = SendChunk(room=2, src_pages=np.array([5, 1, 3]), dst_pages=np.array([7, 2]),
+                      num_tokens=6)  # fmt: skip
+    region = pack_regions(SRC, dst_dcp_size=2, depth=1, region_tokens=4)[0]
+    for r in range(2):
+        for reg in (None, region):
+            plan = planner.plan(chunk, src, dst, r, reg)
+            assert not plan.packed
+            # virtual pages of 4 tokens: tokens 0-3 -> page 7, 4-5 -> page 2 (source 5, 1, 3)
+            got = sorted(zip(plan.src_offset.tolist(), plan.dst_offset.tolist(),
+                             plan.length.tolist()))  # fmt: skip
+            assert got == sorted([(5 * 8, 7 * 16, 8), (1 * 8, 7 * 16 + 8, 8), (3 * 8, 2 * 16, 8)])
+
+
+def test_entry_column_cache_is_bounded() -> None:
+    """Identity and per-token plans vary their run counts per chunk; the shared entry-column
+    cache keeps small columns only, within its byte budget."""
+    from pdplug_dcp.planner import _COLS_BUDGET, geometry
+
+    lay = KVLayout(page_size=1, entry_bytes_per_token=(8,) * 64)
+    planner = make_tp_planner()
+    for n in range(1, 400, 3):
+        planner.plan(SendChunk(room=1, src_pages=np.arange(n), dst_pages=np.arange(n),
+                               num_tokens=n), lay, lay, 0)  # fmt: skip
+    cols = geometry(lay, lay).every._entry_cols
+    assert cols and sum(c.nbytes for c in cols.values()) <= _COLS_BUDGET
+    assert all(not c.flags.writeable for c in cols.values())
