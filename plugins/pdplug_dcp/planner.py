@@ -85,7 +85,8 @@ class EntrySet(msgspec.Struct, frozen=True):
         return col
 
     def _cached_bytes(self) -> int:
-        return sum(c.nbytes for c in self._entry_cols.values())
+        # list() copies under the GIL: other senders' pack threads may insert meanwhile
+        return sum(c.nbytes for c in list(self._entry_cols.values()))
 
     @classmethod
     def of(cls, entries: np.ndarray, bpt: np.ndarray) -> EntrySet:
