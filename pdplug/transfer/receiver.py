@@ -49,6 +49,7 @@ from pdplug.transfer.messages import (
     tag_codec,
 )
 from pdplug.transfer.sender import Compat, Emit, default_compat, default_emit, entries_geometry
+from pdplug.transfer.session import RoomSession
 from pdplug.types import ChunkTag, DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class _Lease(msgspec.Struct, kw_only=True):
     done: bool = False
 
 
-class KVReceiverSession:
+class KVReceiverSession(RoomSession):
     """Engine-neutral decode-side KV receiver (implements :class:`pdplug.protocols.KVReceiver`).
 
     :param config: this rank's :class:`~pdplug.config.KVConfig` (``role="decode"``).
@@ -274,29 +275,6 @@ class KVReceiverSession:
         self._loop.submit(lambda: self._expect(inst, dest))
         return gen
 
-    def poll(self, room: int) -> KVPoll:
-        """Room status on this rank (Success when every source rank's last chunk arrived).
-
-        :raises KeyError: ``room`` is not leased (never, or cleared).
-        """
-        return self.rooms.status(room)
-
-    def wait(
-        self,
-        room: int,
-        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
-        timeout_s: float | None = None,
-    ) -> KVPoll:
-        """Block until ``room`` reaches a status in ``until`` — a single non-terminal status
-        means "at least" — without polling (:meth:`pdplug.rooms.Rooms.wait`). For hosts and
-        tools that would otherwise spin on :meth:`poll` (a spinning host steals the CPU a
-        loopback copy needs).
-
-        :param timeout_s: seconds; ``None``: as long as the room's deadlines allow.
-        :raises KeyError: ``room`` is not leased.
-        """
-        return self.rooms.wait(room, until, timeout_s)
-
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every prefill rank to stop sending it."""
         gen = self.rooms.generation(room)
@@ -316,16 +294,6 @@ class KVReceiverSession:
         self.rooms.clear(room, gen)
         self._loop.submit(lambda: self._clear(room, gen))
 
-    def drained(self, room: int) -> bool:
-        """Whether no prefill rank can still write into ``room``'s pages: it succeeded, or
-        every source rank acknowledged the failure (its ``ok=False`` tag), died, or
-        ``transfer_timeout_s`` passed since the failure. Free the pages only then."""
-        return self._loop.call(lambda: self._drained(room), 10.0)
-
-    def failure_reason(self, room: int) -> str | None:
-        """Why ``room`` failed, ``None`` if it did not (or is not leased)."""
-        return self.rooms.reason(room)
-
     def stats(self) -> dict[str, Any]:
         """Counters: chunks, rooms_ok/failed, sources_dead, and drops by reason for the
         control channel (``control_dropped_*``) and engine notifications (``tags_dropped_*``)."""
@@ -335,23 +303,6 @@ class KVReceiverSession:
         out.update({f"tags_{k}": v for k, v in self._tags.stats().items()})
         out["loop_errors"] = self._loop.errors
         return out
-
-    def close(self) -> None:
-        """Stop the engine thread, release the engine and sockets; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._loop.call(self._shutdown, 10.0)
-        except TransferError:
-            log.warning("%s: engine thread did not shut down cleanly", self._loop.name)
-        self._loop.stop()
-
-    def __enter__(self) -> KVReceiverSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ================================================================== helpers
     def _local_check(self, local: PeerInfo, remote: PeerInfo) -> list[str]:
@@ -649,19 +600,7 @@ class KVReceiverSession:
             generation=lease.generation,
             chunks=sum(len(g) for g in lease.got.values()),
         )
-        # observers run at the next periodic round, off the completion path
-        self._events.append(
-            PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
-        )
-
-    def _flush_events(self) -> None:
-        events, self._events = self._events, []
-        for ev in events:
-            try:
-                assert self._emit is not None
-                self._emit(ev)
-            except Exception:  # an observer must never break the data path
-                log.exception("%s: event observer failed", self._loop.name)
+        self._queue_event(kind, lease.room, fields)
 
     def _periodic(self, now: float) -> None:
         if self._events:

@@ -60,6 +60,7 @@ from pdplug.transfer.messages import (
     tag_codec,
 )
 from pdplug.transfer.pipeline import Job, Lease, Peer, SendPipeline
+from pdplug.transfer.session import RoomSession
 from pdplug.types import (
     ChunkTag,
     DestInfo,
@@ -147,7 +148,7 @@ def entries_geometry(
     return base, nbytes, int(pages or 0)
 
 
-class KVSenderSession:
+class KVSenderSession(RoomSession):
     """Engine-neutral prefill-side KV sender (implements :class:`pdplug.protocols.KVSender`).
 
     :param config: this rank's :class:`~pdplug.config.KVConfig` (``role="prefill"``).
@@ -294,13 +295,6 @@ class KVSenderSession:
         self._loop.submit(lambda: self._start(room, gen))
         return gen
 
-    def poll(self, room: int) -> KVPoll:
-        """Room status on this rank.
-
-        :raises KeyError: ``room`` is not leased (never started, or cleared).
-        """
-        return self.rooms.status(room)
-
     def dest(self, room: int) -> list[DestInfo]:
         """The DestInfos received for ``room``, one per destination DCP rank (sorted)."""
         return self._loop.call(lambda: self._dest(room), 10.0)
@@ -351,22 +345,6 @@ class KVSenderSession:
             self.rooms.advance(room, KVPoll.Success, gen)  # held until nothing is pending
         self._loop.submit(lambda: self._enqueue(room, gen, segment, pages))
 
-    def wait(
-        self,
-        room: int,
-        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
-        timeout_s: float | None = None,
-    ) -> KVPoll:
-        """Block until ``room`` reaches a status in ``until`` — a single non-terminal status
-        means "at least" — without polling (:meth:`pdplug.rooms.Rooms.wait`). For hosts and
-        tools that would otherwise spin on :meth:`poll` (a spinning host steals the CPU a
-        loopback copy needs).
-
-        :param timeout_s: seconds; ``None``: as long as the room's deadlines allow.
-        :raises KeyError: ``room`` is not leased.
-        """
-        return self.rooms.wait(room, until, timeout_s)
-
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every destination once in-flight writes drained."""
         gen = self.rooms.generation(room)
@@ -386,14 +364,6 @@ class KVSenderSession:
         self.rooms.clear(room, gen)
         self._loop.submit(lambda: self._clear(room, gen, done))
 
-    def drained(self, room: int) -> bool:
-        """Whether no write of ``room`` is in flight on this rank (safe to reuse its pages)."""
-        return self._loop.call(lambda: self._drained(room), 10.0)
-
-    def failure_reason(self, room: int) -> str | None:
-        """Why ``room`` failed, ``None`` if it did not (or is not leased)."""
-        return self.rooms.reason(room)
-
     def stats(self) -> dict[str, Any]:
         """Counters: posts, runs, bytes, notify_only, segments, rooms_ok/failed, refused peers,
         peers_dead, pack_s/plan_s/post_s (seconds), and control-channel drops by reason."""
@@ -406,23 +376,6 @@ class KVSenderSession:
         out["loop_errors"] = self._loop.errors
         out["rooms_ignored_events"] = self.rooms.ignored
         return out
-
-    def close(self) -> None:
-        """Stop the engine thread, release the engine and sockets; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._loop.call(self._shutdown, 10.0)
-        except TransferError:
-            log.warning("%s: engine thread did not shut down cleanly", self._loop.name)
-        self._loop.stop()
-
-    def __enter__(self) -> KVSenderSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ================================================================== engine thread
     def _register(
@@ -834,19 +787,7 @@ class KVSenderSession:
         if self._emit is None:
             return
         fields.update(rank=self.rank, generation=lease.generation, dests=len(lease.dests))
-        # observers run at the next periodic round, off the completion path
-        self._events.append(
-            PdplugEvent(kind=kind, source=self.engine.name, room=lease.room, fields=fields)
-        )
-
-    def _flush_events(self) -> None:
-        events, self._events = self._events, []
-        for ev in events:
-            try:
-                assert self._emit is not None
-                self._emit(ev)
-            except Exception:  # an observer must never break the data path
-                log.exception("%s: event observer failed", self._loop.name)
+        self._queue_event(kind, lease.room, fields)
 
     def _periodic(self, now: float) -> None:
         if self._events:
