@@ -17,12 +17,13 @@ largest pp_size within 1.25x of the smallest) and ring/pp0 ≥ 5 at pp_size 8.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import time
 from typing import Any
 
 import click
+
+from pdplug.bench.machine import json_option
 
 __all__ = ["cli", "run_one"]
 
@@ -272,12 +273,12 @@ def _parse_pp(value: str) -> list[int]:
 @click.option("--requests", default=200, show_default=True, type=int, help="requests per run")
 @click.option("--impl", "impls", default="pp0,ring", show_default=True, help="consensus names")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@json_option
 def cli(
     pp: str, iter_ms: float, requests: int, impls: str, seed: int, json_path: str | None
 ) -> None:
     """Admission latency of pp0 vs ring at several pp_size (real processes per rank)."""
-    from pdplug.bench.machine import machine_info, machine_line
+    from pdplug.bench.machine import machine_line, write_json
 
     sizes = _parse_pp(pp)
     names = [x.strip() for x in impls.split(",") if x.strip()]
@@ -325,12 +326,11 @@ def cli(
             f"({'met' if ratio['8'] >= 5 else 'NOT met'}, >= 5)"
         )
     if json_path:
-        out = {
-            "rows": rows,
-            "ratio_ring_over_pp0": ratio,
-            "machine": machine_info(),
-            "sizes": {"pp": sizes, "iter_ms": iter_ms, "requests": requests, "seed": seed},
-        }
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
-        click.echo(f"wrote {json_path}")
+        write_json(
+            json_path,
+            {
+                "rows": rows,
+                "ratio_ring_over_pp0": ratio,
+                "sizes": {"pp": sizes, "iter_ms": iter_ms, "requests": requests, "seed": seed},
+            },
+        )

@@ -7,11 +7,11 @@ ratios against the default configuration.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from pdplug.bench.machine import json_option
 from pdplug.host.cli import demo_options
 
 
@@ -27,12 +27,12 @@ from pdplug.host.cli import demo_options
 @click.option("--variants", default="pp0+nixl,ring+nixl,pp0+mooncake", show_default=True,
               help="Comma list of CONSENSUS+KV_SENDER pairs (these override --consensus and "
                    "--kv-sender).")  # fmt: skip
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     """Throughput and TTFT of the reference host per consensus / KV sender variant."""
     from rich.table import Table
 
-    from pdplug.bench.machine import console, machine_line
+    from pdplug.bench.machine import console, machine_line, write_json
     from pdplug.host.cli import _options
     from pdplug.host.driver import run_demo
 
@@ -80,5 +80,4 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     console().print(t)
     click.echo(machine_line())
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"rows": rows, "requests": requests, **kw}, f, indent=2)
+        write_json(json_path, {"rows": rows, "requests": requests, **kw})

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def machine_info() -> dict[str, Any]:
@@ -59,3 +65,22 @@ def console() -> Any:
     from rich.console import Console
 
     return Console(width=max(120, shutil.get_terminal_size((120, 24)).columns))
+
+
+def json_option(fn: _F) -> _F:
+    """The ``--json PATH`` option every benchmark takes (parameter ``json_path``)."""
+    return click.option(
+        "--json",
+        "json_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Write the results here.",
+    )(fn)
+
+
+def write_json(path: str, results: dict[str, Any]) -> None:
+    """Write ``results`` with this machine's :func:`machine_info` under ``"machine"``, and say
+    where."""
+    with open(path, "w") as f:
+        json.dump({**results, "machine": machine_info()}, f, indent=2)
+    click.echo(f"wrote {path}")

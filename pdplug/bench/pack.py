@@ -24,12 +24,13 @@ are the median of ``--repeats`` runs after one warm-up, from the first ``send`` 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any
 
 import click
+
+from pdplug.bench.machine import json_option
 
 SHAPES = ((83_264, 6_720), (163_840, 6_720), (0, 32_768))
 PAGE = 64
@@ -219,19 +220,13 @@ def _run(
     help="Layers of 576 B/token (the field used 61; fewer keep each mode to seconds).",
 )
 @click.option("--repeats", default=3, show_default=True, help="Timed runs per mode and shape.")
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the results here.",
-)
+@json_option
 def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
     """Cached-prefix sends over the KV backend: per-token vs packed vs plain TP->TP."""
     from rich.console import Console
     from rich.table import Table
 
-    from pdplug.bench.machine import machine_info, machine_line
+    from pdplug.bench.machine import machine_line, write_json
 
     if layers <= 0 or repeats <= 0:
         raise click.BadParameter(f"--layers={layers} and --repeats={repeats} must be > 0")
@@ -295,26 +290,22 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
         )
     )
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(
-                {
-                    "rows": [
-                        {k: r[k] for k in ("prefix", "unique", "dcp", "mode", "seconds", "gbps")}
-                        for r in rows
-                    ],
-                    "ratios": ratios,
-                    "sender_stats": stats,
-                    "backend": backend,
-                    "layers": layers,
-                    "bytes_per_token_per_layer": ROW,
-                    "page_size": PAGE,
-                    "region_tokens_per_rank": REGION_TOKENS,
-                    "machine": machine_info(),
-                },
-                f,
-                indent=2,
-            )
-        console.print(f"wrote {json_path}")
+        write_json(
+            json_path,
+            {
+                "rows": [
+                    {k: r[k] for k in ("prefix", "unique", "dcp", "mode", "seconds", "gbps")}
+                    for r in rows
+                ],
+                "ratios": ratios,
+                "sender_stats": stats,
+                "backend": backend,
+                "layers": layers,
+                "bytes_per_token_per_layer": ROW,
+                "page_size": PAGE,
+                "region_tokens_per_rank": REGION_TOKENS,
+            },
+        )
     from pdplug.transfer import hard_exit
 
     hard_exit(0)  # sessions are closed; skip the engines' native destructors (see hard_exit)

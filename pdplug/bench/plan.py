@@ -25,12 +25,13 @@ Heavy imports (torch, the planner plugin) happen inside the command.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any
 
 import click
+
+from pdplug.bench.machine import json_option
 
 
 def _p50(xs: list[float]) -> float:
@@ -239,13 +240,7 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
 
 
 @click.command()
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the results here.",
-)
+@json_option
 @click.option(
     "--device",
     type=click.Choice(["cpu", "cuda"]),
@@ -276,7 +271,7 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
 @click.option("--planner", default="dcp", show_default=True, help="Pack planner name.")
 def cli(json_path: str | None, device: str, repeats: int, pack_repeats: int, **args: Any) -> None:
     """Planner time per send (p50) and packer GB/s vs a plain copy of the same bytes."""
-    from pdplug.bench.machine import machine_info, machine_line
+    from pdplug.bench.machine import machine_line, write_json
 
     if device == "cuda":
         import torch
@@ -317,7 +312,4 @@ def cli(json_path: str | None, device: str, repeats: int, pack_repeats: int, **a
         )
     click.echo(machine_line())
     if json_path:
-        out = {**pl, **pk, "sizes": args, "machine": machine_info()}
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, {**pl, **pk, "sizes": args})

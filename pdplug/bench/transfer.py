@@ -24,13 +24,14 @@ t_pdplug)`` over the pairs at 64 MiB (goal <= 5%); the GB/s columns are size / m
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import uuid
 from typing import Any
 
 import click
+
+from pdplug.bench.machine import json_option
 
 MIB = 1 << 20
 PAGE = 64
@@ -264,19 +265,13 @@ def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[st
 )
 @click.option("--sizes", default="1,4,16,64,256", show_default=True, help="Sizes in MiB.")
 @click.option("--repeats", default=9, show_default=True, help="Timed runs per size (min).")
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the results here.",
-)
+@json_option
 def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
     """pdplug's KV sender vs the raw engine call on the same descriptors, and vs memcpy."""
     from rich.console import Console
     from rich.table import Table
 
-    from pdplug.bench.machine import machine_info, machine_line
+    from pdplug.bench.machine import machine_line, write_json
 
     size_list = [int(float(s) * MIB) for s in sizes.split(",") if s.strip()]
     if not size_list or min(size_list) < sum(BPT) * PAGE:
@@ -330,19 +325,15 @@ def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
             "median of paired runs)"
         )
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(
-                {
-                    "rows": [{k: r[k] for k in ("backend", "bytes", "mode", "gbps")} for r in rows],
-                    "overhead": overhead,
-                    "overhead_at_bytes": ref,
-                    "machine": machine_info(),
-                    "layout": {"entries_bytes_per_token": list(BPT), "page_size": PAGE},
-                },
-                f,
-                indent=2,
-            )
-        console.print(f"wrote {json_path}")
+        write_json(
+            json_path,
+            {
+                "rows": [{k: r[k] for k in ("backend", "bytes", "mode", "gbps")} for r in rows],
+                "overhead": overhead,
+                "overhead_at_bytes": ref,
+                "layout": {"entries_bytes_per_token": list(BPT), "page_size": PAGE},
+            },
+        )
     from pdplug.transfer import hard_exit
 
     hard_exit(0)  # sessions are closed; skip the engines' native destructors (see hard_exit)
