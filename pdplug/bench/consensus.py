@@ -24,24 +24,11 @@ from typing import Any
 import click
 
 from pdplug.bench.machine import json_option
+from pdplug.ports import free_endpoints
 
 __all__ = ["cli", "run_one"]
 
 STREAM = "bootstrap"
-
-
-def _free_endpoints(n: int) -> tuple[str, ...]:
-    import zmq
-
-    ctx = zmq.Context()
-    socks = [ctx.socket(zmq.ROUTER) for _ in range(n)]
-    try:
-        ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in socks]
-    finally:
-        for s in socks:
-            s.close(0)
-        ctx.term()
-    return tuple(f"tcp://127.0.0.1:{p}" for p in ports)
 
 
 def _rank_main(
@@ -169,7 +156,7 @@ def run_one(
     up_q, out_q = ctx.Queue(), ctx.Queue()
     start, stop = ctx.Event(), ctx.Event()
     start_t = ctx.Value("d", 0.0)
-    eps = _free_endpoints(pp_size)
+    eps = free_endpoints(pp_size)
     span = arrive[-1] + 3 * iter_s
     max_s = span + 40 * pp_size * iter_s + 20.0
     procs = [

@@ -48,7 +48,8 @@ from pdplug.host.messages import (
 )
 from pdplug.host.model import ModelConfig
 from pdplug.host.trace import TraceRequest, block_hash_chain, load_trace, prompt_tokens
-from pdplug.host.worker import WorkerSpec, free_ports
+from pdplug.host.worker import WorkerSpec
+from pdplug.ports import free_ports
 from pdplug.types import pages_to_bytes
 
 __all__ = ["DemoOptions", "DemoError", "run_demo", "check_options"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -19,7 +18,6 @@ __all__ = [
     "POINTS",
     "WorkerSpec",
     "DriverLink",
-    "free_ports",
     "init_gloo",
     "close_quietly",
     "run_worker",
@@ -93,20 +91,6 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     profile: bool = True
     log_path: str = ""
     wire: WireConfig = WireConfig()
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free TCP ports (all bound at once, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def init_gloo(rank: int, size: int, port: int, timeout_s: float) -> Any:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import zmq
 
 STREAMS = ("bootstrap", "release")
 
@@ -198,19 +197,6 @@ def rank_main(
 
 
 # --------------------------------------------------------------------------- parent side
-
-
-def free_endpoints(n: int) -> tuple[str, ...]:
-    """``n`` loopback endpoints on ports free right now (bound to port 0, then released)."""
-    ctx = zmq.Context()
-    socks = [ctx.socket(zmq.ROUTER) for _ in range(n)]
-    try:
-        ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in socks]
-    finally:
-        for s in socks:
-            s.close(0)
-        ctx.term()
-    return tuple(f"tcp://127.0.0.1:{p}" for p in ports)
 
 
 @dataclass

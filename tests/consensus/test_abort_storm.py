@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from .ranks import Instance, check_agreement, free_endpoints, run_group, scenario
+from pdplug.ports import free_endpoints
+
+from .ranks import Instance, check_agreement, run_group, scenario
 
 # generous: votes of one request spread over 0.3 s, but a loaded 2-core box can stall a
 # rank process for a while; a clean request must never hit the deadline

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from .ranks import Instance, free_endpoints, run_group, scenario
+from pdplug.ports import free_endpoints
+
+from .ranks import Instance, run_group, scenario
 
 TIMEOUT, HB = 2.0, 0.2
 

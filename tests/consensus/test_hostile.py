@@ -12,9 +12,10 @@ import pytest
 import zmq
 
 from pdplug import Codec
+from pdplug.ports import free_endpoints
 from pdplug_consensus.messages import Heartbeat
 
-from .ranks import Group, Instance, check_agreement, free_endpoints, run_group, scenario
+from .ranks import Group, Instance, check_agreement, run_group, scenario
 
 KEY = b"shared-secret-for-tests"
 MAX = 64 << 10

@@ -8,12 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdplug import Codec, Consensus, ConsensusConfig, ConsensusError, Decision, Vote
+from pdplug.ports import free_endpoints
 from pdplug_consensus.common import Applier, LocalVotes, Tally, check_config
 from pdplug_consensus.messages import Abort, Heartbeat, RingCandidate, StreamCandidate
 from pdplug_consensus.pp0 import make_pp0
 from pdplug_consensus.ring import make_ring
-
-from .ranks import free_endpoints
 
 S = ("bootstrap", "release")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pdplug.ports import free_endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDE = "pdplug-logging-consensus"
@@ -127,12 +128,6 @@ def test_an_undeclared_duplicate_fails_naming_both_distributions(duplicate_path:
     assert {p["name"]: p for p in doc["plugins"]}[OVERRIDE]["provides"]["consensus"] == ["pp0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_the_override_wraps_the_default_and_logs_decisions(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -142,7 +137,7 @@ def test_the_override_wraps_the_default_and_logs_decisions(
 
     pm = get_plugin_manager(refresh=True)
     assert pm.describe("consensus")["distribution"] == OVERRIDE
-    cfg = ConsensusConfig(pp_rank=0, pp_size=1, endpoints=(f"tcp://127.0.0.1:{_free_port()}",))
+    cfg = ConsensusConfig(pp_rank=0, pp_size=1, endpoints=free_endpoints(1))
     caplog.set_level(logging.INFO, logger="pdplug_logging_consensus")
     cons: Any = pm.make_consensus(cfg)
     try:
