@@ -6,13 +6,17 @@ bind them later, in other processes. A port the kernel handed out through ``bind
 in its ephemeral range, which is also where every outgoing ``connect()`` takes its local port:
 in the gap before the rank binds, another rank's connection can take it, and the bind fails
 with ``EADDRINUSE`` (seen in CI). :func:`free_ports` therefore picks outside that range, where
-the kernel never assigns ports on its own, and checks each one by binding it.
+the kernel never assigns ports on its own, checks each one by binding it, and never hands out
+a port twice in one process (two calls, say one per consensus implementation, would otherwise
+pick the same free port now and bind it twice later).
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 from pathlib import Path
 
 __all__ = ["ephemeral_port_range", "free_ports", "free_endpoints"]
@@ -20,6 +24,10 @@ __all__ = ["ephemeral_port_range", "free_ports", "free_endpoints"]
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 20_000  # below: registered service ports (5432, 6379, 8080 ...) more likely in use
 _TRIES_PER_PORT = 64
+_RECENT_MAX = 4096  # ports this process handed out, not handed out again (FIFO)
+_recent: deque[int] = deque()
+_recent_set: set[int] = set()
+_lock = threading.Lock()
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -40,6 +48,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
     Each candidate is bound (without ``SO_REUSEADDR``, so a port in ``TIME_WAIT`` is refused
     too) and held until all ``n`` are found, then released for the caller's ranks to bind.
+    The last 4,096 ports this process handed out are not handed out again.
     When the ephemeral range leaves fewer than 1,024 ports outside it, falls back to ports the
     kernel picks (``bind`` to port 0).
 
@@ -51,23 +60,42 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         raise ValueError(f"free_ports: n must be >= 0, got {n}")
     lo, hi = ephemeral_port_range()
     pool = [*range(_LOWEST, min(lo, 65_536)), *range(max(hi + 1, _LOWEST), 65_536)]
+    with _lock:
+        got = _pick(n, host, pool if len(pool) >= 1024 else [])
+        for p in got:
+            _recent.append(p)
+            _recent_set.add(p)
+        while len(_recent) > _RECENT_MAX:
+            _recent_set.discard(_recent.popleft())
+        return got
+
+
+def _pick(n: int, host: str, pool: list[int]) -> list[int]:
+    """Bind ``n`` ports from ``pool`` (the kernel's choice when empty), held until all bind."""
     rng = random.SystemRandom()
     held: list[socket.socket] = []
     try:
-        tries = 0
-        while len(held) < n:
-            if tries >= _TRIES_PER_PORT * n:
-                raise OSError(
-                    f"free_ports: found {len(held)} of {n} free ports on {host} in {tries} tries"
-                )
-            tries += 1
+        for _ in range(_TRIES_PER_PORT * n):
+            if len(held) == n:
+                break
+            port = rng.choice(pool) if pool else 0
+            if port in _recent_set:
+                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                s.bind((host, rng.choice(pool) if len(pool) >= 1024 else 0))
+                s.bind((host, port))
             except OSError:
                 s.close()
                 continue
+            if s.getsockname()[1] in _recent_set:  # the kernel's choice, handed out before
+                s.close()
+                continue
             held.append(s)
+        if len(held) < n:
+            raise OSError(
+                f"free_ports: found {len(held)} of {n} free ports on {host} in "
+                f"{_TRIES_PER_PORT * n} tries"
+            )
         return [int(s.getsockname()[1]) for s in held]
     finally:
         for s in held:

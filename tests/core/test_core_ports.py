@@ -72,3 +72,27 @@ def test_range_covering_everything_falls_back_to_kernel_ports(
     monkeypatch.setattr(ports, "_RANGE_FILE", wide)
     got = ports.free_ports(4)
     assert len(set(got)) == 4 and all(0 < p < 65_536 for p in got)
+
+
+def test_separate_calls_never_hand_out_the_same_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one call per consensus implementation, bound later: a repeat would fail the second bind
+    # no pool outside the ephemeral range: the kernel's choice, still never repeated
+    monkeypatch.setattr(ports, "ephemeral_port_range", lambda: (1_024, 65_535))
+    seen: set[int] = set()
+    for _ in range(50):
+        got = ports.free_ports(8)
+        assert not seen & set(got)
+        seen |= set(got)
+
+
+def test_a_small_pool_is_never_repeated_within_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ports, "_LOWEST", 20_000)
+    monkeypatch.setattr(ports, "ephemeral_port_range", lambda: (21_100, 65_535))
+    seen: set[int] = set()
+    for _ in range(60):  # 480 of the 1,100 ports of the pool
+        got = ports.free_ports(8)
+        assert all(20_000 <= p < 21_100 for p in got)
+        assert not seen & set(got)
+        seen |= set(got)
