@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 import socket
 import threading
-from collections import deque
 from pathlib import Path
 
 __all__ = ["ephemeral_port_range", "free_ports", "free_endpoints"]
@@ -25,8 +24,7 @@ _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 20_000  # below: registered service ports (5432, 6379, 8080 ...) more likely in use
 _TRIES_PER_PORT = 64
 _RECENT_MAX = 4096  # ports this process handed out, not handed out again (FIFO)
-_recent: deque[int] = deque()
-_recent_set: set[int] = set()
+_recent: dict[int, None] = {}  # insertion-ordered: the oldest is dropped first
 _lock = threading.Lock()
 
 
@@ -62,11 +60,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     pool = [*range(_LOWEST, min(lo, 65_536)), *range(max(hi + 1, _LOWEST), 65_536)]
     with _lock:
         got = _pick(n, host, pool if len(pool) >= 1024 else [])
-        for p in got:
-            _recent.append(p)
-            _recent_set.add(p)
+        _recent.update(dict.fromkeys(got))
         while len(_recent) > _RECENT_MAX:
-            _recent_set.discard(_recent.popleft())
+            del _recent[next(iter(_recent))]
         return got
 
 
@@ -78,16 +74,13 @@ def _pick(n: int, host: str, pool: list[int]) -> list[int]:
         for _ in range(_TRIES_PER_PORT * n):
             if len(held) == n:
                 break
-            port = rng.choice(pool) if pool else 0
-            if port in _recent_set:
-                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                s.bind((host, port))
+                s.bind((host, rng.choice(pool) if pool else 0))
             except OSError:
                 s.close()
                 continue
-            if s.getsockname()[1] in _recent_set:  # the kernel's choice, handed out before
+            if s.getsockname()[1] in _recent:  # handed out before: its rank may bind it yet
                 s.close()
                 continue
             held.append(s)
