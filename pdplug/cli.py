@@ -1,4 +1,5 @@
-"""The ``pdplug`` command: ``pdplug plugins | demo | bench …``.
+"""The ``pdplug`` command: ``pdplug plugins``, plus the commands applications register in the
+``pdplug.cli`` entry-point group (``demo``, ``bench`` ...).
 
 Command-line switches beat the environment (``--no-plugin`` joins ``PDPLUG_DISABLE_PLUGINS``;
 the block list still beats the allow list). Exit status of ``pdplug plugins``: 0 when every
@@ -9,7 +10,6 @@ selected component can be built, 1 when one cannot (unknown name, duplicate, fai
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -18,8 +18,40 @@ import click
 from pdplug.errors import PdplugError
 from pdplug.manager import EXTENSION_POINTS, PROVIDES_KEY, PluginManager
 
+#: Entry-point group of commands contributed by applications built on the library (the
+#: reference host's ``demo``, ``bench``, ...); each entry point is a click command.
+COMMANDS_GROUP = "pdplug.cli"
 
-@click.group()
+
+class _Commands(click.Group):
+    """The ``pdplug`` group: its own commands plus those found in the ``pdplug.cli`` entry-point
+    group, imported only when named (``pdplug plugins`` never imports the applications)."""
+
+    def _found(self) -> dict[str, Any]:
+        from importlib.metadata import entry_points
+
+        return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._found()})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, name)
+        if cmd is not None:
+            return cmd
+        ep = self._found().get(name)
+        if ep is None:
+            return None
+        loaded = ep.load()
+        if not isinstance(loaded, click.Command):
+            raise click.ClickException(
+                f"entry point {ep.name} = {ep.value} in group {COMMANDS_GROUP} is not a click "
+                f"command ({type(loaded).__name__})"
+            )
+        return loaded
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="pdplug")
 def main() -> None:
     """pdplug: prefill/decode disaggregation plugins for LLM serving engines."""
@@ -126,30 +158,6 @@ def _print_table(pm: PluginManager, data: dict[str, Any]) -> None:
     for point, name, new, old in pm.overrides():
         click.echo(f"override: {point} {name!r} from {new} replaces the one from {old}")
 
-
-@main.group()
-def bench() -> None:
-    """Benchmarks (each prints a ratio measured side by side in one run).
-
-    Sets ``OMP_WAIT_POLICY=PASSIVE`` unless already set: torch's OpenMP workers otherwise spin
-    for a while after every parallel op (a baseline ``copy_``), taking the cores from pdplug's
-    own threads (pack threads, engine progress) that run right after; on 2 cores that halved
-    the threaded CPU packer (5.1 vs 9.5 GB/s). The value used is printed with the machine.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def _register_late_commands() -> None:
-    """Attach ``pdplug demo`` and the ``pdplug bench`` commands (their modules import heavy
-    libraries only inside the commands, so ``pdplug plugins`` stays fast)."""
-    from pdplug import bench as bench_cmds
-    from pdplug.host import cli as host_cli
-
-    bench_cmds.register(main, bench)
-    host_cli.register(main, bench)
-
-
-_register_late_commands()
 
 if __name__ == "__main__":  # pragma: no cover
     main()

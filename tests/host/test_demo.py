@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdplug.host.driver import DemoError, DemoOptions, run_demo
+from pdplug_host.driver import DemoError, DemoOptions, run_demo
 
 pytest.importorskip("nixl_cu12", reason="the demo's default KV sender needs NIXL")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

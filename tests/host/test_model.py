@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from pdplug.host.model import (
+from pdplug_host.model import (
     ModelConfig,
     OutOfPagesError,
     PagedKVCache,
@@ -34,8 +34,8 @@ from pdplug.host.model import (
     run_layers,
     slot_mapping,
 )
-from pdplug.host.reference import reference_run
-from pdplug.host.trace import TraceRequest, load_trace, prompt_tokens
+from pdplug_host.reference import reference_run
+from pdplug_host.trace import TraceRequest, load_trace, prompt_tokens
 
 ATOL = 1e-9  # float64 activations: paths agree to ~1e-14; anything above 1e-9 is a real bug
 PS = 16
@@ -435,8 +435,8 @@ def _disaggregated_run(
 ) -> dict[int, list[int]]:
     """PP prefill with per-rank prefix caches and chunking → KV rows shipped to DCP ranks → DCP
     decode; what the host does across processes, here in one (threads for the DCP collective)."""
-    from pdplug.host.prefix_cache import PrefixCache
-    from pdplug.host.trace import block_hash_chain
+    from pdplug_host.prefix_cache import PrefixCache
+    from pdplug_host.trace import block_hash_chain
 
     cfg = model.config
     ranges = layer_split(cfg.num_layers, pp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdplug.host.model import (
+from pdplug_host.model import (
     ModelConfig,
     OutOfPagesError,
     PagedKVCache,
@@ -16,9 +16,9 @@ from pdplug.host.model import (
     pages_needed,
     prefill_chunk,
 )
-from pdplug.host.prefix_cache import PrefixCache
-from pdplug.host.reference import reference_run
-from pdplug.host.trace import TraceRequest, block_hash_chain, prompt_tokens
+from pdplug_host.prefix_cache import PrefixCache
+from pdplug_host.reference import reference_run
+from pdplug_host.trace import TraceRequest, block_hash_chain, prompt_tokens
 
 PS = 16
 

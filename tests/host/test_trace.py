@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug.host.trace import (
+from pdplug_host.trace import (
     TraceFormatError,
     TraceRequest,
     block_hash_chain,

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from pdplug.host.model import OutOfPagesError
+from pdplug_host.model import OutOfPagesError
 
 __all__ = ["PageAllocator", "PrefixCache"]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import click
 
-from pdplug.bench.machine import json_option
+from pdplug_bench.machine import json_option
 
 MIB = 1 << 20
 PAGE = 64
@@ -129,10 +129,10 @@ def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[st
     import torch
 
     from pdplug import KVConfig, KVLayout, KVPoll, PluginManager, Segment
-    from pdplug.bench._kvpeer import DecodeInstance, DecodePeer
     from pdplug.bootstrap import RendezvousServer
     from pdplug.layout import entry_map
     from pdplug.packing import run_addresses, segment_to_chunk
+    from pdplug_bench._kvpeer import DecodeInstance, DecodePeer
 
     bpt_total = sum(BPT)
     max_tokens = max(sizes) // bpt_total
@@ -271,7 +271,7 @@ def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from pdplug.bench.machine import machine_line, write_json
+    from pdplug_bench.machine import machine_line, write_json
 
     size_list = [int(float(s) * MIB) for s in sizes.split(",") if s.strip()]
     if not size_list or min(size_list) < sum(BPT) * PAGE:

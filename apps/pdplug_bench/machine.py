@@ -58,13 +58,10 @@ def machine_line() -> str:
 
 
 def console() -> Any:
-    """A rich Console that keeps tables readable when output is a pipe or a CI log (at least
-    120 columns instead of rich's 80-column fallback)."""
-    import shutil
+    """The reference host's console (:func:`pdplug_host.console.console`)."""
+    from pdplug_host.console import console as host_console
 
-    from rich.console import Console
-
-    return Console(width=max(120, shutil.get_terminal_size((120, 24)).columns))
+    return host_console()
 
 
 def json_option(fn: _F) -> _F:

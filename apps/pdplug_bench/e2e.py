@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from pdplug.bench.machine import json_option
-from pdplug.host.cli import demo_options
+from pdplug_bench.machine import json_option
+from pdplug_host.cli import demo_options
 
 
 @click.command()
@@ -32,15 +32,15 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     """Throughput and TTFT of the reference host per consensus / KV sender variant."""
     from rich.table import Table
 
-    from pdplug.bench.machine import console, machine_line, write_json
-    from pdplug.host.cli import _options
-    from pdplug.host.driver import run_demo
+    from pdplug_bench.machine import console, machine_line, write_json
+    from pdplug_host.cli import options_from_kwargs
+    from pdplug_host.driver import run_demo
 
     rows = []
     for v in variants.split(","):
         cons, _, kv = v.strip().partition("+")
         args = dict(kw, consensus=cons or None, kv_sender=kv or None)
-        opts = _options(args, requests)
+        opts = options_from_kwargs(args, requests)
         click.echo(f"running {v} ...", err=True)
         rep = run_demo(opts)
         rows.append(

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdplug.host.model import (
+from pdplug_host.model import (
     ModelConfig,
     PagedKVCache,
     TinyLlama,
@@ -19,7 +19,7 @@ from pdplug.host.model import (
     pages_needed,
     prefill_chunk,
 )
-from pdplug.host.trace import TraceRequest, prompt_tokens
+from pdplug_host.trace import TraceRequest, prompt_tokens
 
 __all__ = ["reference_run"]
 

@@ -167,7 +167,7 @@ def load_trace(
     ``limit`` keeps the first N requests. Raises OSError if the file cannot be read, plus the
     errors of ``parse_trace_lines``."""
     if path is None:
-        res = importlib.resources.files("pdplug.host") / "data" / "conversation_sample.jsonl"
+        res = importlib.resources.files("pdplug_host") / "data" / "conversation_sample.jsonl"
         text, source = res.read_text(encoding="utf-8"), "conversation_sample.jsonl"
     else:
         text, source = Path(path).read_text(encoding="utf-8"), str(path)

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-__all__ = ["register", "demo_options", "print_report"]
+__all__ = ["demo", "demo_options", "options_from_kwargs", "print_report"]
 
 
 def demo_options(f: Any) -> Any:
@@ -47,8 +47,9 @@ def demo_options(f: Any) -> Any:
     return f
 
 
-def _options(kw: dict[str, Any], requests: int) -> Any:
-    from pdplug.host.driver import DemoOptions
+def options_from_kwargs(kw: dict[str, Any], requests: int) -> Any:
+    """The ``DemoOptions`` of a run from the keyword arguments of :func:`demo_options`."""
+    from pdplug_host.driver import DemoOptions
 
     time_scale = 0.0 if kw.pop("no_arrivals", False) else kw.pop("time_scale", 0.0)
     kw.pop("time_scale", None)
@@ -59,7 +60,7 @@ def print_report(rep: dict[str, Any]) -> None:
     """Print the summary table of one run."""
     from rich.table import Table
 
-    from pdplug.bench.machine import console
+    from pdplug_host.console import console
 
     c = console()
     t = Table(title="pdplug demo", show_header=False)
@@ -88,59 +89,56 @@ def print_report(rep: dict[str, Any]) -> None:
         c.print(f"worker logs: {rep['worker_logs']}")
 
 
-def register(main: Any, bench: Any) -> None:
-    """Attach ``demo`` to the CLI."""
+@click.command()
+@demo_options
+@click.option(
+    "--requests",
+    default=32,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests from the trace.",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the report as JSON here.")  # fmt: skip
+def demo(requests: int, json_path: str | None, **kw: Any) -> None:
+    """Replay a trace through PP prefill -> DCP decode; check tokens against a reference."""
+    from rich.progress import Progress
 
-    @main.command()
-    @demo_options
-    @click.option(
-        "--requests",
-        default=32,
-        show_default=True,
-        type=click.IntRange(min=1),
-        help="Requests from the trace.",
-    )
-    @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-                  help="Write the report as JSON here.")  # fmt: skip
-    def demo(requests: int, json_path: str | None, **kw: Any) -> None:
-        """Replay a trace through PP prefill -> DCP decode; check tokens against a reference."""
-        from rich.progress import Progress
+    from pdplug import PdplugError
+    from pdplug_host.driver import DemoError, run_demo
 
-        from pdplug import PdplugError
-        from pdplug.host.driver import DemoError, run_demo
+    opts = options_from_kwargs(kw, requests)
+    with Progress(transient=True) as prog:
+        tasks: dict[str, Any] = {}
 
-        opts = _options(kw, requests)
-        with Progress(transient=True) as prog:
-            tasks: dict[str, Any] = {}
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                label = "starting workers" if phase == "start" else "serving requests"
+                tasks[phase] = prog.add_task(label, total=total)
+            prog.update(tasks[phase], completed=done)
 
-            def progress(phase: str, done: int, total: int) -> None:
-                if phase not in tasks:
-                    label = "starting workers" if phase == "start" else "serving requests"
-                    tasks[phase] = prog.add_task(label, total=total)
-                prog.update(tasks[phase], completed=done)
-
-            try:
-                rep = run_demo(opts, progress)
-            except DemoError as e:
-                click.echo(f"pdplug demo failed: {e}", err=True)
-                sys.exit(1)
-            except (PdplugError, ValueError) as e:  # a clear message, never a traceback
-                click.echo(f"pdplug demo: {type(e).__name__}: {e}", err=True)
-                sys.exit(1)
-        print_report(rep)
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(rep, f, indent=2)
-        bad = rep["mismatches"]
-        if bad:
-            first = bad[0]
-            if "error" in first:
-                click.echo(f"request {first['rid']} did not finish: {first['error']}", err=True)
-            else:
-                click.echo(
-                    f"MISMATCH: request {first['rid']} position {first['position']}: got "
-                    f"{first['got']}, reference {first['want']} ({len(bad)} requests differ)",
-                    err=True,
-                )
+        try:
+            rep = run_demo(opts, progress)
+        except DemoError as e:
+            click.echo(f"pdplug demo failed: {e}", err=True)
             sys.exit(1)
-        click.echo(f"all {rep['parity_ok']} requests token-identical to the reference")
+        except (PdplugError, ValueError) as e:  # a clear message, never a traceback
+            click.echo(f"pdplug demo: {type(e).__name__}: {e}", err=True)
+            sys.exit(1)
+    print_report(rep)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rep, f, indent=2)
+    bad = rep["mismatches"]
+    if bad:
+        first = bad[0]
+        if "error" in first:
+            click.echo(f"request {first['rid']} did not finish: {first['error']}", err=True)
+        else:
+            click.echo(
+                f"MISMATCH: request {first['rid']} position {first['position']}: got "
+                f"{first['got']}, reference {first['want']} ({len(bad)} requests differ)",
+                err=True,
+            )
+        sys.exit(1)
+    click.echo(f"all {rep['parity_ok']} requests token-identical to the reference")

@@ -33,7 +33,9 @@ import zmq
 
 from pdplug.bootstrap import RendezvousServer
 from pdplug.config import WireConfig
-from pdplug.host.messages import (
+from pdplug.ports import free_ports
+from pdplug.types import pages_to_bytes
+from pdplug_host.messages import (
     Fatal,
     Finished,
     FirstToken,
@@ -46,11 +48,9 @@ from pdplug.host.messages import (
     to_driver_codec,
     to_worker_codec,
 )
-from pdplug.host.model import ModelConfig
-from pdplug.host.trace import TraceRequest, block_hash_chain, load_trace, prompt_tokens
-from pdplug.host.worker import WorkerSpec
-from pdplug.ports import free_ports
-from pdplug.types import pages_to_bytes
+from pdplug_host.model import ModelConfig
+from pdplug_host.trace import TraceRequest, block_hash_chain, load_trace, prompt_tokens
+from pdplug_host.worker import WorkerSpec
 
 __all__ = ["DemoOptions", "DemoError", "run_demo", "check_options"]
 
@@ -109,8 +109,8 @@ def check_options(opts: DemoOptions) -> None:
         cannot plan for this prefill PP / decode DCP geometry.
     """
     from pdplug import KVLayout, PdplugError, PlannerConfig, SendChunk
-    from pdplug.host.model import layer_split
     from pdplug.manager import get_plugin_manager
+    from pdplug_host.model import layer_split
 
     for field in ("prefill_pp", "decode_dcp", "page_size", "chunk_size", "pack_region_tokens"):
         if getattr(opts, field) < 1:
@@ -199,8 +199,8 @@ class _Run:
         p_eps = tuple(f"tcp://127.0.0.1:{p}" for p in ports[: o.prefill_pp])
         d_eps = tuple(f"tcp://127.0.0.1:{p}" for p in ports[o.prefill_pp : -2])
         ctx = mp.get_context("spawn")
-        from pdplug.host.decode import decode_main
-        from pdplug.host.prefill import prefill_main
+        from pdplug_host.decode import decode_main
+        from pdplug_host.prefill import prefill_main
 
         for role, size, eps, gport, target in (
             ("prefill", o.prefill_pp, p_eps, ports[-2], prefill_main),
@@ -366,7 +366,7 @@ def run_demo(
         run.spawn()
         reference: dict[int, list[int]] | None = None
         if opts.reference:
-            from pdplug.host.reference import reference_run
+            from pdplug_host.reference import reference_run
 
             reference = reference_run(requests, page_size=opts.page_size)
         deadline = time.monotonic() + max(120.0, opts.timeout_s * 4)

@@ -24,7 +24,7 @@ import torch
 
 from pdplug import ConsensusConfig, KVConfig, KVLayout, KVPoll, PluginManager, pages_from_bytes
 from pdplug.bootstrap import resolve
-from pdplug.host.messages import (
+from pdplug_host.messages import (
     Finished,
     FirstToken,
     NewRequest,
@@ -34,14 +34,14 @@ from pdplug.host.messages import (
     Timing,
     WorkerStats,
 )
-from pdplug.host.model import (
+from pdplug_host.model import (
     OutOfPagesError,
     PagedKVCache,
     build_model,
     decode_step_dcp,
     greedy,
 )
-from pdplug.host.worker import (
+from pdplug_host.worker import (
     POINTS,
     DriverLink,
     WorkerSpec,

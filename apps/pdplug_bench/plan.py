@@ -31,7 +31,7 @@ from typing import Any
 
 import click
 
-from pdplug.bench.machine import json_option
+from pdplug_bench.machine import json_option
 
 
 def _p50(xs: list[float]) -> float:
@@ -271,7 +271,7 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
 @click.option("--planner", default="dcp", show_default=True, help="Pack planner name.")
 def cli(json_path: str | None, device: str, repeats: int, pack_repeats: int, **args: Any) -> None:
     """Planner time per send (p50) and packer GB/s vs a plain copy of the same bytes."""
-    from pdplug.bench.machine import machine_line, write_json
+    from pdplug_bench.machine import machine_line, write_json
 
     if device == "cuda":
         import torch

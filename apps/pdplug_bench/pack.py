@@ -30,7 +30,7 @@ from typing import Any
 
 import click
 
-from pdplug.bench.machine import json_option
+from pdplug_bench.machine import json_option
 
 SHAPES = ((83_264, 6_720), (163_840, 6_720), (0, 32_768))
 PAGE = 64
@@ -72,8 +72,8 @@ def _run(
     import torch
 
     from pdplug import KVConfig, KVLayout, KVPoll, PluginManager, SchedulerConfig
-    from pdplug.bench._kvpeer import DecodeInstance, DecodePeer
     from pdplug.bootstrap import RendezvousServer
+    from pdplug_bench._kvpeer import DecodeInstance, DecodePeer
 
     max_total = max(a + b for a, b in SHAPES)
     src_pages = -(-max_total // PAGE) + 8
@@ -226,7 +226,7 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from pdplug.bench.machine import machine_line, write_json
+    from pdplug_bench.machine import machine_line, write_json
 
     if layers <= 0 or repeats <= 0:
         raise click.BadParameter(f"--layers={layers} and --repeats={repeats} must be > 0")

@@ -42,7 +42,7 @@ from pdplug import (
     SchedulerConfig,
     pages_from_bytes,
 )
-from pdplug.host.messages import (
+from pdplug_host.messages import (
     FirstToken,
     NewRequest,
     Ready,
@@ -51,7 +51,7 @@ from pdplug.host.messages import (
     Timing,
     WorkerStats,
 )
-from pdplug.host.model import (
+from pdplug_host.model import (
     PagedKVCache,
     SeqSpan,
     build_model,
@@ -62,8 +62,8 @@ from pdplug.host.model import (
     pages_needed,
     run_layers,
 )
-from pdplug.host.prefix_cache import PrefixCache
-from pdplug.host.worker import (
+from pdplug_host.prefix_cache import PrefixCache
+from pdplug_host.worker import (
     POINTS,
     DriverLink,
     WorkerSpec,
@@ -74,7 +74,7 @@ from pdplug.host.worker import (
 
 __all__ = ["prefill_main"]
 
-log = logging.getLogger("pdplug.host.prefill")
+log = logging.getLogger("pdplug_host.prefill")
 
 SCHED_LEN = 5  # (rid, start, end, hit_tokens, flags)
 STOP = 1

@@ -23,8 +23,8 @@ from typing import Any
 
 import click
 
-from pdplug.bench.machine import json_option
 from pdplug.ports import free_endpoints
+from pdplug_bench.machine import json_option
 
 __all__ = ["cli", "run_one"]
 
@@ -265,7 +265,7 @@ def cli(
     pp: str, iter_ms: float, requests: int, impls: str, seed: int, json_path: str | None
 ) -> None:
     """Admission latency of pp0 vs ring at several pp_size (real processes per rank)."""
-    from pdplug.bench.machine import machine_line, write_json
+    from pdplug_bench.machine import machine_line, write_json
 
     sizes = _parse_pp(pp)
     names = [x.strip() for x in impls.split(",") if x.strip()]
