@@ -14,7 +14,7 @@ from _core_fakes import consensus_hook, install_module
 from click.testing import CliRunner
 
 import pdplug
-import pdplug.manager
+import pdplug.manager.discovery
 from pdplug import ConsensusSpec
 from pdplug.cli import main
 from pdplug.testing import fake_entry_point
@@ -28,8 +28,8 @@ def run(*args: str, env: dict[str, str] | None = None) -> Any:
 
 
 def add_plugins(monkeypatch: pytest.MonkeyPatch, *eps: Any) -> None:
-    real = pdplug.manager.discover_entry_points
-    monkeypatch.setattr(pdplug.manager, "discover_entry_points", lambda: [*real(), *eps])
+    real = pdplug.manager.discovery.discover_entry_points
+    monkeypatch.setattr(pdplug.manager.discovery, "discover_entry_points", lambda: [*real(), *eps])
 
 
 def broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -39,7 +39,7 @@ def broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def check_schema(doc: dict[str, Any]) -> None:
-    assert set(doc) == {"plugins", "selected"}
+    assert set(doc) == {"plugins", "selected", "conflicts"}
     assert set(doc["selected"]) == set(SELECTED)
     for p in doc["plugins"]:
         assert set(p) == {"name", "distribution", "version", "status", "provides"}
@@ -201,11 +201,8 @@ def test_the_cli_imports_nothing_heavy() -> None:
 
 
 def test_no_entry_points_hints_at_installing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pdplug.manager, "discover_entry_points", lambda: [])
+    monkeypatch.setattr(pdplug.manager.discovery, "discover_entry_points", lambda: [])
     res = run("plugins", "--json")
     assert res.exit_code == 1  # nothing can serve the selected names
     assert "no pdplug entry points found" in res.stderr
-    assert json.loads(res.stdout) == {
-        "plugins": [],
-        "selected": SELECTED,
-    }
+    assert json.loads(res.stdout) == {"plugins": [], "selected": SELECTED, "conflicts": []}

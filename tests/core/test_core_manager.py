@@ -15,16 +15,15 @@ from _core_fakes import FakeConsensus, consensus_hook, install_module, kv_hook
 from pdplug import (
     ConsensusConfig,
     ConsensusSpec,
-    DuplicateComponentError,
     KVSenderSpec,
-    PdplugEvent,
     PluginError,
     PluginManager,
-    UnknownComponentError,
     hookimpl,
 )
-from pdplug.manager import DEFAULTS, discover_entry_points, normalize
+from pdplug.errors import DuplicateComponentError, UnknownComponentError
+from pdplug.manager import EXTENSION_POINTS, discover_entry_points, normalize
 from pdplug.testing import fake_entry_point, fake_layout, fake_peer, make_plugin_manager
+from pdplug.types import PdplugEvent
 
 DEFAULT_PLUGINS = {
     "pdplug-consensus": "pdplug_consensus",
@@ -77,9 +76,9 @@ def test_defaults_come_from_the_installed_distribution_entry_points() -> None:
     assert recs["pdplug-nixl"].provides == {"kv_sender": ["nixl"]}
     assert recs["pdplug-mooncake"].provides == {"kv_sender": ["mooncake"]}
     assert recs["pdplug-scheduler"].provides == {"scheduler": ["default"]}
-    for point, name in DEFAULTS.items():
+    for point, row in EXTENSION_POINTS.items():
         spec, plugin, dist = pm.resolve(point)
-        assert (spec.name, dist) == (name, "pdplug")
+        assert (spec.name, dist) == (row.default, "pdplug")
         assert plugin in DEFAULT_PLUGINS
     assert pm.names("kv_sender") == ["mooncake", "nixl"]
     assert pm.conflicts() == [] and pm.failed() == []
