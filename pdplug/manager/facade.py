@@ -18,13 +18,13 @@ import pluggy
 
 from pdplug import hookspecs
 from pdplug.config import ConsensusConfig, KVConfig, PlannerConfig, SchedulerConfig
-from pdplug.errors import DuplicateComponentError, PluginError, UnknownComponentError
+from pdplug.errors import PluginError, UnknownComponentError
 from pdplug.hookspecs import PROJECT
 from pdplug.layout import layout_mismatches
 from pdplug.manager import discovery
 from pdplug.manager.discovery import PluginRecord, Switches, admit, load_entry_points
 from pdplug.manager.listing import listing_document
-from pdplug.manager.points import EXTENSION_POINTS, extension_point
+from pdplug.manager.points import EXTENSION_POINTS, choose, extension_point
 from pdplug.manager.registry import Registry, collect, load_factory, per_plugin
 from pdplug.protocols import Consensus, KVReceiver, KVSender, Packer, PackPlanner, Scheduler
 from pdplug.types import ComponentSpec, PdplugEvent, PeerInfo
@@ -72,13 +72,8 @@ class PluginManager:
     ) -> None:
         self.env: Mapping[str, str] = os.environ if env is None else env
         sw = Switches.from_env(self.env, strict=strict, autoload=autoload, allow=allow, block=block)
-        self.switches = sw
-        self.strict, self.autoload, self.allow, self.block = (
-            sw.strict,
-            sw.autoload,
-            sw.allow,
-            sw.block,
-        )
+        self.switches = sw  # strict, autoload, allow, block
+        self.strict, self.autoload = sw.strict, sw.autoload
         self.select = {extension_point(p).name: n for p, n in (select or {}).items() if n}
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
@@ -124,11 +119,8 @@ class PluginManager:
 
     def _rebuild(self) -> None:
         self._observers = None
-        self.registry = Registry(collect(self.pm, self.records, self.strict), self.records)
-        if self.strict and self.registry.conflicts:
-            raise DuplicateComponentError(
-                "; ".join(self.registry.conflicts.values()) + " (PDPLUG_STRICT_PLUGINS=1)"
-            )
+        found = collect(self.pm, self.records, self.strict)
+        self.registry = Registry(found, self.records, self.strict)
 
     # ------------------------------------------------------------------ selection
     def names(self, point: str) -> list[str]:
@@ -143,16 +135,11 @@ class PluginManager:
 
         :raises ValueError: unknown extension point.
         """
-        p = extension_point(point)
-        return name or self.select.get(p.name) or self.env.get(p.env, "").strip() or p.default
+        return choose(point, name, self.select, self.env)[0]
 
     def conflicts(self) -> list[str]:
         """Messages for every duplicate name that no override declaration resolves."""
         return list(self.registry.conflicts.values())
-
-    def conflicting(self, point: str) -> list[str]:
-        """Names at ``point`` that are in conflict (claimed by several plugins, unresolved)."""
-        return sorted(n for p, n in self.registry.conflicts if p == point)
 
     def overrides(self) -> list[tuple[str, str, str, str]]:
         """``(point, name, overriding distribution, overridden distribution)`` of every override."""
@@ -172,17 +159,9 @@ class PluginManager:
             plugin's own exception).
         :raises UnknownComponentError: nobody provides it; lists alternatives and failures.
         """
-        chosen = self.selected(point, name)
-        entry = self.registry.resolve(point, chosen, self._source(point, name), self.records)
+        chosen, source = choose(point, name, self.select, self.env)
+        entry = self.registry.resolve(point, chosen, source, self.records)
         return entry.spec, entry.plugin, entry.distribution
-
-    def _source(self, point: str, name: str | None) -> str:
-        if name:
-            return "the caller"
-        if self.select.get(point):
-            return "explicit selection"
-        env = EXTENSION_POINTS[point].env
-        return env if self.env.get(env, "").strip() else "default"
 
     def _factory(self, point: str, name: str | None, attr: str = "factory") -> Any:
         spec, _plugin, dist = self.resolve(point, name)

@@ -19,7 +19,7 @@ from pdplug.types import (
     SchedulerSpec,
 )
 
-__all__ = ["ExtensionPoint", "EXTENSION_POINTS", "extension_point"]
+__all__ = ["ExtensionPoint", "EXTENSION_POINTS", "extension_point", "choose"]
 
 
 class ExtensionPoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,3 +109,23 @@ def extension_point(name: str) -> ExtensionPoint:
         raise ValueError(
             f"unknown extension point {name!r}; known: {sorted(EXTENSION_POINTS)}"
         ) from None
+
+
+def choose(
+    point: str, name: str | None, select: Mapping[str, str], env: Mapping[str, str]
+) -> tuple[str, str]:
+    """Apply the selection rule at ``point``: the call's ``name`` > the host's ``select`` > the
+    point's environment variable > its default.
+
+    :returns: ``(name, what chose it)``; the second is ``"the caller"``, ``"explicit
+        selection"``, the variable's name or ``"default"`` (for error messages).
+    :raises ValueError: unknown extension point.
+    """
+    p = extension_point(point)
+    if name:
+        return name, "the caller"
+    if select.get(p.name):
+        return select[p.name], "explicit selection"
+    if env.get(p.env, "").strip():
+        return env[p.env].strip(), p.env
+    return p.default, "default"

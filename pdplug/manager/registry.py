@@ -126,10 +126,12 @@ class Registry:
     :param found: the output of :func:`collect`.
     :param records: the plugin records (failed ones contribute nothing; ``provides`` is
         filled in).
+    :param strict: an unresolved duplicate is fatal.
+    :raises DuplicateComponentError: in strict mode, two records claim one name unresolved.
     """
 
     def __init__(
-        self, found: dict[str, dict[str, list[Entry]]], records: list[PluginRecord]
+        self, found: dict[str, dict[str, list[Entry]]], records: list[PluginRecord], strict: bool
     ) -> None:
         self.entries: dict[str, dict[str, Entry]] = {p: {} for p in EXTENSION_POINTS}
         self.overridden: dict[tuple[str, str], Entry] = {}
@@ -142,6 +144,10 @@ class Registry:
                 if ok:
                     self._settle(point, name, ok)
         self._fill_provides(records)
+        if strict and self.conflicts:
+            raise DuplicateComponentError(
+                "; ".join(self.conflicts.values()) + " (PDPLUG_STRICT_PLUGINS=1)"
+            )
 
     def _settle(self, point: str, name: str, entries: list[Entry]) -> None:
         """Pick the one entry serving ``name``, or record a conflict naming every claimant."""

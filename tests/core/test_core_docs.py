@@ -4,8 +4,11 @@ public name of the library has a docstring of its own (never one inherited from 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 import pkgutil
+import subprocess
+import sys
 from types import ModuleType
 
 import msgspec
@@ -98,3 +101,60 @@ def test_every_all_name_exists() -> None:
     for mod in (pdplug, pdplug.testing):
         missing = [n for n in mod.__all__ if not hasattr(mod, n)]
         assert missing == []
+
+
+# --------------------------------------------------------------------------- a small public face
+
+
+def test_the_public_face_is_small_and_derived_once() -> None:
+    assert len(pdplug.__all__) <= 25, pdplug.__all__
+    assert set(pdplug.__all__) >= {
+        "PluginManager",
+        "get_plugin_manager",
+        "hookimpl",
+        "KVPoll",
+        "KVLayout",
+        "Consensus",
+        "KVSender",
+        "KVReceiver",
+        "PackPlanner",
+        "Scheduler",
+        "ConsensusConfig",
+        "KVConfig",
+        "ConsensusSpec",
+        "KVSenderSpec",
+        "PdplugError",
+        "PluginError",
+        "CompatError",
+    }
+    # wire structs and helpers stay in their modules
+    assert not {"Codec", "Vote", "Decision", "ChunkTag", "merge_poll", "entry_map"} & set(
+        pdplug.__all__
+    )
+    assert pdplug.__version__ == importlib.metadata.version("pdplug")
+
+
+def test_import_pdplug_imports_no_plugin_no_app_no_torch() -> None:
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import pdplug"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    mods = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in out.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "pdplug" in mods and "pluggy" in mods
+    heavy = {"torch", "triton", "nixl", "nixl_cu12", "mooncake"}
+    ours = {m for m in mods if m.split(".")[0].startswith("pdplug_")}  # plugins and apps
+    assert not ({m.split(".")[0] for m in mods} & heavy) and not ours, sorted(mods)
+
+
+def test_pdplug_testing_without_pytest_says_how_to_install_it() -> None:
+    code = "import sys; sys.modules['pytest'] = None; import pdplug.testing"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert 'pip install "pdplug[testing]"' in out.stderr, out.stderr
