@@ -3,11 +3,13 @@
 * :mod:`pdplug.manager.points`: the four extension points in one table;
 * :mod:`pdplug.manager.discovery`: entry points, switches (block / allow / autoload / strict);
 * :mod:`pdplug.manager.registry`: records collected through pluggy, duplicates settled;
-* :mod:`pdplug.manager.facade`: :class:`PluginManager`, ``make_*``, ``check_compat``, ``emit``.
+* :mod:`pdplug.manager.facade`: :class:`PluginManager`, ``make_*``, ``check_compat``, ``emit``;
+* :mod:`pdplug.manager.default`: ``get_plugin_manager()``, for hosts only.
 """
 
 from __future__ import annotations
 
+from pdplug.manager.default import get_plugin_manager
 from pdplug.manager.discovery import (
     CORE_DIST,
     PluginRecord,
@@ -15,7 +17,7 @@ from pdplug.manager.discovery import (
     discover_entry_points,
     normalize,
 )
-from pdplug.manager.facade import PluginManager, get_plugin_manager, load_factory
+from pdplug.manager.facade import PluginManager, load_factory
 from pdplug.manager.points import EXTENSION_POINTS, ExtensionPoint, extension_point
 
 __all__ = [

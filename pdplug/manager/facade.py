@@ -18,7 +18,7 @@ import pluggy
 
 from pdplug import hookspecs
 from pdplug.config import ConsensusConfig, KVConfig, PlannerConfig, SchedulerConfig
-from pdplug.errors import PluginError, UnknownComponentError
+from pdplug.errors import PluginError
 from pdplug.hookspecs import PROJECT
 from pdplug.layout import layout_mismatches
 from pdplug.manager import discovery
@@ -29,7 +29,7 @@ from pdplug.manager.registry import Registry, collect, load_factory, per_plugin
 from pdplug.protocols import Consensus, KVReceiver, KVSender, Packer, PackPlanner, Scheduler
 from pdplug.types import ComponentSpec, PdplugEvent, PeerInfo
 
-__all__ = ["PluginManager", "get_plugin_manager", "load_factory"]
+__all__ = ["PluginManager", "load_factory"]
 
 log = logging.getLogger("pdplug.manager")
 
@@ -77,7 +77,8 @@ class PluginManager:
         self.select = {extension_point(p).name: n for p, n in (select or {}).items() if n}
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        self._observers: list[tuple[str, pluggy.HookCaller]] | None = None
+        # (the pdplug_on_event implementations, one caller per plugin) for emit()
+        self._observers: tuple[tuple[Any, ...], list[tuple[str, Any]]] = ((), [])
         eps = discovery.discover_entry_points() if entry_points is None else entry_points
         self.records: list[PluginRecord] = load_entry_points(self.pm, eps, sw)
         for name, obj in plugins:
@@ -118,7 +119,6 @@ class PluginManager:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        self._observers = None
         found = collect(self.pm, self.records, self.strict)
         self.registry = Registry(found, self.records, self.strict)
 
@@ -178,12 +178,7 @@ class PluginManager:
         :param attr: ``"factory"``, or ``"receiver_factory"`` for KV senders.
         :raises UnknownComponentError: nothing overrides ``name`` at ``point``.
         """
-        old = self.registry.overridden.get((extension_point(point).name, name))
-        if old is None:
-            raise UnknownComponentError(
-                f"no override of {point} {name!r} is active, so there is no default to wrap"
-            )
-        return load_factory(getattr(old.spec, attr))
+        return self.registry.overridden_factory(extension_point(point).name, name, attr)
 
     def describe(self, point: str, name: str | None = None) -> dict[str, str]:
         """``{"name", "plugin", "distribution", "version"}`` of the selected component.
@@ -284,9 +279,10 @@ class PluginManager:
         Each plugin is called through pluggy on its own (a subset hook caller), in call order;
         one that raises is logged and the rest still run.
         """
-        if self._observers is None:
-            self._observers = per_plugin(self.pm, "pdplug_on_event")
-        for name, call in self._observers:
+        impls = tuple(self.pm.hook.pdplug_on_event.get_hookimpls())
+        if impls != self._observers[0]:  # a plugin came or went since the last event
+            self._observers = (impls, per_plugin(self.pm, "pdplug_on_event"))
+        for name, call in self._observers[1]:
             try:
                 call(event=event)
             except Exception:
@@ -320,20 +316,3 @@ class PluginManager:
             except PluginError as e:
                 out.append(str(e))
         return out
-
-
-_default: PluginManager | None = None
-
-
-def get_plugin_manager(refresh: bool = False) -> PluginManager:
-    """A process-wide manager for hosts that want one, built on first use from entry points
-    and ``os.environ``. A convenience only: pdplug itself never calls it, and a host that
-    builds its own :class:`PluginManager` gets exactly that manager's plugins everywhere.
-
-    :param refresh: rebuild it (after changing the environment or installing a plugin).
-    :raises PluginError: as :class:`PluginManager` (strict mode).
-    """
-    global _default
-    if _default is None or refresh:
-        _default = PluginManager()
-    return _default

@@ -241,3 +241,15 @@ class Registry:
             f"no {point} named {name!r} (set by {source}). Available: {alts}. "
             f"Plugins that failed to load: {fails}.{hint}"
         )
+
+    def overridden_factory(self, point: str, name: str, attr: str) -> Any:
+        """The ``attr`` factory of the default record that an override of ``name`` replaced.
+
+        :raises UnknownComponentError: nothing overrides ``name`` at ``point``.
+        """
+        old = self.overridden.get((point, name))
+        if old is None:
+            raise UnknownComponentError(
+                f"no override of {point} {name!r} is active, so there is no default to wrap"
+            )
+        return load_factory(getattr(old.spec, attr))
