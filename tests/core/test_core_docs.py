@@ -20,11 +20,8 @@ from pdplug import hookspecs
 from pdplug.testing import undocumented
 
 SPECS = sorted(n for n in dir(hookspecs) if n.startswith("pdplug_"))
-MODULES = sorted(
-    m.name
-    for m in pkgutil.walk_packages(pdplug.__path__, "pdplug.")
-    if hasattr(importlib.import_module(m.name), "__all__")
-)
+# every library module; a package that cannot be imported here (torch missing) is still listed
+MODULES = sorted(m.name for m in pkgutil.walk_packages(pdplug.__path__, "pdplug.", lambda _: None))
 
 
 def test_the_hook_set_is_the_documented_one() -> None:
@@ -94,7 +91,14 @@ def test_an_undocumented_struct_is_caught() -> None:
 
 @pytest.mark.parametrize("module", ["pdplug", *MODULES])
 def test_public_names_have_their_own_docstrings(module: str) -> None:
-    assert undocumented(importlib.import_module(module)) == []
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        pytest.skip(f"{module} needs torch")
+    if hasattr(mod, "__all__"):
+        assert undocumented(mod) == []
 
 
 def test_every_all_name_exists() -> None:

@@ -684,7 +684,6 @@ def test_sessions_are_built_with_this_managers_compat_and_emit(
 def test_one_extension_point_table_read_by_the_manager_the_cli_and_the_host() -> None:
     from pdplug.cli import plugins
     from pdplug.manager import ExtensionPoint, extension_point
-    from pdplug_host.worker import POINTS
 
     assert list(EXTENSION_POINTS) == ["consensus", "kv_sender", "pack_planner", "scheduler"]
     kv = EXTENSION_POINTS["kv_sender"]
@@ -696,11 +695,16 @@ def test_one_extension_point_table_read_by_the_manager_the_cli_and_the_host() ->
         "nixl",
     )
     assert kv.factories == ("factory", "receiver_factory") and kv.option == "--kv-sender"
-    assert tuple(EXTENSION_POINTS) == POINTS
-    options = {o.name for o in plugins.params}
-    assert set(EXTENSION_POINTS) <= options
+    assert set(EXTENSION_POINTS) <= {o.name for o in plugins.params}
     with pytest.raises(ValueError, match="unknown extension point 'planner'"):
         extension_point("planner")
+    pytest.importorskip("torch")  # the reference host needs it
+    from pdplug_host.cli import demo
+    from pdplug_host.worker import POINTS
+
+    assert tuple(EXTENSION_POINTS) == POINTS
+    host_options = {opt for o in demo.params for opt in o.opts}
+    assert {p.option for p in EXTENSION_POINTS.values()} <= host_options
 
 
 def test_manager_modules_are_small_and_say_their_one_job() -> None:
