@@ -10,13 +10,17 @@ selected component can be built, 1 when one cannot (unknown name, duplicate, fai
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from pdplug.errors import PdplugError
-from pdplug.manager import EXTENSION_POINTS, PROVIDES_KEY, PluginManager
+from pdplug.manager import EXTENSION_POINTS, PluginManager
+
+__all__ = ["main", "COMMANDS_GROUP"]
 
 #: Entry-point group of commands contributed by applications built on the library (the
 #: reference host's ``demo``, ``bench``, ...); each entry point is a click command.
@@ -57,6 +61,18 @@ def main() -> None:
     """pdplug: prefill/decode disaggregation plugins for LLM serving engines."""
 
 
+def _select_options(f: Callable[..., None]) -> Callable[..., None]:
+    """One ``--<point>`` option per extension point, from the table."""
+    for p in reversed(list(EXTENSION_POINTS.values())):
+        f = click.option(
+            p.option,
+            p.name,
+            metavar="NAME",
+            help=f"Select a {p.label} (beats {p.env}; default {p.default}).",
+        )(f)
+    return f
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option(
@@ -80,33 +96,20 @@ def main() -> None:
     help="Load only the defaults and --plugin names (like PDPLUG_DISABLE_PLUGIN_AUTOLOAD=1).",
 )
 @click.option("--strict", is_flag=True, default=None, help="Like PDPLUG_STRICT_PLUGINS=1.")
-@click.option("--consensus", metavar="NAME", help="Select a consensus (beats PDPLUG_CONSENSUS).")
-@click.option("--kv-sender", metavar="NAME", help="Select a KV sender (beats PDPLUG_KV_SENDER).")
-@click.option(
-    "--pack-planner", metavar="NAME", help="Select a pack planner (beats PDPLUG_PACK_PLANNER)."
-)
-@click.option("--scheduler", metavar="NAME", help="Select a scheduler (beats PDPLUG_SCHEDULER).")
+@_select_options
 def plugins(
     as_json: bool,
     allow: tuple[str, ...],
     block: tuple[str, ...],
     disable_plugin_autoload: bool | None,
     strict: bool | None,
-    consensus: str | None,
-    kv_sender: str | None,
-    pack_planner: str | None,
-    scheduler: str | None,
+    **select: str | None,
 ) -> None:
     """List every plugin: distribution, version, status, names per extension point.
 
-    The selected name of each extension point is starred in the table.
+    The selected name of each extension point is starred in the table; a name that several
+    plugins claim is marked "(conflict)" there and explained below it.
     """
-    select = {
-        "consensus": consensus,
-        "kv_sender": kv_sender,
-        "pack_planner": pack_planner,
-        "scheduler": scheduler,
-    }
     try:
         pm = PluginManager(
             strict=strict,
@@ -139,24 +142,54 @@ def plugins(
         sys.exit(1)
 
 
-def _print_table(pm: PluginManager, data: dict[str, Any]) -> None:
+def _render(table: Any) -> str:
+    """``table`` as plain text as wide as the terminal (or ``$COLUMNS``); piped output is never
+    wrapped. Trailing blanks are stripped."""
+    import io
+
     from rich.console import Console
+
+    term = Console()
+    fits = term.is_terminal or os.environ.get("COLUMNS", "").isdigit()
+    buf = io.StringIO()
+    Console(file=buf, width=term.width if fits else 1000).print(table)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+
+
+def _print_table(pm: PluginManager, data: dict[str, Any]) -> None:
     from rich.table import Table
 
     sel = data["selected"]
-    t = Table(title="pdplug plugins (* = selected)")
-    for col in ("plugin", "distribution", "version", "status", *PROVIDES_KEY.values()):
-        t.add_column(col)
+    clash = {(c["point"], c["name"]) for c in data["conflicts"]}
+    claimants = {p for c in data["conflicts"] for p in c["plugins"]}
+    t = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0))
+    for col in ("plugin", "distribution", "version", "status"):
+        t.add_column(col, overflow="fold")
+    for pt in EXTENSION_POINTS.values():
+        t.add_column(pt.listing, overflow="fold")
     for p in data["plugins"]:
         cells = []
-        for point in EXTENSION_POINTS:
-            names = p["provides"][PROVIDES_KEY[point]]
-            cells.append(", ".join(n + ("*" if n == sel[point] else "") for n in names))
-        t.add_row(p["name"], p["distribution"], p["version"], p["status"], *cells)
-    Console(width=160).print(t)
-    click.echo("selected: " + ", ".join(f"{k}={v}" for k, v in sel.items()))
+        for point, pt in EXTENSION_POINTS.items():
+            names = p["provides"][pt.listing]
+            cells.append(
+                ", ".join(
+                    n
+                    + ("*" if n == sel[point] else "")
+                    + (" (conflict)" if (point, n) in clash else "")
+                    for n in names
+                )
+            )
+        status = p["status"] + ("; conflict" if p["name"] in claimants else "")
+        t.add_row(p["name"], p["distribution"], p["version"], status, *cells)
+    click.echo(_render(t))
+    click.echo(
+        "selected: "
+        + ", ".join(f"{k}={v}" + (" (conflict)" if (k, v) in clash else "") for k, v in sel.items())
+    )
     for point, name, new, old in pm.overrides():
         click.echo(f"override: {point} {name!r} from {new} replaces the one from {old}")
+    for c in data["conflicts"]:
+        click.echo(f"conflict: {c['message']}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -253,7 +253,7 @@ def run_addresses(
 
     :param src_entry_base: base address of every source entry (``[num source entries]``).
     :param dst_entry_base: base address of every destination entry.
-    :param entry_map: int64 source entry -> destination entry (:func:`pdplug.entry_map`).
+    :param entry_map: int64 source entry -> destination entry (:func:`pdplug.layout.entry_map`).
     :param pack_base: address of the pack buffer (the plan's offsets include the region's).
     """
     entry = plan.entry

@@ -126,8 +126,9 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
     import numpy as np
     import torch
 
-    from pdplug import KVLayout, PlannerConfig, SendChunk, get_plugin_manager
+    from pdplug import KVLayout, PlannerConfig, get_plugin_manager
     from pdplug.packing import pack_regions, plan_all_ranks
+    from pdplug.types import SendChunk
 
     p, d, row = args["page"], args["dcp"], args["row_bytes"]
     layers = args["pack_layers"] or (args["layers"] if device.startswith("cuda") else 16)

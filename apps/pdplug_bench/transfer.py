@@ -128,10 +128,11 @@ def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[st
     import numpy as np
     import torch
 
-    from pdplug import KVConfig, KVLayout, KVPoll, PluginManager, Segment
+    from pdplug import KVConfig, KVLayout, KVPoll, PluginManager
     from pdplug.bootstrap import RendezvousServer
     from pdplug.layout import entry_map
     from pdplug.packing import run_addresses, segment_to_chunk
+    from pdplug.types import Segment
     from pdplug_bench._kvpeer import DecodeInstance, DecodePeer
 
     bpt_total = sum(BPT)

@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from pdplug.manager import EXTENSION_POINTS
+
 __all__ = ["demo", "demo_options", "options_from_kwargs", "print_report"]
 
 
@@ -27,10 +29,8 @@ def demo_options(f: Any) -> Any:
         click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0),
                      help="Honour trace arrival times multiplied by this factor."),
         click.option("--no-arrivals", is_flag=True, help="Send requests as fast as admitted."),
-        click.option("--consensus", default=None, help="Consensus name (default pp0)."),
-        click.option("--kv-sender", default=None, help="KV sender name (default nixl)."),
-        click.option("--pack-planner", default=None, help="Pack planner name (default dcp)."),
-        click.option("--scheduler", default=None, help="Scheduler name (default default)."),
+        *(click.option(p.option, default=None, help=f"Select a {p.label} (default {p.default}).")
+          for p in EXTENSION_POINTS.values()),
         click.option("--chunk-size", default=128, show_default=True, type=click.IntRange(min=1),
                      help="Base chunked-prefill size in tokens (dynamic sizing starts here)."),
         click.option("--pack-region-tokens", default=64, show_default=True,

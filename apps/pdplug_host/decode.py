@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from pdplug import ConsensusConfig, KVConfig, KVLayout, KVPoll, PluginManager, pages_from_bytes
+from pdplug import ConsensusConfig, KVConfig, KVLayout, KVPoll, PluginManager
 from pdplug.bootstrap import resolve
+from pdplug.types import pages_from_bytes
 from pdplug_host.messages import (
     Finished,
     FirstToken,

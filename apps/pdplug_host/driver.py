@@ -33,6 +33,7 @@ import zmq
 
 from pdplug.bootstrap import RendezvousServer
 from pdplug.config import WireConfig
+from pdplug.manager import EXTENSION_POINTS
 from pdplug.ports import free_ports
 from pdplug.types import pages_to_bytes
 from pdplug_host.messages import (
@@ -89,12 +90,7 @@ class DemoError(RuntimeError):
 def _names(opts: DemoOptions) -> dict[str, str]:
     """Explicit selections only (``None`` options fall back to ``PDPLUG_*`` / the defaults in
     every worker, exactly as in this process)."""
-    chosen = {
-        "consensus": opts.consensus,
-        "kv_sender": opts.kv_sender,
-        "pack_planner": opts.pack_planner,
-        "scheduler": opts.scheduler,
-    }
+    chosen = {point: getattr(opts, point) for point in EXTENSION_POINTS}
     return {k: v for k, v in chosen.items() if v}
 
 
@@ -108,8 +104,9 @@ def check_options(opts: DemoOptions) -> None:
     :raises DemoError: an invalid size, an unknown/blocked/failed component, or a planner that
         cannot plan for this prefill PP / decode DCP geometry.
     """
-    from pdplug import KVLayout, PdplugError, PlannerConfig, SendChunk
-    from pdplug.manager import get_plugin_manager
+    from pdplug import KVLayout, PdplugError, PlannerConfig
+    from pdplug.manager import PluginManager
+    from pdplug.types import SendChunk
     from pdplug_host.model import layer_split
 
     for field in ("prefill_pp", "decode_dcp", "page_size", "chunk_size", "pack_region_tokens"):
@@ -124,10 +121,10 @@ def check_options(opts: DemoOptions) -> None:
             f"{opts.page_size}-token page (prefix-cache blocks are whole pages); use a scale "
             f"with 512 / scale a multiple of {opts.page_size}, e.g. 32 or 16"
         )
-    pm = get_plugin_manager()
+    pm = PluginManager()  # this process's environment now, as every worker will see it
     names = _names(opts)
     try:
-        for point in ("consensus", "kv_sender", "pack_planner", "scheduler"):
+        for point in EXTENSION_POINTS:
             pm.resolve(point, names.get(point))
         planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
         cfg = ModelConfig()

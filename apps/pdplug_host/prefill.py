@@ -40,8 +40,8 @@ from pdplug import (
     PlannerConfig,
     PluginManager,
     SchedulerConfig,
-    pages_from_bytes,
 )
+from pdplug.types import pages_from_bytes
 from pdplug_host.messages import (
     FirstToken,
     NewRequest,

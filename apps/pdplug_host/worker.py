@@ -11,6 +11,7 @@ import msgspec
 import zmq
 
 from pdplug.config import WireConfig
+from pdplug.manager import EXTENSION_POINTS
 from pdplug_host.messages import Fatal, to_driver_codec, to_worker_codec
 from pdplug_host.model import ModelConfig
 
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 #: the extension points every worker reports (which plugin served each)
-POINTS = ("consensus", "kv_sender", "pack_planner", "scheduler")
+POINTS = tuple(EXTENSION_POINTS)
 
 
 def setup_logging(log_path: str = "") -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from pdplug import ConsensusConfig, ConsensusError, Decision
+from pdplug import ConsensusConfig, ConsensusError
+from pdplug.types import Decision
 
 __all__ = [
     "Recent",

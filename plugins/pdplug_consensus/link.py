@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from pdplug import Codec
+from pdplug.wire import Codec
 from pdplug_consensus.common import Liveness, parse_port
 from pdplug_consensus.messages import Heartbeat
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-from pdplug import Codec, ConsensusConfig, Decision, Vote
+from pdplug import ConsensusConfig
+from pdplug.types import Decision, Vote
+from pdplug.wire import Codec
 
 __all__ = [
     "Heartbeat",

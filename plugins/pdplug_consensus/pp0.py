@@ -44,7 +44,7 @@ to one PP0 loop iteration later); votes, aborts and heartbeats still use ZMQ.
 Obtaining it with a relay through the plugin manager::
 
     spec, _, _ = pm.resolve("consensus", "pp0")
-    consensus = pdplug.load_factory(spec.factory)(config, relay=my_relay)
+    consensus = pdplug.manager.load_factory(spec.factory)(config, relay=my_relay)
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from pdplug import ConsensusConfig, ConsensusError, Decision, Vote
+from pdplug import ConsensusConfig, ConsensusError
+from pdplug.types import Decision, Vote
 from pdplug_consensus.common import Applier, LocalVotes, Tally, check_config, horizon_s
 from pdplug_consensus.link import Link
 from pdplug_consensus.messages import Abort, Heartbeat, pp0_codec

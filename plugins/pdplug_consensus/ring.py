@@ -32,7 +32,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from pdplug import ConsensusConfig, ConsensusError, Decision
+from pdplug import ConsensusConfig, ConsensusError
+from pdplug.types import Decision
 from pdplug_consensus.common import Applier, LocalVotes, Tally, check_config, horizon_s
 from pdplug_consensus.link import Link
 from pdplug_consensus.messages import Heartbeat, RingCandidate, StreamCandidate, ring_codec

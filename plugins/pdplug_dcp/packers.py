@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from pdplug import TransferPlan
 from pdplug.protocols import Packer
+from pdplug.types import TransferPlan
 
 __all__ = ["TorchPacker", "make_packer", "pack_layout", "entry_rows", "check_pack"]
 

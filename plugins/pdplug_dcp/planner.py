@@ -30,18 +30,12 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from pdplug import (
-    CapacityError,
-    KVLayout,
-    PackRegion,
-    PlanError,
-    PlannerConfig,
-    SendChunk,
-    TransferPlan,
-    entry_map,
-)
+from pdplug import KVLayout, PlanError, PlannerConfig
+from pdplug.errors import CapacityError
+from pdplug.layout import entry_map
 from pdplug.packing import merge_runs, pack_bytes_per_token, region_capacity_tokens
 from pdplug.protocols import Packer
+from pdplug.types import PackRegion, SendChunk, TransferPlan
 
 __all__ = [
     "DcpPlanner",

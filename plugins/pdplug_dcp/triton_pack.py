@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdplug import TransferPlan
+from pdplug.types import TransferPlan
 from pdplug_dcp.packers import check_pack, pack_layout
 
 __all__ = ["TritonPacker", "gather_rows_kernel", "tile_shape"]

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from pdplug import KVConfig, PeerInfo, TransferError
+from pdplug import KVConfig, TransferError
+from pdplug.types import PeerInfo
 
 __all__ = ["MooncakeEngine"]
 

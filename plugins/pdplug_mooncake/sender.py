@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pdplug import KVConfig, Packer, PackPlanner
+from pdplug import KVConfig, PackPlanner
+from pdplug.protocols import Packer
 from pdplug.transfer import Compat, Emit, KVSenderSession, default_emit
 
 

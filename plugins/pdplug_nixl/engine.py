@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pdplug import KVConfig, PeerInfo, TransferError
+from pdplug import KVConfig, TransferError
+from pdplug.types import PeerInfo
 
 __all__ = ["NixlEngine", "import_nixl"]
 

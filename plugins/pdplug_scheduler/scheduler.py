@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdplug import SchedulerConfig, Segment
+from pdplug import SchedulerConfig
+from pdplug.types import Segment
 from pdplug_scheduler.chunking import ChunkModel, fit_chunk_model, predict_chunk_size
 from pdplug_scheduler.split import grid_tokens, split_send
 

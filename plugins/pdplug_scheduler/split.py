@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdplug import Segment
+from pdplug.types import Segment
 
 __all__ = ["grid_tokens", "split_send"]
 

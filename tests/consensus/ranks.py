@@ -93,7 +93,8 @@ class PipeRelay:
 
 
 def _make(inst: Instance, rank: int, relay: Any) -> Any:
-    from pdplug import ConsensusConfig, WireConfig, get_plugin_manager, load_factory
+    from pdplug import ConsensusConfig, WireConfig, get_plugin_manager
+    from pdplug.manager import load_factory
 
     cfg = ConsensusConfig(
         pp_rank=rank,

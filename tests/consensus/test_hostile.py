@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import zmq
 
-from pdplug import Codec
 from pdplug.ports import free_endpoints
+from pdplug.wire import Codec
 from pdplug_consensus.messages import Heartbeat
 
 from .ranks import Group, Instance, check_agreement, run_group, scenario

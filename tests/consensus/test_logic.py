@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug import Codec, Consensus, ConsensusConfig, ConsensusError, Decision, Vote
+from pdplug import Consensus, ConsensusConfig, ConsensusError
 from pdplug.ports import free_endpoints
+from pdplug.types import Decision, Vote
+from pdplug.wire import Codec
 from pdplug_consensus.common import Applier, LocalVotes, Tally, check_config
 from pdplug_consensus.messages import Abort, Heartbeat, RingCandidate, StreamCandidate
 from pdplug_consensus.pp0 import make_pp0

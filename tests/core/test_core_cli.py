@@ -14,7 +14,7 @@ from _core_fakes import consensus_hook, install_module
 from click.testing import CliRunner
 
 import pdplug
-import pdplug.manager
+import pdplug.manager.discovery
 from pdplug import ConsensusSpec
 from pdplug.cli import main
 from pdplug.testing import fake_entry_point
@@ -28,8 +28,8 @@ def run(*args: str, env: dict[str, str] | None = None) -> Any:
 
 
 def add_plugins(monkeypatch: pytest.MonkeyPatch, *eps: Any) -> None:
-    real = pdplug.manager.discover_entry_points
-    monkeypatch.setattr(pdplug.manager, "discover_entry_points", lambda: [*real(), *eps])
+    real = pdplug.manager.discovery.discover_entry_points
+    monkeypatch.setattr(pdplug.manager.discovery, "discover_entry_points", lambda: [*real(), *eps])
 
 
 def broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -39,7 +39,7 @@ def broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def check_schema(doc: dict[str, Any]) -> None:
-    assert set(doc) == {"plugins", "selected"}
+    assert set(doc) == {"plugins", "selected", "conflicts"}
     assert set(doc["selected"]) == set(SELECTED)
     for p in doc["plugins"]:
         assert set(p) == {"name", "distribution", "version", "status", "provides"}
@@ -201,11 +201,52 @@ def test_the_cli_imports_nothing_heavy() -> None:
 
 
 def test_no_entry_points_hints_at_installing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pdplug.manager, "discover_entry_points", lambda: [])
+    monkeypatch.setattr(pdplug.manager.discovery, "discover_entry_points", lambda: [])
     res = run("plugins", "--json")
     assert res.exit_code == 1  # nothing can serve the selected names
     assert "no pdplug entry points found" in res.stderr
-    assert json.loads(res.stdout) == {
-        "plugins": [],
-        "selected": SELECTED,
-    }
+    assert json.loads(res.stdout) == {"plugins": [], "selected": SELECTED, "conflicts": []}
+
+
+def test_the_table_fits_the_terminal_width() -> None:
+    """Not always 160 columns: $COLUMNS (a terminal's width) bounds every line."""
+    for cols in (80, 100):
+        res = run("plugins", env={"COLUMNS": str(cols)})
+        assert res.exit_code == 0, res.output
+        lines = res.stdout.splitlines()
+        assert max(len(line) for line in lines) <= cols, res.stdout
+        assert any("pp0*" in line for line in lines)
+    # piped without $COLUMNS: one row per plugin, never wrapped, no trailing blanks
+    res = run("plugins")
+    rows = [line for line in res.stdout.splitlines() if line.startswith("pdplug-consensus")]
+    assert len(rows) == 1 and "pp0*, ring" in rows[0]
+    assert all(line == line.rstrip() for line in res.stdout.splitlines())
+
+
+def test_a_duplicate_is_marked_in_the_table_not_only_on_stderr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    install_module(
+        monkeypatch,
+        "dup_table_mod",
+        pdplug_register_consensus=consensus_hook(ConsensusSpec(name="pp0", factory="a:b")),
+    )
+    add_plugins(monkeypatch, fake_entry_point("dup-table", "dup_table_mod", dist="dup-table"))
+    res = run("plugins")
+    assert res.exit_code == 1
+    rows = {line.split()[0]: line for line in res.stdout.splitlines() if line.strip()}
+    for plugin in ("pdplug-consensus", "dup-table"):
+        assert "pp0* (conflict)" in rows[plugin], res.stdout
+        assert "loaded; conflict" in rows[plugin], res.stdout
+    assert "selected: consensus=pp0 (conflict)" in res.stdout
+    assert "conflict: consensus name 'pp0' is provided by pdplug" in res.stdout
+    doc = json.loads(run("plugins", "--json").stdout)
+    assert doc["conflicts"] == [
+        {
+            "point": "consensus",
+            "name": "pp0",
+            "plugins": ["pdplug-consensus", "dup-table"],
+            "message": doc["conflicts"][0]["message"],
+        }
+    ]
+    assert "dup-table (plugin 'dup-table')" in doc["conflicts"][0]["message"]

@@ -15,16 +15,15 @@ from _core_fakes import FakeConsensus, consensus_hook, install_module, kv_hook
 from pdplug import (
     ConsensusConfig,
     ConsensusSpec,
-    DuplicateComponentError,
     KVSenderSpec,
-    PdplugEvent,
     PluginError,
     PluginManager,
-    UnknownComponentError,
     hookimpl,
 )
-from pdplug.manager import DEFAULTS, discover_entry_points, normalize
+from pdplug.errors import DuplicateComponentError, UnknownComponentError
+from pdplug.manager import EXTENSION_POINTS, discover_entry_points, normalize
 from pdplug.testing import fake_entry_point, fake_layout, fake_peer, make_plugin_manager
+from pdplug.types import PdplugEvent
 
 DEFAULT_PLUGINS = {
     "pdplug-consensus": "pdplug_consensus",
@@ -77,9 +76,9 @@ def test_defaults_come_from_the_installed_distribution_entry_points() -> None:
     assert recs["pdplug-nixl"].provides == {"kv_sender": ["nixl"]}
     assert recs["pdplug-mooncake"].provides == {"kv_sender": ["mooncake"]}
     assert recs["pdplug-scheduler"].provides == {"scheduler": ["default"]}
-    for point, name in DEFAULTS.items():
+    for point, row in EXTENSION_POINTS.items():
         spec, plugin, dist = pm.resolve(point)
-        assert (spec.name, dist) == (name, "pdplug")
+        assert (spec.name, dist) == (row.default, "pdplug")
         assert plugin in DEFAULT_PLUGINS
     assert pm.names("kv_sender") == ["mooncake", "nixl"]
     assert pm.conflicts() == [] and pm.failed() == []
@@ -562,3 +561,175 @@ def test_a_refused_in_process_plugin_leaves_no_trace() -> None:
     assert pm.pm.get_plugin("typo") is None
     assert "typo" not in {r.name for r in pm.records}
     pm.register(object(), name="typo")  # the name is free again
+
+
+# ------------------------------------------------------------------- pluggy calls every hook
+
+
+def test_every_hook_goes_through_pluggy_so_monitoring_sees_it() -> None:
+    seen: list[tuple[str, list[str]]] = []
+
+    class Everything:
+        @hookimpl
+        def pdplug_register_consensus(self) -> Any:
+            yield ConsensusSpec(name="mon", factory="a:b")
+
+        @hookimpl
+        def pdplug_check_compat(self, local: Any, remote: Any) -> list[str]:
+            return []
+
+        @hookimpl
+        def pdplug_on_event(self, event: PdplugEvent) -> None:
+            return None
+
+        @hookimpl
+        def pdplug_configure(self, config: Any) -> None:
+            return None
+
+    pm = make_plugin_manager()
+    undo = pm.pm.add_hookcall_monitoring(
+        lambda name, impls, kwargs: seen.append((name, [i.plugin_name for i in impls])),
+        lambda outcome, name, impls, kwargs: None,
+    )
+    try:
+        pm.register(Everything(), name="everything")  # rebuilds the registry
+        peer = fake_peer(fake_layout())
+        pm.check_compat(peer, peer)
+        pm.emit(PdplugEvent(kind="decision", source="pp0"))
+        pm.configure({"consensus": "mon"})
+    finally:
+        undo()
+    assert {name for name, _ in seen} == {
+        "pdplug_register_consensus",
+        "pdplug_register_kv_senders",
+        "pdplug_register_pack_planners",
+        "pdplug_register_schedulers",
+        "pdplug_check_compat",
+        "pdplug_on_event",
+        "pdplug_configure",
+    }
+    # registry hooks are called once per plugin, so each record is attributed to its plugin
+    registry_calls = [impls for name, impls in seen if name == "pdplug_register_consensus"]
+    assert registry_calls == [["everything"], ["pdplug-consensus"]]  # call order: trylast last
+    assert pm.resolve("consensus", "mon")[1] == "everything"
+
+
+@pytest.mark.parametrize("kind", ["wrapper", "hookwrapper"])
+def test_a_wrapper_of_a_pdplug_hook_is_refused_naming_plugin_and_hook(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @hookimpl(**{kind: True})
+    def pdplug_on_event(event: Any) -> Any:
+        yield
+
+    class Wrapping:
+        pass
+
+    obj = Wrapping()
+    obj.pdplug_on_event = pdplug_on_event  # type: ignore[attr-defined]
+    pm = make_plugin_manager()
+    with pytest.raises(PluginError) as e:
+        pm.register(obj, name="wrapping")
+    assert f"plugin 'wrapping' implements pdplug_on_event with {kind}=True" in str(e.value)
+    assert pm.pm.get_plugin("wrapping") is None
+
+    install_module(monkeypatch, "wrapping_mod", pdplug_on_event=pdplug_on_event)
+    ep = fake_entry_point("wrapping-ep", "wrapping_mod", dist="wrapping-dist", version="0.2")
+    pm = PluginManager(with_defaults(ep), env={})
+    status = {r.name: r for r in pm.records}["wrapping-ep"].status
+    assert status.startswith("failed: registration failed: PluginError: plugin 'wrapping-ep'")
+    assert f"pdplug_on_event with {kind}=True" in status
+    with pytest.raises(PluginError, match=r"'wrapping-ep' from wrapping-dist 0\.2 failed"):
+        PluginManager(with_defaults(ep), env={}, strict=True)
+
+
+def test_sessions_are_built_with_this_managers_compat_and_emit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """issue 10 item 7: no hidden process-wide manager behind a session's vetoes/observers."""
+    built: dict[str, dict[str, Any]] = {}
+
+    def sender(config: Any, planner: Any, packer: Any, **kw: Any) -> Any:
+        built["sender"] = kw
+        return object()
+
+    def receiver(config: Any, **kw: Any) -> Any:
+        built["receiver"] = kw
+        return object()
+
+    install_module(monkeypatch, "bound_tx", sender=sender, receiver=receiver)
+    install_module(
+        monkeypatch,
+        "bound_mod",
+        pdplug_register_kv_senders=kv_hook(
+            KVSenderSpec(
+                name="bound", factory="bound_tx:sender", receiver_factory="bound_tx:receiver"
+            )
+        ),
+    )
+    pm = PluginManager(with_defaults(fake_entry_point("bound", "bound_mod", dist="bound")), env={})
+    from pdplug import KVConfig
+
+    cfg = KVConfig(instance="p", role="prefill", layout=fake_layout())
+    pm.make_kv_sender(cfg, planner=object(), name="bound")  # type: ignore[arg-type]
+    pm.make_kv_receiver(cfg, name="bound")
+    for side in ("sender", "receiver"):
+        assert built[side]["compat"] == pm.check_compat, side
+        assert built[side]["emit"] == pm.emit, side
+
+
+# ------------------------------------------------------------------- one table, small modules
+
+
+def test_one_extension_point_table_read_by_the_manager_the_cli_and_the_host() -> None:
+    from pdplug.cli import plugins
+    from pdplug.manager import ExtensionPoint, extension_point
+
+    assert list(EXTENSION_POINTS) == ["consensus", "kv_sender", "pack_planner", "scheduler"]
+    kv = EXTENSION_POINTS["kv_sender"]
+    assert isinstance(kv, ExtensionPoint)
+    assert (kv.hook, kv.spec, kv.env, kv.default) == (
+        "pdplug_register_kv_senders",
+        KVSenderSpec,
+        "PDPLUG_KV_SENDER",
+        "nixl",
+    )
+    assert kv.factories == ("factory", "receiver_factory") and kv.option == "--kv-sender"
+    assert set(EXTENSION_POINTS) <= {o.name for o in plugins.params}
+    with pytest.raises(ValueError, match="unknown extension point 'planner'"):
+        extension_point("planner")
+    pytest.importorskip("torch")  # the reference host needs it
+    from pdplug_host.cli import demo
+    from pdplug_host.worker import POINTS
+
+    assert tuple(EXTENSION_POINTS) == POINTS
+    host_options = {opt for o in demo.params for opt in o.opts}
+    assert {p.option for p in EXTENSION_POINTS.values()} <= host_options
+
+
+def test_manager_modules_are_small_and_say_their_one_job() -> None:
+    import importlib
+
+    for name in ("discovery", "registry", "facade", "points", "listing", "default"):
+        mod = importlib.import_module(f"pdplug.manager.{name}")
+        lines = Path(str(mod.__file__)).read_text().count("\n")
+        assert lines < 330, (name, lines)
+        first = (mod.__doc__ or "").splitlines()[0]
+        assert len(first) > 30 and ":" in first, (name, first)
+
+
+def test_emit_reaches_observers_registered_after_the_first_event() -> None:
+    seen: list[str] = []
+
+    class Late:
+        @hookimpl
+        def pdplug_on_event(self, event: PdplugEvent) -> None:
+            seen.append(event.kind)
+
+    pm = make_plugin_manager()
+    pm.emit(PdplugEvent(kind="first", source="x"))
+    pm.register(Late(), name="late")
+    pm.emit(PdplugEvent(kind="second", source="x"))
+    pm.unregister("late")
+    pm.emit(PdplugEvent(kind="third", source="x"))
+    assert seen == ["second"]

@@ -8,17 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug import (
-    KVLayout,
-    KVPoll,
-    entry_map,
-    layout_mismatches,
-    merge_poll,
-    pages_from_bytes,
-    pages_to_bytes,
-    reduce_poll,
-)
+from pdplug import KVLayout, KVPoll
+from pdplug.layout import entry_map, layout_mismatches
 from pdplug.testing import fake_layout, fake_layouts
+from pdplug.types import merge_poll, pages_from_bytes, pages_to_bytes, reduce_poll
 
 polls = st.sampled_from(list(KVPoll))
 

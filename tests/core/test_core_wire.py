@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdplug import ChunkTag, Codec, Decision, Vote, WireConfig
-from pdplug.wire import DROP_REASONS, MAC_BYTES
+from pdplug import WireConfig
+from pdplug.types import ChunkTag, Decision, Vote
+from pdplug.wire import DROP_REASONS, MAC_BYTES, Codec
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 i64 = st.integers(-(2**63), 2**63 - 1)

@@ -18,9 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug import KVLayout, Packer, PackRegion, PlannerConfig, SendChunk, TransferPlan
+from pdplug import KVLayout, PlannerConfig
 from pdplug.packing import pack_regions
+from pdplug.protocols import Packer
 from pdplug.testing import require
+from pdplug.types import PackRegion, SendChunk, TransferPlan
 from pdplug_dcp.packers import TorchPacker, make_packer
 from pdplug_dcp.planner import make_dcp_planner
 

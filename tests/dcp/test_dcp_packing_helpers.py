@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug import KVLayout, PlanError, Segment, SendChunk, entry_map
+from pdplug import KVLayout, PlanError
+from pdplug.layout import entry_map
 from pdplug.packing import (
     merge_runs,
     pack_buffer_nbytes,
@@ -22,6 +23,7 @@ from pdplug.packing import (
     segment_to_chunk,
     send_capacity_tokens,
 )
+from pdplug.types import Segment, SendChunk
 from pdplug_dcp.planner import make_dcp_planner
 
 

@@ -15,23 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdplug import (
-    CapacityError,
-    KVLayout,
-    PackPlanner,
-    PlanError,
-    PlannerConfig,
-    SchedulerConfig,
-    SendChunk,
-    TransferPlan,
-    entry_map,
-)
+from pdplug import KVLayout, PackPlanner, PlanError, PlannerConfig, SchedulerConfig
+from pdplug.errors import CapacityError
+from pdplug.layout import entry_map
 from pdplug.packing import (
     pack_regions,
     region_index,
     segment_to_chunk,
     send_capacity_tokens,
 )
+from pdplug.types import SendChunk, TransferPlan
 from pdplug_dcp.planner import make_dcp_planner, make_tp_planner
 from pdplug_scheduler.scheduler import make_scheduler
 
@@ -438,7 +431,7 @@ def test_capacity_error_names_room_rank_tokens_capacity() -> None:
     for part in ("room 4", "rank 1", "8 tokens", "capacity=4", "region 1", "8 tokens"):
         assert part in msg, msg
     # a region whose bytes are smaller than its claimed capacity is refused too
-    from pdplug import PackRegion
+    from pdplug.types import PackRegion
 
     lying = PackRegion(index=0, offset=0, nbytes=10, capacity_tokens=64)
     with pytest.raises(CapacityError, match="10 bytes"):

@@ -17,7 +17,7 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pdplug import PackRegion, TransferPlan  # noqa: E402
+from pdplug.types import PackRegion, TransferPlan  # noqa: E402
 from pdplug_dcp.packers import TorchPacker, make_packer  # noqa: E402
 from pdplug_dcp.triton_pack import TritonPacker, gather_rows_kernel  # noqa: E402
 

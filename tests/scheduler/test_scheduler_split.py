@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplug import Scheduler, SchedulerConfig, Segment
+from pdplug import Scheduler, SchedulerConfig
+from pdplug.types import Segment
 from pdplug_scheduler.scheduler import make_scheduler
 from pdplug_scheduler.split import grid_tokens
 

@@ -12,8 +12,9 @@ import msgspec
 import pytest
 import zmq
 
-from pdplug import DestInfo, KVPoll
+from pdplug import KVPoll
 from pdplug.bootstrap import RendezvousServer
+from pdplug.types import DestInfo
 
 OK = int(KVPoll.Success)
 FAILED = int(KVPoll.Failed)
@@ -235,10 +236,11 @@ class Rogue:
     def __init__(self, backend: str, endpoint: str) -> None:
         import torch
 
-        from pdplug import KVConfig, KVLayout, PeerInfo, WireConfig
+        from pdplug import KVConfig, KVLayout, WireConfig
         from pdplug.bootstrap import bind_random, register
         from pdplug.transfer.loop import EngineLoop
         from pdplug.transfer.messages import control_codec, tag_codec
+        from pdplug.types import PeerInfo
 
         lay = KVLayout(
             page_size=kh.P,
@@ -324,8 +326,8 @@ class Rogue:
 def late_tags(backend: str) -> None:
     """Tags for a recycled room's previous lease (and malformed tags) are dropped, counted,
     and never complete the new lease; the current lease's tag completes it."""
-    from pdplug import ChunkTag
     from pdplug.transfer.messages import Abort
+    from pdplug.types import ChunkTag
 
     server = RendezvousServer().start()
     rogue = Rogue(backend, server.endpoint)

@@ -9,8 +9,9 @@ import msgspec
 import pytest
 import zmq
 
-from pdplug import KVLayout, PeerInfo, TransferError, WireConfig
+from pdplug import KVLayout, TransferError, WireConfig
 from pdplug.bootstrap import RendezvousServer, Resolve, Resolved, register, resolve
+from pdplug.types import PeerInfo
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from pdplug import Consensus, ConsensusConfig, Decision, get_plugin_manager
+from pdplug import Consensus, ConsensusConfig, get_plugin_manager
+from pdplug.types import Decision
 
 log = logging.getLogger("pdplug_logging_consensus")
 
