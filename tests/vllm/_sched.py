@@ -32,10 +32,13 @@ from vllm.v1.structured_output import StructuredOutputManager
 from pdplug.adapters.vllm import register
 from pdplug.adapters.vllm.connector import PdplugConnector, PdplugConnectorMetadata
 from pdplug.adapters.vllm.scheduler import StepPlan
+from pdplug.ports import free_ports
 
 BLOCK = 32
 EOS = 2
 _hash_ready = False
+#: every scheduler made here; the conftest shuts them down after each test
+made: list[Scheduler] = []
 
 
 def make_scheduler(
@@ -50,9 +53,9 @@ def make_scheduler(
     """A real vLLM Scheduler whose connector is PdplugConnector (``role``: prefill/decode)."""
     register()
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-    cfg_extra = {"instance": f"{role}-0"}
+    cfg_extra: dict[str, Any] = {"instance": f"{role}-0"}
     if role == "prefill":
-        cfg_extra["bootstrap_port"] = 40001
+        (cfg_extra["bootstrap_port"],) = free_ports(1)
     cfg_extra.update(extra or {})
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True),
@@ -94,6 +97,7 @@ def make_scheduler(
         block_size=BLOCK,
     )
     assert isinstance(sched.connector, PdplugConnector)
+    made.append(sched)
     return sched
 
 

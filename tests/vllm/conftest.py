@@ -21,3 +21,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from pdplug_vllm.tiny_model import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_schedulers():
+    """Stop what the test's schedulers started (the prefill rendezvous server)."""
+    yield
+    import sys
+
+    sched = sys.modules.get("_sched")
+    if sched is not None:
+        while sched.made:
+            sched.made.pop().shutdown()

@@ -16,9 +16,15 @@ strided head-major caches and the renovated transfer sessions; until they land, 
 the worker side raises :class:`NotImplementedError` naming what is missing, so an engine
 never runs with a connector that would drop its transfers.
 
+The prefill engine's scheduler process serves the rendezvous (``pdplug.bootstrap``) at
+``bootstrap_port``, where every prefill rank (each PP stage, each TP rank) publishes itself
+and decode ranks resolve the instance; ``set_xfer_handshake_metadata_pp_aware`` accepts the
+handshake of every PP stage (vLLM's default refuses ``pp_rank > 0``).
+
 ``kv_connector_extra_config`` keys: ``instance`` (this engine's pdplug instance id, default
 the vLLM ``engine_id``), ``bootstrap_port`` (prefill: the rendezvous port its scheduler
-process serves), ``kv_sender``, ``pack_planner``, ``scheduler`` (pdplug selections).
+process serves), ``bootstrap_host`` (interface it binds, default 127.0.0.1), ``kv_sender``,
+``pack_planner``, ``scheduler`` (pdplug selections).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
@@ -35,6 +42,8 @@ from vllm.v1.request import RequestStatus
 
 from pdplug.adapters.vllm import unsupported_reason
 from pdplug.adapters.vllm.scheduler import PushBook, SendJob, StepPlan
+from pdplug.bootstrap import RendezvousServer
+from pdplug.config import WireConfig
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +136,11 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER:
             raise NotImplementedError(WORKER_MISSING)
         self.book = PushBook(self.side)
+        self.rendezvous: RendezvousServer | None = None
+        self.handshake_ranks: tuple[tuple[int, int], ...] = ()
+        if self.side == "prefill":
+            host = str(extra.get("bootstrap_host") or "127.0.0.1")
+            self.rendezvous = RendezvousServer(WireConfig(bind_host=host), port=port).start()
 
     def _resolve_components(self) -> None:
         from pdplug import get_plugin_manager
@@ -200,6 +214,36 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return (0,)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Accept the handshake of every ``(pp_rank, tp_rank)`` (PP prefill is supported).
+
+        pdplug's ranks publish themselves at the rendezvous this process serves, so the
+        metadata is only recorded (which ranks reported), never re-served.
+
+        :raises ValueError: the ranks do not form a full ``pp_size x tp_size`` grid.
+        """
+        par = self._vllm_config.parallel_config
+        want = {
+            (pp, tp)
+            for pp in range(par.pipeline_parallel_size)
+            for tp in range(par.tensor_parallel_size)
+        }
+        if metadata and set(metadata) != want:
+            raise ValueError(
+                f"PdplugConnector: handshake from ranks {sorted(metadata)}, expected every "
+                f"(pp_rank, tp_rank) of pp_size={par.pipeline_parallel_size} x "
+                f"tp_size={par.tensor_parallel_size}"
+            )
+        self.handshake_ranks = tuple(sorted(metadata))
+
+    def shutdown(self) -> None:
+        """Stop the rendezvous server (prefill); idempotent."""
+        if self.rendezvous is not None:
+            self.rendezvous.stop()
+            self.rendezvous = None
 
     # ------------------------------------------------------------------ worker side
     # Unreachable until the worker side lands: __init__ refuses the worker role.
