@@ -34,7 +34,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     """What one parity run measured (times in seconds).
 
     :ivar connector: ``"pdplug"`` or ``"nixl"``.
-    :ivar requests/prompt_tokens/max_tokens: the workload.
+    :ivar requests/prompt_tokens/max_tokens: the workload (``prompt_tokens``: the longest).
     :ivar identical: requests whose tokens equal the single engine's.
     :ivar failed: requests that failed (index, reason).
     :ivar start_s: launch to all engines ready; ``wall_s``: launch to done.
@@ -144,11 +144,14 @@ def run_parity(
     concurrency: int = 4,
     start_timeout_s: float = 600.0,
     request_timeout_s: float = 120.0,
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
     :param connector: ``"pdplug"`` or ``"nixl"``.
     :param workdir: model checkpoint and engine logs go here.
+    :param prompts: token-id prompts (e.g. a trace's); default ``requests`` random prompts of
+        ``prompt_tokens`` tokens. Ids must be below the tiny model's vocabulary (1024).
     :raises pdplug_vllm.engines.EngineError: an engine did not start.
     """
     t0 = time.monotonic()
@@ -158,7 +161,13 @@ def run_parity(
     ports = free_ports(6)
     prefill, decode, proxy_opts = disagg_specs(connector, model, ports[:4])
     single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
-    prompts = token_prompts(requests, prompt_tokens, spec.vocab_size, seed=1)
+    if prompts is None:
+        prompts = token_prompts(requests, prompt_tokens, spec.vocab_size, seed=1)
+    bad = [i for i, p in enumerate(prompts) if not p or max(p) >= spec.vocab_size]
+    if bad:
+        raise ValueError(f"run_parity: prompts {bad[:5]} are empty or hold ids >= "
+                         f"vocab_size={spec.vocab_size}")  # fmt: skip
+    requests, prompt_tokens = len(prompts), max(len(p) for p in prompts)
     with running([single, prefill, decode], workdir / f"logs-{connector}", start_timeout_s):
         start_s = time.monotonic() - t0
         t1 = time.monotonic()
