@@ -20,14 +20,39 @@ import msgspec
 
 from pdplug.ports import free_ports
 from pdplug_vllm.client import Completion, RequestFailed, complete_all, percentile
-from pdplug_vllm.engines import EngineSpec, kv_transfer_config, running
+from pdplug_vllm.engines import Engine, EngineSpec, kv_transfer_config, running
 from pdplug_vllm.proxy import ProxyConfig, make_app
 from pdplug_vllm.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 
-__all__ = ["CONNECTORS", "ParityResult", "disagg_specs", "proxy_thread", "run_parity"]
+__all__ = [
+    "CONNECTORS",
+    "KillResult",
+    "ParityResult",
+    "disagg_specs",
+    "kill_decode_mid_run",
+    "proxy_thread",
+    "run_parity",
+]
 
 #: connector label -> (vLLM connector name, proxy mode)
 CONNECTORS = {"pdplug": ("PdplugConnector", "push"), "nixl": ("NixlConnector", "pull")}
+
+
+class KillResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The decode engine killed while requests run through the proxy.
+
+    :ivar requests: requests sent; ``completed``/``failed``: how each ended.
+    :ivar ended_s: seconds from the kill until the last request ended (bounded: no hang).
+    :ivar prefill_healthy: the prefill engine still answered ``/health`` afterwards.
+    :ivar reasons: distinct failure reasons seen (first 3).
+    """
+
+    requests: int
+    completed: int
+    failed: int
+    ended_s: float
+    prefill_healthy: bool
+    reasons: list[str]
 
 
 class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +66,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar single_run_s/disagg_run_s: wall time of the request phase on each path.
     :ivar ttft_p50_s/ttft_p99_s: TTFT through the proxy; ``single_ttft_p50_s``: single engine.
     :ivar throughput_rps: disaggregated requests per second.
+    :ivar kill: the decode-killed phase, when run.
     """
 
     connector: str
@@ -57,6 +83,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     ttft_p99_s: float
     single_ttft_p50_s: float
     throughput_rps: float
+    kill: KillResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -134,6 +161,50 @@ def proxy_thread(config: ProxyConfig, port: int, timeout_s: float = 30.0) -> Ite
         t.join(timeout=10.0)
 
 
+def kill_decode_mid_run(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    prefill: Engine,
+    decode: Engine,
+    *,
+    timeout_s: float = 120.0,
+    kill_after_s: float = 1.0,
+) -> KillResult:
+    """Send ``prompts`` through the proxy at ``url`` and SIGKILL the decode engine's process
+    group ``kill_after_s`` seconds later; every request must end (answered or failed) within
+    ``timeout_s``, and the prefill engine must stay healthy."""
+    import httpx
+
+    box: list[list[Completion | RequestFailed]] = []
+    t = threading.Thread(
+        target=lambda: box.append(
+            complete_all(url, prompts, max_tokens, concurrency=len(prompts), timeout_s=timeout_s)
+        ),
+        daemon=True,
+    )
+    t.start()
+    time.sleep(kill_after_s)
+    decode.kill()
+    killed = time.monotonic()
+    t.join(timeout_s + 10.0)
+    ended_s = time.monotonic() - killed
+    res = box[0] if box else []
+    reasons = sorted({r.reason[:120] for r in res if isinstance(r, RequestFailed)})
+    try:
+        healthy = httpx.get(prefill.spec.url + "/health", timeout=10.0).status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    return KillResult(
+        requests=len(prompts),
+        completed=sum(isinstance(r, Completion) for r in res),
+        failed=sum(isinstance(r, RequestFailed) for r in res),
+        ended_s=ended_s,
+        prefill_healthy=healthy,
+        reasons=reasons[:3],
+    )
+
+
 def run_parity(
     connector: str,
     workdir: str | Path,
@@ -145,6 +216,7 @@ def run_parity(
     start_timeout_s: float = 600.0,
     request_timeout_s: float = 120.0,
     prompts: Sequence[Sequence[int]] | None = None,
+    kill_decode: bool = False,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -152,6 +224,7 @@ def run_parity(
     :param workdir: model checkpoint and engine logs go here.
     :param prompts: token-id prompts (e.g. a trace's); default ``requests`` random prompts of
         ``prompt_tokens`` tokens. Ids must be below the tiny model's vocabulary (1024).
+    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run`.
     :raises pdplug_vllm.engines.EngineError: an engine did not start.
     """
     t0 = time.monotonic()
@@ -168,7 +241,12 @@ def run_parity(
         raise ValueError(f"run_parity: prompts {bad[:5]} are empty or hold ids >= "
                          f"vocab_size={spec.vocab_size}")  # fmt: skip
     requests, prompt_tokens = len(prompts), max(len(p) for p in prompts)
-    with running([single, prefill, decode], workdir / f"logs-{connector}", start_timeout_s):
+    kill: KillResult | None = None
+    with running([single, prefill, decode], workdir / f"logs-{connector}", start_timeout_s) as (
+        _,
+        p_engine,
+        d_engine,
+    ):
         start_s = time.monotonic() - t0
         t1 = time.monotonic()
         ref = complete_all(single.url, prompts, max_tokens, concurrency=concurrency,
@@ -180,6 +258,10 @@ def run_parity(
             got = complete_all(url, prompts, max_tokens, concurrency=concurrency,
                                timeout_s=request_timeout_s)  # fmt: skip
             disagg_run_s = time.monotonic() - t2
+            if kill_decode:
+                kill = kill_decode_mid_run(
+                    url, prompts, max_tokens, p_engine, d_engine, timeout_s=request_timeout_s
+                )
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
     identical = sum(
@@ -203,6 +285,7 @@ def run_parity(
         ttft_p99_s=percentile(ttft, 99),
         single_ttft_p50_s=percentile(ref_ttft, 50),
         throughput_rps=len(ttft) / disagg_run_s if disagg_run_s else 0.0,
+        kill=kill,
     )
 
 
