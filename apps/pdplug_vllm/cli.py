@@ -1,0 +1,58 @@
+"""The ``pdplug proxy`` command (registered in the ``pdplug.cli`` entry-point group)."""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["proxy"]
+
+
+@click.command()
+@click.option("--prefill", "prefill_url", required=True, help="Prefill engine URL (http://h:p).")
+@click.option("--decode", "decode_url", required=True, help="Decode engine URL (http://h:p).")
+@click.option(
+    "--mode",
+    type=click.Choice(["push", "pull"]),
+    default="push",
+    show_default=True,
+    help="push: PdplugConnector (both requests at once); pull: vLLM's NixlConnector.",
+)
+@click.option("--prefill-instance", default="", help="Prefill engine's pdplug instance (push).")
+@click.option("--bootstrap", default="", help="Prefill rendezvous tcp://host:port (push).")
+@click.option("--decode-instance", default="", help="Decode engine's pdplug instance (push).")
+@click.option(
+    "--allocator-id",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Room allocator id; give every proxy replica in front of the same engines its own.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+def proxy(
+    prefill_url: str,
+    decode_url: str,
+    mode: str,
+    prefill_instance: str,
+    bootstrap: str,
+    decode_instance: str,
+    allocator_id: int,
+    host: str,
+    port: int,
+) -> None:
+    """OpenAI-compatible proxy in front of a vLLM prefill engine and a vLLM decode engine."""
+    from pdplug_vllm.proxy import ProxyConfig, serve
+
+    try:
+        config = ProxyConfig(
+            prefill_url=prefill_url,
+            decode_url=decode_url,
+            mode=mode,
+            prefill_instance=prefill_instance,
+            bootstrap=bootstrap,
+            decode_instance=decode_instance,
+            allocator_id=allocator_id,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    serve(config, host=host, port=port)

@@ -1,0 +1,124 @@
+"""A streaming OpenAI-completions client for token-id prompts, with per-request TTFT.
+
+Requests go out concurrently (bounded), each is bounded in time, and every answer is checked:
+an HTTP error, an error event in the stream, or a wrong token count is a
+:class:`RequestFailed` in the result, never a silent short answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+__all__ = ["Completion", "RequestFailed", "complete_all", "percentile"]
+
+
+class RequestFailed(msgspec.Struct, frozen=True):
+    """Why one request failed (HTTP status or stream error text)."""
+
+    index: int
+    reason: str
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """One answered request.
+
+    :ivar index: position in the prompt list.
+    :ivar tokens: generated token ids.
+    :ivar ttft_s: seconds from sending to the first generated token.
+    :ivar latency_s: seconds from sending to the last byte.
+    """
+
+    index: int
+    tokens: tuple[int, ...]
+    ttft_s: float
+    latency_s: float
+
+
+async def _one(
+    client: Any, url: str, index: int, prompt: Sequence[int], max_tokens: int
+) -> Completion | RequestFailed:
+    body = {
+        "model": "tiny",
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    t0 = time.perf_counter()
+    ttft = 0.0
+    tokens: list[int] = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            return RequestFailed(index, f"HTTP {r.status_code}: {text[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            if "error" in doc:
+                return RequestFailed(index, f"stream error: {doc['error']}")
+            for choice in doc.get("choices", ()):
+                new = choice.get("token_ids") or ()
+                if new and not tokens:
+                    ttft = time.perf_counter() - t0
+                tokens.extend(new)
+    if len(tokens) != max_tokens:
+        return RequestFailed(index, f"got {len(tokens)} tokens, expected {max_tokens}")
+    return Completion(
+        index=index, tokens=tuple(tokens), ttft_s=ttft, latency_s=time.perf_counter() - t0
+    )
+
+
+async def _all(
+    url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int, timeout_s: float
+) -> list[Completion | RequestFailed]:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+
+        async def bounded(i: int, p: Sequence[int]) -> Completion | RequestFailed:
+            async with sem:
+                try:
+                    return await asyncio.wait_for(_one(client, url, i, p, max_tokens), timeout_s)
+                except (httpx.HTTPError, TimeoutError) as e:
+                    return RequestFailed(i, f"{type(e).__name__}: {e}")
+
+        return list(await asyncio.gather(*(bounded(i, p) for i, p in enumerate(prompts))))
+
+
+def complete_all(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    *,
+    concurrency: int = 4,
+    timeout_s: float = 120.0,
+) -> list[Completion | RequestFailed]:
+    """Send every prompt (streaming, greedy, ``ignore_eos``) and collect the answers in order.
+
+    :param url: base URL of an engine or of ``pdplug proxy``.
+    :param prompts: token-id prompts.
+    :param max_tokens: tokens to generate per request.
+    :param concurrency: requests in flight at once.
+    :param timeout_s: bound of one request (seconds).
+    """
+    return asyncio.run(_all(url, prompts, max_tokens, concurrency, timeout_s))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100, nearest rank) of ``values``; 0.0 when empty."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, round(q / 100 * len(s) + 0.5) - 1))
+    return s[k]

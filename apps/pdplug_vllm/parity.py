@@ -1,0 +1,297 @@
+"""Token parity of disaggregated vLLM serving against a single vLLM engine.
+
+One run starts a single reference engine, a prefill engine and a decode engine (all at once:
+their start-up dominates on CPU), plus ``pdplug proxy`` in a thread in front of the pair; it
+sends the same greedy requests to the single engine and through the proxy, and compares the
+token ids request by request. The connector is a parameter, so ``pdplug bench vllm`` runs
+PdplugConnector (push) and vLLM's NixlConnector (pull) through the same harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pdplug.ports import free_ports
+from pdplug_vllm.client import Completion, RequestFailed, complete_all, percentile
+from pdplug_vllm.engines import Engine, EngineSpec, kv_transfer_config, running
+from pdplug_vllm.proxy import ProxyConfig, make_app
+from pdplug_vllm.tiny_model import TinyLlama, build_tiny_llama, token_prompts
+
+__all__ = [
+    "CONNECTORS",
+    "KillResult",
+    "ParityResult",
+    "disagg_specs",
+    "kill_decode_mid_run",
+    "proxy_thread",
+    "run_parity",
+]
+
+#: connector label -> (vLLM connector name, proxy mode)
+CONNECTORS = {"pdplug": ("PdplugConnector", "push"), "nixl": ("NixlConnector", "pull")}
+
+
+class KillResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The decode engine killed while requests run through the proxy.
+
+    :ivar requests: requests sent; ``completed``/``failed``: how each ended.
+    :ivar ended_s: seconds from the kill until the last request ended (bounded: no hang).
+    :ivar prefill_healthy: the prefill engine still answered ``/health`` afterwards.
+    :ivar reasons: distinct failure reasons seen (first 3).
+    """
+
+    requests: int
+    completed: int
+    failed: int
+    ended_s: float
+    prefill_healthy: bool
+    reasons: list[str]
+
+
+class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one parity run measured (times in seconds).
+
+    :ivar connector: ``"pdplug"`` or ``"nixl"``.
+    :ivar requests/prompt_tokens/max_tokens: the workload (``prompt_tokens``: the longest).
+    :ivar identical: requests whose tokens equal the single engine's.
+    :ivar failed: requests that failed (index, reason).
+    :ivar start_s: launch to all engines ready; ``wall_s``: launch to done.
+    :ivar single_run_s/disagg_run_s: wall time of the request phase on each path.
+    :ivar ttft_p50_s/ttft_p99_s: TTFT through the proxy; ``single_ttft_p50_s``: single engine.
+    :ivar throughput_rps: disaggregated requests per second.
+    :ivar kill: the decode-killed phase, when run.
+    """
+
+    connector: str
+    requests: int
+    prompt_tokens: int
+    max_tokens: int
+    identical: int
+    failed: list[tuple[int, str]]
+    start_s: float
+    wall_s: float
+    single_run_s: float
+    disagg_run_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    single_ttft_p50_s: float
+    throughput_rps: float
+    kill: KillResult | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every request answered and token-identical."""
+        return not self.failed and self.identical == self.requests
+
+
+def disagg_specs(
+    connector: str, model: str, ports: Sequence[int], *, cores: tuple[str, str] = ("0", "1")
+) -> tuple[EngineSpec, EngineSpec, dict[str, Any]]:
+    """Prefill and decode engine specs for ``connector`` plus the proxy's settings.
+
+    :param ports: at least 4 free ports (prefill HTTP, decode HTTP, two side channels).
+    :raises ValueError: an unknown connector.
+    """
+    if connector not in CONNECTORS:
+        raise ValueError(f"connector={connector!r}: expected one of {sorted(CONNECTORS)}")
+    name, mode = CONNECTORS[connector]
+    p_http, d_http, p_side, d_side = ports[:4]
+    proxy: dict[str, Any] = {"mode": mode}
+    if connector == "nixl":
+        extra: dict[str, Any] = {"backends": ["UCX"]}
+        p_kv = kv_transfer_config(name, "kv_producer", engine_id="prefill-0", extra=extra)
+        d_kv = kv_transfer_config(name, "kv_consumer", engine_id="decode-0", extra=extra)
+        p_kv["kv_buffer_device"] = d_kv["kv_buffer_device"] = "cpu"
+        p_env = {
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_side),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        }
+        d_env = {
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_side),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        }
+    else:
+        bootstrap = f"tcp://127.0.0.1:{p_side}"
+        p_kv = kv_transfer_config(
+            name, "kv_producer", engine_id="prefill-0",
+            extra={"instance": "prefill-0", "bootstrap_port": p_side},
+        )  # fmt: skip
+        d_kv = kv_transfer_config(
+            name, "kv_consumer", engine_id="decode-0", extra={"instance": "decode-0"}
+        )
+        p_env, d_env = {}, {}
+        proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
+    prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
+                         cpu_cores=cores[0], env=p_env)  # fmt: skip
+    decode = EngineSpec(name="decode", model=model, port=d_http, kv_transfer=d_kv,
+                        cpu_cores=cores[1], env=d_env)  # fmt: skip
+    return prefill, decode, proxy
+
+
+@contextlib.contextmanager
+def proxy_thread(config: ProxyConfig, port: int, timeout_s: float = 30.0) -> Iterator[str]:
+    """Run ``pdplug proxy`` in a thread of this process; yields its base URL.
+
+    :raises RuntimeError: the proxy did not start within ``timeout_s``.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(make_app(config), host="127.0.0.1", port=port, log_level="warning")
+    )
+    t = threading.Thread(target=server.run, name="pdplug-proxy", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not t.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"pdplug proxy did not start on port {port} in {timeout_s} s")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(timeout=10.0)
+
+
+def kill_decode_mid_run(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    prefill: Engine,
+    decode: Engine,
+    *,
+    timeout_s: float = 120.0,
+    kill_after_s: float = 1.0,
+) -> KillResult:
+    """Send ``prompts`` through the proxy at ``url`` and SIGKILL the decode engine's process
+    group ``kill_after_s`` seconds later; every request must end (answered or failed) within
+    ``timeout_s``, and the prefill engine must stay healthy."""
+    import httpx
+
+    box: list[list[Completion | RequestFailed]] = []
+    t = threading.Thread(
+        target=lambda: box.append(
+            complete_all(url, prompts, max_tokens, concurrency=len(prompts), timeout_s=timeout_s)
+        ),
+        daemon=True,
+    )
+    t.start()
+    time.sleep(kill_after_s)
+    decode.kill()
+    killed = time.monotonic()
+    t.join(timeout_s + 10.0)
+    ended_s = time.monotonic() - killed
+    res = box[0] if box else []
+    reasons = sorted({r.reason[:120] for r in res if isinstance(r, RequestFailed)})
+    try:
+        healthy = httpx.get(prefill.spec.url + "/health", timeout=10.0).status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    return KillResult(
+        requests=len(prompts),
+        completed=sum(isinstance(r, Completion) for r in res),
+        failed=sum(isinstance(r, RequestFailed) for r in res),
+        ended_s=ended_s,
+        prefill_healthy=healthy,
+        reasons=reasons[:3],
+    )
+
+
+def run_parity(
+    connector: str,
+    workdir: str | Path,
+    *,
+    requests: int = 16,
+    prompt_tokens: int = 256,
+    max_tokens: int = 16,
+    concurrency: int = 4,
+    start_timeout_s: float = 600.0,
+    request_timeout_s: float = 120.0,
+    prompts: Sequence[Sequence[int]] | None = None,
+    kill_decode: bool = False,
+) -> ParityResult:
+    """Start the three engines, run the workload on both paths, stop everything.
+
+    :param connector: ``"pdplug"`` or ``"nixl"``.
+    :param workdir: model checkpoint and engine logs go here.
+    :param prompts: token-id prompts (e.g. a trace's); default ``requests`` random prompts of
+        ``prompt_tokens`` tokens. Ids must be below the tiny model's vocabulary (1024).
+    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run`.
+    :raises pdplug_vllm.engines.EngineError: an engine did not start.
+    """
+    t0 = time.monotonic()
+    workdir = Path(workdir)
+    spec = TinyLlama()
+    model = str(build_tiny_llama(workdir / "tiny-llama", spec))
+    ports = free_ports(6)
+    prefill, decode, proxy_opts = disagg_specs(connector, model, ports[:4])
+    single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
+    if prompts is None:
+        prompts = token_prompts(requests, prompt_tokens, spec.vocab_size, seed=1)
+    bad = [i for i, p in enumerate(prompts) if not p or max(p) >= spec.vocab_size]
+    if bad:
+        raise ValueError(f"run_parity: prompts {bad[:5]} are empty or hold ids >= "
+                         f"vocab_size={spec.vocab_size}")  # fmt: skip
+    requests, prompt_tokens = len(prompts), max(len(p) for p in prompts)
+    kill: KillResult | None = None
+    with running([single, prefill, decode], workdir / f"logs-{connector}", start_timeout_s) as (
+        _,
+        p_engine,
+        d_engine,
+    ):
+        start_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        ref = complete_all(single.url, prompts, max_tokens, concurrency=concurrency,
+                           timeout_s=request_timeout_s)  # fmt: skip
+        single_run_s = time.monotonic() - t1
+        config = ProxyConfig(prefill_url=prefill.url, decode_url=decode.url, **proxy_opts)
+        with proxy_thread(config, ports[5]) as url:
+            t2 = time.monotonic()
+            got = complete_all(url, prompts, max_tokens, concurrency=concurrency,
+                               timeout_s=request_timeout_s)  # fmt: skip
+            disagg_run_s = time.monotonic() - t2
+            if kill_decode:
+                kill = kill_decode_mid_run(
+                    url, prompts, max_tokens, p_engine, d_engine, timeout_s=request_timeout_s
+                )
+    failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
+    failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
+    identical = sum(
+        isinstance(a, Completion) and isinstance(b, Completion) and a.tokens == b.tokens
+        for a, b in zip(ref, got)
+    )
+    ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
+    ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
+    return ParityResult(
+        connector=connector,
+        requests=requests,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        identical=identical,
+        failed=failed,
+        start_s=start_s,
+        wall_s=time.monotonic() - t0,
+        single_run_s=single_run_s,
+        disagg_run_s=disagg_run_s,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        single_ttft_p50_s=percentile(ref_ttft, 50),
+        throughput_rps=len(ttft) / disagg_run_s if disagg_run_s else 0.0,
+        kill=kill,
+    )
+
+
+if __name__ == "__main__":  # python -m pdplug_vllm.parity nixl /tmp/dir
+    import sys
+
+    res = run_parity(sys.argv[1], sys.argv[2])
+    print(msgspec.json.encode(res).decode())
+    sys.exit(0 if res.ok else 1)

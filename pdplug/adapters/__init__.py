@@ -1,0 +1,1 @@
+"""Host adapters: each maps one serving engine's calls onto pdplug's Protocols."""

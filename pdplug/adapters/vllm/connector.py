@@ -1,0 +1,266 @@
+"""``PdplugConnector``: vLLM's ``KVConnectorBase_V1`` mapped onto pdplug (push, PP -> DCP).
+
+vLLM imports this module only when ``kv_transfer_config.kv_connector`` is
+``"PdplugConnector"`` (see :func:`pdplug.adapters.vllm.register`); it refuses to load on a
+vLLM outside :data:`pdplug.adapters.vllm.SUPPORTED_VLLM`.
+
+Scheduler role (engine core): :class:`pdplug.adapters.vllm.scheduler.PushBook` keeps the
+rooms, push jobs and held blocks; each step's :class:`~pdplug.adapters.vllm.scheduler.StepPlan`
+goes to the workers as :class:`PdplugConnectorMetadata`. At start-up the connector resolves
+the pdplug components it will use (KV sender, pack planner, scheduler, selected by
+``kv_connector_extra_config`` or ``PDPLUG_*``) so a missing plugin stops the engine before
+its first request.
+
+Worker role: not available yet. Registering vLLM's KV tensors needs pdplug's layout model for
+strided head-major caches and the renovated transfer sessions; until they land, constructing
+the worker side raises :class:`NotImplementedError` naming what is missing, so an engine
+never runs with a connector that would drop its transfers.
+
+The prefill engine's scheduler process serves the rendezvous (``pdplug.bootstrap``) at
+``bootstrap_port``, where every prefill rank (each PP stage, each TP rank) publishes itself
+and decode ranks resolve the instance; ``set_xfer_handshake_metadata_pp_aware`` accepts the
+handshake of every PP stage (vLLM's default refuses ``pp_rank > 0``).
+
+``kv_connector_extra_config`` keys: ``instance`` (this engine's pdplug instance id, default
+the vLLM ``engine_id``), ``bootstrap_port`` (prefill: the rendezvous port its scheduler
+process serves), ``bootstrap_host`` (interface it binds, default 127.0.0.1), ``kv_sender``,
+``pack_planner``, ``scheduler`` (pdplug selections).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus
+
+from pdplug.adapters.vllm import unsupported_reason
+from pdplug.adapters.vllm.scheduler import PushBook, SendJob, StepPlan
+from pdplug.bootstrap import RendezvousServer
+from pdplug.config import WireConfig
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_reason = unsupported_reason()
+if _reason is not None:
+    raise ImportError(_reason)
+
+__all__ = ["PdplugConnector", "PdplugConnectorMetadata", "WORKER_MISSING"]
+
+#: what the worker side waits for (see docs/vllm-connector.md "Worker side")
+WORKER_MISSING = (
+    "PdplugConnector's worker side is not available in this pdplug build: registering "
+    "vLLM's KV cache needs pdplug's layout model for strided head-major tensors of shape "
+    "(num_blocks, num_kv_heads, block_size, 2*head_size) and the transfer-session integration; "
+    "the scheduler side is usable (and tested) on its own"
+)
+
+_COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+class PdplugConnectorMetadata(KVConnectorMetadata):
+    """One engine step's plan for the workers (vLLM carries it on ``SchedulerOutput``).
+
+    :ivar plan: the :class:`~pdplug.adapters.vllm.scheduler.StepPlan`.
+    """
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector backed by pdplug's selected KV sender, pack planner and scheduler.
+
+    :param vllm_config: the engine's config; ``kv_transfer_config.kv_role`` must be
+        ``kv_producer`` (prefill) or ``kv_consumer`` (decode).
+    :param role: scheduler or worker.
+    :param kv_cache_config: the engine's KV cache groups (exactly one group is supported).
+    :raises ValueError: ``kv_both``, several KV cache groups, PP or DCP on the wrong side, or
+        a bad ``kv_connector_extra_config`` value (named).
+    :raises pdplug.errors.PluginError: a selected pdplug component cannot be built.
+    :raises NotImplementedError: the worker role (see :data:`WORKER_MISSING`).
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv = self._kv_transfer_config
+        if kv.kv_role not in _ROLES:
+            raise ValueError(
+                f"PdplugConnector: kv_role={kv.kv_role!r}; use kv_producer (prefill engine) or "
+                "kv_consumer (decode engine)"
+            )
+        self.side = _ROLES[kv.kv_role]
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(
+                f"PdplugConnector supports one KV cache group, the model has {len(groups)}"
+            )
+        extra: dict[str, Any] = dict(kv.kv_connector_extra_config or {})
+        self.instance = str(extra.get("instance") or kv.engine_id)
+        par = vllm_config.parallel_config
+        if self.side == "prefill" and par.decode_context_parallel_size > 1:
+            raise ValueError(
+                "PdplugConnector: decode_context_parallel_size="
+                f"{par.decode_context_parallel_size} on a kv_producer; DCP is a decode-side "
+                "layout (the prefill engine uses PP/TP)"
+            )
+        self.bootstrap_port = 0
+        if self.side == "prefill":
+            port = extra.get("bootstrap_port", 0)
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(
+                    "PdplugConnector: kv_connector_extra_config.bootstrap_port="
+                    f"{port!r} must be a TCP port (1-65535) on a kv_producer"
+                )
+            self.bootstrap_port = port
+        self.selections = {k: extra.get(k) for k in ("kv_sender", "pack_planner", "scheduler")}
+        self._resolve_components()
+        if role == KVConnectorRole.WORKER:
+            raise NotImplementedError(WORKER_MISSING)
+        self.book = PushBook(self.side)
+        self.rendezvous: RendezvousServer | None = None
+        self.handshake_ranks: tuple[tuple[int, int], ...] = ()
+        if self.side == "prefill":
+            host = str(extra.get("bootstrap_host") or "127.0.0.1")
+            self.rendezvous = RendezvousServer(WireConfig(bind_host=host), port=port).start()
+
+    def _resolve_components(self) -> None:
+        from pdplug import get_plugin_manager
+
+        pm = get_plugin_manager()
+        for point, name in self.selections.items():
+            pm.resolve(point, name)
+
+    # ------------------------------------------------------------------ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        self.book.on_new_request(
+            request.request_id, request.kv_transfer_params, request.num_prompt_tokens
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.book.num_new_matched_tokens(
+            request.request_id, request.num_prompt_tokens, num_computed_tokens
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self.book.after_alloc(
+            request.request_id, block_ids, num_external_tokens, request.num_prompt_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        sends: list[SendJob] = []
+        if self.side == "prefill":
+            so = scheduler_output
+            if so.preempted_req_ids:
+                self.book.preempted(so.preempted_req_ids)
+            for new in so.scheduled_new_reqs:
+                job = self.book.scheduled(
+                    new.req_id, new.block_ids[0], False, new.num_computed_tokens,
+                    so.num_scheduled_tokens[new.req_id],
+                )  # fmt: skip
+                if job is not None:
+                    sends.append(job)
+            cached = so.scheduled_cached_reqs
+            for i, rid in enumerate(cached.req_ids):
+                groups = cached.new_block_ids[i]
+                job = self.book.scheduled(
+                    rid, groups[0] if groups else None, rid in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i], so.num_scheduled_tokens[rid],
+                )  # fmt: skip
+                if job is not None:
+                    sends.append(job)
+        return PdplugConnectorMetadata(self.book.take_plan(sends))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        done = set(connector_output.finished_sending or ())
+        done |= set(connector_output.finished_recving or ())
+        self.book.finished_transfers(done)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.book.finished(request.request_id, request.status in _COMPLETED)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.book.finished(request.request_id, request.status in _COMPLETED)
+
+    def has_pending_push_work(self) -> bool:
+        return self.book.has_pending_push_work()
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return (0,)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Accept the handshake of every ``(pp_rank, tp_rank)`` (PP prefill is supported).
+
+        pdplug's ranks publish themselves at the rendezvous this process serves, so the
+        metadata is only recorded (which ranks reported), never re-served.
+
+        :raises ValueError: the ranks do not form a full ``pp_size x tp_size`` grid.
+        """
+        par = self._vllm_config.parallel_config
+        want = {
+            (pp, tp)
+            for pp in range(par.pipeline_parallel_size)
+            for tp in range(par.tensor_parallel_size)
+        }
+        if metadata and set(metadata) != want:
+            raise ValueError(
+                f"PdplugConnector: handshake from ranks {sorted(metadata)}, expected every "
+                f"(pp_rank, tp_rank) of pp_size={par.pipeline_parallel_size} x "
+                f"tp_size={par.tensor_parallel_size}"
+            )
+        self.handshake_ranks = tuple(sorted(metadata))
+
+    def shutdown(self) -> None:
+        """Stop the rendezvous server (prefill); idempotent."""
+        if self.rendezvous is not None:
+            self.rendezvous.stop()
+            self.rendezvous = None
+
+    # ------------------------------------------------------------------ worker side
+    # Unreachable until the worker side lands: __init__ refuses the worker role.
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        raise NotImplementedError(WORKER_MISSING)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        raise NotImplementedError(WORKER_MISSING)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        raise NotImplementedError(WORKER_MISSING)
+
+    def wait_for_save(self) -> None:
+        raise NotImplementedError(WORKER_MISSING)

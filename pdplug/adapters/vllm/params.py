@@ -1,0 +1,154 @@
+"""The ``kv_transfer_params`` pdplug adds to a vLLM request, and how rooms are allocated.
+
+A proxy (``pdplug proxy`` or any router) sends one request to the prefill engine and, at the
+same time, one to the decode engine; both carry the same bootstrap room under the
+``"pdplug"`` key of ``kv_transfer_params`` (vLLM passes the dict through
+``SamplingParams.extra_args``). vLLM's own keys (``do_remote_decode``, ``do_remote_prefill``)
+still say which side a request is on, so vLLM's scheduler treats the request as it treats its
+NIXL ones.
+
+Rooms: a room identifies one request's transfer on every rank of both engines, so two live
+requests must never share one. :class:`RoomAllocator` hands out ``allocator_id << 48 | n``
+with ``n`` a per-allocator counter: one allocator never repeats a room for 2**48 requests, and
+allocators with different ids (one per proxy replica, set by the operator) never collide. A
+prefill engine that still holds a live room refuses a second request with it (the request ends
+with an error in its ``kv_transfer_params``) instead of mixing two requests' pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "PARAMS_KEY",
+    "ROOM_BITS",
+    "MAX_ALLOCATOR_ID",
+    "RoomAllocator",
+    "PrefillParams",
+    "DecodeParams",
+    "prefill_request_params",
+    "decode_request_params",
+    "parse_prefill",
+    "parse_decode",
+]
+
+#: key of pdplug's sub-document inside ``kv_transfer_params``
+PARAMS_KEY = "pdplug"
+#: bits of the per-allocator counter in a room
+ROOM_BITS = 48
+#: largest allocator id (rooms stay below 2**63, a non-negative int64 on every wire)
+MAX_ALLOCATOR_ID = (1 << (63 - ROOM_BITS)) - 1
+
+
+class RoomAllocator:
+    """Thread-safe allocator of bootstrap rooms that never collide across allocators.
+
+    :param allocator_id: this allocator's id in ``[0, MAX_ALLOCATOR_ID]``; every proxy replica
+        in front of the same engines needs its own.
+    :raises ValueError: an id outside the range.
+    """
+
+    def __init__(self, allocator_id: int = 0) -> None:
+        if not 0 <= allocator_id <= MAX_ALLOCATOR_ID:
+            raise ValueError(
+                f"RoomAllocator: allocator_id={allocator_id} not in [0, {MAX_ALLOCATOR_ID}]"
+            )
+        self.allocator_id = allocator_id
+        self._base = allocator_id << ROOM_BITS
+        self._count = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        """The next room (an int in ``[0, 2**63)``)."""
+        with self._lock:
+            n = next(self._count)
+        if n >= 1 << ROOM_BITS:
+            raise OverflowError(f"RoomAllocator {self.allocator_id}: 2**{ROOM_BITS} rooms used")
+        return self._base | n
+
+
+class PrefillParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """pdplug's part of a prefill request's ``kv_transfer_params``.
+
+    :ivar room: bootstrap room shared with the decode request.
+    :ivar decode_instance: decode instance that will send the room's DestInfo ("" = any).
+    """
+
+    room: int
+    decode_instance: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.room < 1 << 63:
+            raise ValueError(f"kv_transfer_params.pdplug.room={self.room} not in [0, 2**63)")
+
+
+class DecodeParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """pdplug's part of a decode request's ``kv_transfer_params``.
+
+    :ivar room: bootstrap room shared with the prefill request.
+    :ivar prefill_instance: the prefill instance id (``kv_connector_extra_config.instance`` of
+        the prefill engine).
+    :ivar bootstrap: rendezvous endpoint of the prefill instance (``tcp://host:port``).
+    """
+
+    room: int
+    prefill_instance: str
+    bootstrap: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.room < 1 << 63:
+            raise ValueError(f"kv_transfer_params.pdplug.room={self.room} not in [0, 2**63)")
+        if not self.prefill_instance:
+            raise ValueError("kv_transfer_params.pdplug.prefill_instance is empty")
+        if not self.bootstrap.startswith("tcp://"):
+            raise ValueError(
+                f"kv_transfer_params.pdplug.bootstrap={self.bootstrap!r} is not tcp://host:port"
+            )
+
+
+def prefill_request_params(room: int, decode_instance: str = "") -> dict[str, Any]:
+    """``kv_transfer_params`` of the request a proxy sends to the prefill engine."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        PARAMS_KEY: msgspec.to_builtins(PrefillParams(room=room, decode_instance=decode_instance)),
+    }
+
+
+def decode_request_params(room: int, prefill_instance: str, bootstrap: str) -> dict[str, Any]:
+    """``kv_transfer_params`` of the request a proxy sends to the decode engine."""
+    p = DecodeParams(room=room, prefill_instance=prefill_instance, bootstrap=bootstrap)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        PARAMS_KEY: msgspec.to_builtins(p),
+    }
+
+
+def _parse(params: dict[str, Any] | None, flag: str, kind: type[Any]) -> Any:
+    if not params or not params.get(flag) or PARAMS_KEY not in params:
+        return None
+    try:
+        return msgspec.convert(params[PARAMS_KEY], kind)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"kv_transfer_params.{PARAMS_KEY}: {e}") from None
+
+
+def parse_prefill(params: dict[str, Any] | None) -> PrefillParams | None:
+    """pdplug's params of a prefill-side request, None when the request is not pdplug's.
+
+    :raises ValueError: the ``pdplug`` document is malformed (names the field and value).
+    """
+    return _parse(params, "do_remote_decode", PrefillParams)  # type: ignore[no-any-return]
+
+
+def parse_decode(params: dict[str, Any] | None) -> DecodeParams | None:
+    """pdplug's params of a decode-side request, None when the request is not pdplug's.
+
+    :raises ValueError: the ``pdplug`` document is malformed (names the field and value).
+    """
+    return _parse(params, "do_remote_prefill", DecodeParams)  # type: ignore[no-any-return]

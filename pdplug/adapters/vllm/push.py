@@ -1,0 +1,90 @@
+"""Turns a prefill engine's per-step :class:`SendJob` s into the segments a KV sender posts.
+
+Each prefill rank keeps one :class:`PushCursor` per room. When a step's forward is done, the
+rank feeds the step's job through :func:`segments_for_job` with the room's destination (its
+``decode_prefix_len`` from the decode ranks' DestInfo) and the sender's pack capacity; the
+selected pdplug :class:`~pdplug.protocols.Scheduler` cuts the new tokens at
+``decode_prefix_len + k * min(grid, capacity)``. Tokens the decode engine already holds are
+never sent; a partial last block is held back until the job that completes the prompt; the
+job with ``is_last`` always yields a final segment (possibly empty) that completes the room.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from pdplug.adapters.vllm.scheduler import SendJob
+from pdplug.protocols import Scheduler
+from pdplug.types import Segment
+
+__all__ = ["PushCursor", "segments_for_job"]
+
+
+class PushCursor(msgspec.Struct, kw_only=True):
+    """Per-room progress of one prefill rank.
+
+    :ivar room: bootstrap room.
+    :ivar sent_upto: tokens covered by segments already handed to the sender.
+    :ivar next_chunk_id: ``chunk_id`` of the next segment (0, 1, ... per rank).
+    :ivar done: the last segment was produced.
+    """
+
+    room: int
+    sent_upto: int = 0
+    next_chunk_id: int = 0
+    done: bool = False
+
+
+def segments_for_job(
+    cursor: PushCursor,
+    job: SendJob,
+    *,
+    decode_prefix_len: int,
+    capacity_tokens: int | None,
+    block_size: int,
+    scheduler: Scheduler,
+) -> list[tuple[Segment, np.ndarray]]:
+    """The segments of ``job`` to post now, each with its source pages; advances ``cursor``.
+
+    :param cursor: the room's cursor on this rank (updated in place).
+    :param job: this step's job (tokens ``[job.token_start, job.token_end)`` are computed).
+    :param decode_prefix_len: tokens the decode engine already holds (a multiple of
+        ``block_size`` times the decode DCP size; the split grid's origin).
+    :param capacity_tokens: ``KVSender.capacity_tokens(room)`` (None: no relayout, no cap).
+    :param block_size: prefill block (page) size in tokens.
+    :param scheduler: the selected pdplug scheduler (``PluginManager.make_scheduler``).
+    :returns: ``(segment, src_pages)`` pairs in order; ``src_pages`` is int64 ``[n]``, the
+        blocks from the segment's first token on (vLLM block id = pdplug page id).
+    :raises ValueError: a job for another room, a job after the last one, or a
+        ``decode_prefix_len`` not on a block boundary or beyond the prompt.
+    """
+    if job.room != cursor.room:
+        raise ValueError(f"segments_for_job: job room {job.room} != cursor room {cursor.room}")
+    if cursor.done:
+        raise ValueError(f"segments_for_job: room {cursor.room} already sent its last segment")
+    if decode_prefix_len % block_size or not 0 <= decode_prefix_len < job.num_prompt_tokens:
+        raise ValueError(
+            f"segments_for_job: decode_prefix_len={decode_prefix_len} must be a multiple of "
+            f"block_size={block_size} in [0, {job.num_prompt_tokens})"
+        )
+    start = max(cursor.sent_upto, decode_prefix_len)
+    end = max(job.token_end, start)
+    segments = scheduler.split_send(
+        token_start=start,
+        token_end=end,
+        decode_prefix_len=decode_prefix_len,
+        is_last_send=job.is_last,
+        capacity_tokens=capacity_tokens,
+        first_chunk_id=cursor.next_chunk_id,
+    )
+    if not segments:
+        return []
+    blocks = np.asarray(job.block_ids, dtype=np.int64)
+    out = [
+        (s, blocks[s.token_start // block_size : -(-s.token_end // block_size)]) for s in segments
+    ]
+    cursor.sent_upto = segments[-1].token_end
+    cursor.next_chunk_id = segments[-1].chunk_id + 1
+    cursor.done = segments[-1].is_last
+    return out

