@@ -56,7 +56,7 @@ def hnd_entry(
         content=content,
         heads=heads,
         head_bytes=head_bytes,
-        head_stride=page_size * head_bytes,
+        head_stride=page_size * head_bytes if heads > 1 else head_bytes,
         token_stride=head_bytes,
         page_stride=page_stride or page_size * heads * head_bytes,
     )

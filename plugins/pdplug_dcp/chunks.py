@@ -57,7 +57,7 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
     src_pages = np.asarray(chunk.src_pages, dtype=np.int64)
     dst_pages = np.asarray(chunk.dst_pages, dtype=np.int64)
     n = chunk.num_tokens
-    if src_pages.shape[0] * ps < s0 + n:
+    if n and src_pages.shape[0] * ps < s0 + n:
         raise PlanError(
             f"room {chunk.room}: num_tokens={n} from in-page offset {s0} needs "
             f"{-(-(s0 + n) // ps)} source pages (page_size={ps}), src_pages has "

@@ -107,11 +107,15 @@ def fill_source(r: Rank, kv: np.ndarray, req_pages: np.ndarray, n_tokens: int, r
 
 def expected(
     dst: Rank, kv: np.ndarray, dst_pages: np.ndarray, prefix: int, total: int
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-token-per-head reference: poison, then every token this decode rank owns, head by
-    head, copied byte by byte from the model's KV."""
+    head, copied byte by byte from the model's KV.
+
+    :returns: the expected memory and a boolean mask of the bytes the reference wrote.
+    """
     lay = dst.layout
     out = np.full_like(dst.mem, POISON)
+    mask = np.zeros(dst.mem.shape[0], dtype=bool)
     d, p = lay.dcp_size, lay.page_size
     lo, hi = heads_of(lay)
     for i in range(prefix, prefix + total):
@@ -124,7 +128,22 @@ def expected(
             for h in range(hi - lo):
                 a = int(addr(dst, e, np.array(page), np.array(off), h))
                 out[a : a + hb] = kv[e, lo + h, i, :hb]
-    return out
+                mask[a : a + hb] = True
+    return out, mask
+
+
+def dst_ranges(dst: Rank, entry: np.ndarray, addr: np.ndarray, length: np.ndarray) -> int:
+    """Contiguous pieces of the destination bytes written by runs ``(entry, addr, length)``,
+    cut at page boundaries: no plan can write them with fewer runs."""
+    if addr.shape[0] == 0:
+        return 0
+    order = np.lexsort((addr, entry))
+    a, ln, ent = addr[order], length[order], entry[order]
+    base = np.asarray(dst.base)
+    ps = np.asarray([dst.layout.entry(e).page_stride for e in range(len(dst.base))])
+    page = (a - base[ent]) // ps[ent]
+    joined = (a[1:] == a[:-1] + ln[:-1]) & (page[1:] == page[:-1]) & (ent[1:] == ent[:-1])
+    return int(a.shape[0] - joined.sum())
 
 
 def check_run(plan, dst: Rank, src: Rank, e: int, so: int, do: int, ln: int) -> None:
@@ -141,9 +160,12 @@ def check_run(plan, dst: Rank, src: Rank, e: int, so: int, do: int, ln: int) -> 
 def simulate(
     src_ranks: list[Rank], dst: Rank, req_pages: np.ndarray, dst_pages: np.ndarray,
     prefix: int, total: int, chunk_size: int, region_pages: int, packer=None, planner=None,
+    fewest: bool = True,
 ) -> dict[str, int]:  # fmt: skip
     """Every prefill rank sends the range ``[prefix, prefix + total)`` to decode rank ``dst``
-    as a KV sender would; writes land in ``dst.mem`` and are counted in ``dst.count``."""
+    as a KV sender would; writes land in ``dst.mem`` and are counted in ``dst.count``.
+    ``fewest``: every plan has exactly as many runs as the destination byte ranges it writes
+    (inside a page) are contiguous pieces, the least any plan can post."""
     planner = planner or make_dcp_planner(PlannerConfig())
     packer = packer or TorchPacker(1)
     dst.count = np.zeros(dst.mem.shape[0], dtype=np.int32)
@@ -183,6 +205,8 @@ def simulate(
                 stats["packed"] += 1
                 packer.pack(plan, src.tensors, pack)
             s, t, ln = run_addresses(plan, src.base, dst.base, np.arange(lay.num_entries), PACK)
+            if fewest:
+                assert plan.num_runs == dst_ranges(dst, plan.entry, t, ln), "not the fewest runs"
             packed_mem = pack.numpy()
             prev = None
             for e, so, do, n in zip(plan.entry.tolist(), s.tolist(), t.tolist(), ln.tolist()):
