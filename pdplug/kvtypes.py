@@ -375,8 +375,9 @@ class TransferPlan(msgspec.Struct, frozen=True, kw_only=True):
     :ivar num_tokens: tokens this rank receives in this chunk.
     :ivar packed: whether the source is the pack region.
     :ivar region: the pack region used (``None`` when not packed).
-    :ivar pack_src_slots: int64 ``[n]`` source token slots of the rank's tokens (empty when not
-        packed).
+    :ivar pack_src_slots: int64 ``[n]`` source token slots of the rank's tokens when the gather
+        moves whole token rows from contiguous pages (then they are its row indices); empty
+        when not packed or when ``pack_groups`` gather head sub-rows.
     :ivar pack_entries: entry indices gathered into the region, in region order.
     :ivar pack_row_bytes: bytes per token of each ``pack_entries`` entry in the region (same
         order), so a packer needs no layout.

@@ -44,7 +44,7 @@ from pdplug import (
 )
 from pdplug.packing import region_capacity_tokens
 from pdplug.protocols import Packer
-from pdplug_dcp.chunks import ChunkState, chunk_state, rank_share, src_offsets
+from pdplug_dcp.chunks import ChunkState, chunk_state, rank_share
 from pdplug_dcp.direct import class_runs, expand_entries
 from pdplug_dcp.packed import check_capacity, class_packed_runs, pack_group
 from pdplug_dcp.pairs import Pair, pair_of
@@ -275,10 +275,8 @@ def _packed_rank(
         flat = blk.reshape(3, -1)
         parts.append((cls.entry_column(r), flat[0], flat[1], flat[2]))
         groups.append(pack_group(st, pair, cls, offs, first, n, l0, tokens))
-    ps = pair.src_page
-    slots = tokens.get((ps, 1))
-    if slots is None:
-        slots = src_offsets(st, ps, first, pair.dcp, n, ps, 1)
+    # whole-row gathers index token slots; sub-row gathers leave the slots to their groups
+    slots = tokens.get((pair.src_page, 1), _EMPTY)
     return (parts[0] if len(parts) == 1 else _cat(parts)), tuple(groups), slots
 
 
