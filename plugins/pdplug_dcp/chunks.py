@@ -11,8 +11,6 @@ local ``rel0 + k`` in virtual pages of ``Pd * D`` tokens.
 
 from __future__ import annotations
 
-import functools
-
 import msgspec
 import numpy as np
 
@@ -82,11 +80,20 @@ def rank_share(st: ChunkState, d: int, rank: int) -> tuple[int, int, int]:
     return first, n, (st.rel0 + first) // d
 
 
-@functools.lru_cache(maxsize=128)
-def _inpage(ps: int, step: int, first: int, scale: int) -> np.ndarray:
-    """Read-only int64 ``[ps // step]``: ``(first + step * i) * scale``."""
-    out = (first + step * np.arange(ps // step, dtype=np.int64)) * scale
-    out.flags.writeable = False
+_INPAGE: dict[tuple[int, int, int, int, int], np.ndarray] = {}
+
+
+def _inpage(ps: int, step: int, first: int, scale: int, pages: int) -> np.ndarray:
+    """Read-only int64 ``[pages * ps // step]``: ``(first + step * i) * scale`` for ``i <
+    ps // step``, repeated for ``pages`` pages (cached; sends repeat a few shapes)."""
+    key = (ps, step, first, scale, pages)
+    out = _INPAGE.get(key)
+    if out is None:
+        out = np.tile((first + step * np.arange(ps // step, dtype=np.int64)) * scale, pages)
+        out.flags.writeable = False
+        if len(_INPAGE) >= 256:
+            _INPAGE.clear()
+        _INPAGE[key] = out
     return out
 
 
@@ -101,8 +108,8 @@ def src_offsets(
         # every page holds the same in-page offsets: one cached row, one broadcast add
         per = ps // step
         npg = -(-n // per)
-        out = np.add.outer(st.src_pages[:npg] * page_mul, _inpage(ps, step, first, tok_mul))
-        return out.reshape(-1)[:n]
+        bases = (st.src_pages[:npg] * page_mul).repeat(per)
+        return _inpage(ps, step, first, tok_mul, npg)[:n] + bases[:n]
     k = st.s0 + first + step * np.arange(n, dtype=np.int64)
     pg = k // ps
     k -= pg * ps

@@ -21,7 +21,7 @@ from pdplug.kvtypes import PackGroup
 from pdplug_dcp.chunks import ChunkState, src_offsets
 from pdplug_dcp.pairs import EntryClass, Pair
 
-__all__ = ["check_capacity", "class_packed_runs", "pack_group"]
+__all__ = ["check_capacity", "class_packed_runs", "class_packed_block", "pack_group"]
 
 
 _AR = np.arange(1 << 16, dtype=np.int64)
@@ -107,6 +107,58 @@ def class_packed_runs(
         parts_d.append(last[1] + dst_pages[q1] * cls.d_ps)
         parts_n.append(last[2])
     return np.concatenate(parts_r), np.concatenate(parts_d), np.concatenate(parts_n)
+
+
+def class_packed_block(
+    cls: EntryClass, dst_pages: np.ndarray, n: int, l0: int, offs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every entry's region->destination runs of ``cls`` (entry-major ``[E * R]``: entry,
+    region offset from the pack-buffer base, destination offset, length), for the rank's
+    ``n`` tokens from local offset ``l0``; ``offs`` int64 ``[E]`` are the entries' block
+    offsets. One run per page (the common case) is written straight into the output."""
+    pd = cls.d_page
+    q0, q1 = l0 // pd, (l0 + n - 1) // pd
+    o0 = l0 - q0 * pd
+    cl = l0 + n - q1 * pd
+    pages = cls._pages
+    first = pages.get((o0, min(n, pd - o0))) or cls.page_runs(o0, min(n, pd - o0))
+    full = pages.get((0, pd)) or cls.page_runs(0, pd)
+    last = (pages.get((0, cl)) or cls.page_runs(0, cl)) if q1 > q0 else full
+    e = offs.shape[0]
+    if first[0].shape[0] == full[0].shape[0] == last[0].shape[0] == 1:
+        # one small [3, R] template (region offset, destination, length), then two
+        # broadcasts into the [3, E, R] output
+        r = q1 - q0 + 1
+        tb = cls.tok_bytes
+        tok = np.empty((3, r), dtype=np.int64)
+        np.multiply(_AR[:r], pd * tb, out=tok[0]) if r <= _AR.shape[0] else tok[0].__setitem__(
+            slice(None), np.arange(r, dtype=np.int64) * (pd * tb)
+        )
+        if o0:
+            tok[0] -= o0 * tb
+        tok[0, 0] = 0
+        np.multiply(dst_pages[q0 : q1 + 1], cls.d_ps, out=tok[1])
+        f1 = int(full[1][0])
+        if f1:
+            tok[1] += f1
+        tok[1, 0] += int(first[1][0]) - f1
+        tok[2] = full[2][0]
+        tok[2, 0] = first[2][0]
+        if r > 1:
+            tok[1, -1] += int(last[1][0]) - f1
+            tok[2, -1] = last[2][0]
+        blk = np.empty((3, e, r), dtype=np.int64)
+        np.add(tok[0][None, :], offs[:, None], out=blk[0])
+        blk[1:] = tok[1:, None, :]
+    else:
+        reg, dst, ln = class_packed_runs(cls, dst_pages, n, l0)
+        r = reg.shape[0]
+        blk = np.empty((3, e, r), dtype=np.int64)
+        np.add(reg[None, :], offs[:, None], out=blk[0])
+        blk[1] = dst[None, :]
+        blk[2] = ln[None, :]
+    flat = blk.reshape(3, -1)
+    return cls.entry_column(r), flat[0], flat[1], flat[2]
 
 
 def pack_group(

@@ -64,6 +64,7 @@ class EntryClass(msgspec.Struct, frozen=True):
     cols_t: tuple[int, ...] = ()
     _pages: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
     _ecols: dict[int, np.ndarray] = {}
+    _offs: dict[tuple[int, int], np.ndarray] = {}
 
     @property
     def ncols(self) -> int:
@@ -74,6 +75,20 @@ class EntryClass(msgspec.Struct, frozen=True):
     def tok_bytes(self) -> int:
         """Bytes moved per token per entry."""
         return self.ncols * self.w
+
+    def block_offsets(self, n: int, region_offset: int) -> np.ndarray:
+        """Read-only int64 ``[E]``: each entry's block offset from the pack-buffer base for
+        ``n`` tokens in a region at ``region_offset`` (cached: sends repeat a few pairs)."""
+        key = (n, region_offset)
+        out = self._offs.get(key)
+        if out is None:
+            out = self.cum * n
+            out += region_offset
+            out.flags.writeable = False
+            if len(self._offs) >= 64:
+                self._offs.clear()
+            self._offs[key] = out
+        return out
 
     def entry_column(self, runs: int) -> np.ndarray:
         """Read-only int64 ``[E * runs]``: each entry repeated ``runs`` times (entry-major;
@@ -190,7 +205,7 @@ def _make_class(
         d_cols=_ro(np.asarray(d_cols, dtype=np.int64)),
         w=w, d_page=d_page, head_major=head_major, unit=unit,
         cum=_ro(np.zeros(len(entries), dtype=np.int64)),
-        entries_t=tuple(entries), cols_t=tuple(s_cols), _pages={}, _ecols={},
+        entries_t=tuple(entries), cols_t=tuple(s_cols), _pages={}, _ecols={}, _offs={},
     )  # fmt: skip
 
 

@@ -46,7 +46,7 @@ from pdplug.packing import region_capacity_tokens
 from pdplug.protocols import Packer
 from pdplug_dcp.chunks import ChunkState, chunk_state, rank_share
 from pdplug_dcp.direct import class_runs, expand_entries
-from pdplug_dcp.packed import check_capacity, class_packed_runs, pack_group
+from pdplug_dcp.packed import check_capacity, class_packed_block, class_packed_runs, pack_group
 from pdplug_dcp.pairs import Pair, pair_of
 
 __all__ = ["DcpPlanner", "TpPlanner", "make_dcp_planner", "make_tp_planner"]
@@ -264,16 +264,8 @@ def _packed_rank(
     parts: list[Runs] = []
     groups: list[PackGroup] = []
     for cls in pair.main:  # a few classes at most (usually one)
-        reg, dst, ln = class_packed_runs(cls, st.dst_pages, n, l0)
-        offs = cls.cum * n
-        offs += region.offset
-        e, r = offs.shape[0], reg.shape[0]
-        blk = np.empty((3, e, r), dtype=np.int64)
-        np.add(reg[None, :], offs[:, None], out=blk[0])
-        blk[1] = dst[None, :]
-        blk[2] = ln[None, :]
-        flat = blk.reshape(3, -1)
-        parts.append((cls.entry_column(r), flat[0], flat[1], flat[2]))
+        offs = cls.block_offsets(n, region.offset)
+        parts.append(class_packed_block(cls, st.dst_pages, n, l0, offs))
         groups.append(pack_group(st, pair, cls, offs, first, n, l0, tokens))
     # whole-row gathers index token slots; sub-row gathers leave the slots to their groups
     slots = tokens.get((pair.src_page, 1), _EMPTY)
