@@ -259,12 +259,16 @@ def run_addresses(
     :param pack_base: address of the pack buffer (the plan's offsets include the region's).
     """
     entry = plan.entry
-    src_base = np.asarray(src_entry_base, dtype=np.int64)[entry]
+    # per-entry tables first (a few dozen entries), then one gather per run array
+    src_tab = np.array(src_entry_base, dtype=np.int64)
     if plan.packed and plan.pack_entries:
-        from_pack = np.isin(entry, np.asarray(plan.pack_entries, dtype=np.int64))
-        src_base = np.where(from_pack, np.int64(pack_base), src_base)
-    dst_base = np.asarray(dst_entry_base, dtype=np.int64)[np.asarray(entry_map)[entry]]
-    return src_base + plan.src_offset, dst_base + plan.dst_offset, plan.length.copy()
+        src_tab[np.asarray(plan.pack_entries, dtype=np.int64)] = pack_base
+    dst_tab = np.asarray(dst_entry_base, dtype=np.int64)[np.asarray(entry_map)]
+    src = src_tab[entry]
+    src += plan.src_offset
+    dst = dst_tab[entry]
+    dst += plan.dst_offset
+    return src, dst, plan.length.copy()
 
 
 def segment_to_chunk(
