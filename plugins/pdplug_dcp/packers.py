@@ -115,12 +115,18 @@ def _bounds(g: PackGroup) -> tuple[int, int]:
 
 
 def check_pack(
-    plan: TransferPlan, entries: Sequence[torch.Tensor | int], pack_buffer: torch.Tensor
+    plan: TransferPlan,
+    entries: Sequence[torch.Tensor | int],
+    pack_buffer: torch.Tensor,
+    extents: dict[int, tuple[Any, int, int]] | None = None,
 ) -> tuple[list[Gather], int]:
     """Validate a packed plan against the memory (no per-row work: bounds come from the
     token offsets' min/max); return one :class:`Gather` per pack entry and the bytes the plan
     writes into its region.
 
+    :param extents: a packer's cache of :func:`entry_extent` by tensor identity (a sender packs
+        from the same registered tensors every time; the cache holds them, so an id is never
+        reused while cached).
     :raises ValueError: a region outside the buffer or smaller than the shard, an entry index
         outside ``entries``, sub-rows outside their entry's memory, a block outside the
         region, or memory on another device (each names the values).
@@ -157,7 +163,15 @@ def check_pack(
             t = entries[e]
             if not isinstance(t, int) and t.device != pack_buffer.device:
                 raise ValueError(f"entry {e} on {t.device} but pack_buffer on {pack_buffer.device}")
-            addr, ext = entry_extent(t)
+            hit = extents.get(id(t)) if extents is not None else None
+            if hit is not None and hit[0] is t:
+                addr, ext = hit[1], hit[2]
+            else:
+                addr, ext = entry_extent(t)
+                if extents is not None and not isinstance(t, int):
+                    if len(extents) > 4096:
+                        extents.clear()
+                    extents[id(t)] = (t, addr, ext)
             if m and (lo < 0 or 0 <= ext < hi):
                 raise ValueError(
                     f"room {plan.room}: source rows span bytes [{lo}, {hi}) of entry {e} "
@@ -194,6 +208,7 @@ class TorchPacker:
         self._pool_pid = 0
         self._lock = threading.Lock()
         self._views: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._extents: dict[int, tuple[Any, int, int]] = {}
 
     def _bytes(self, t: torch.Tensor | int, span: int) -> torch.Tensor:
         """:func:`entry_bytes` of a whole tensor, cached per (address, extent, device) (a sender
@@ -234,7 +249,7 @@ class TorchPacker:
         """
         if not plan.packed:
             return
-        gathers, need = check_pack(plan, entries, pack_buffer)
+        gathers, need = check_pack(plan, entries, pack_buffer, self._extents)
         if need == 0:
             return
         pb = pack_buffer.data_ptr()

@@ -105,6 +105,7 @@ class TritonPacker:
         self.last_launch: dict[str, object] = {}
         self._stages: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * self.STAGES
         self._next = 0
+        self._extents: dict[int, tuple[object, int, int]] = {}
 
     def _upload(self, table: np.ndarray, dev: torch.device) -> torch.Tensor:
         """Launch table to ``dev``: zero-copy on CPU; pinned ring + non-blocking copy on CUDA."""
@@ -138,7 +139,7 @@ class TritonPacker:
         """
         if not plan.packed:
             return
-        gathers, need = check_pack(plan, entries, pack_buffer)
+        gathers, need = check_pack(plan, entries, pack_buffer, self._extents)
         if need == 0:
             return
         dev = pack_buffer.device
@@ -166,16 +167,17 @@ class TritonPacker:
         e = len(gathers)
         table = np.empty(META * e + pos, dtype=np.int64)
         meta = table[: META * e].reshape(e, META)
+        # gathers come group by group, entry by entry: per-group columns are broadcast
+        meta[:, 0] = (np.asarray(src_addr, dtype=np.int64) - base) // w
+        meta[:, 2] = np.fromiter((g.offset for g in gathers), dtype=np.int64, count=e) // w
         i = 0
         for grp in groups:
             t0, c0 = where[id(grp)]
-            for _ in grp.entries:
-                meta[i] = (
-                    (src_addr[i] - base) // w, grp.row_bytes // w, gathers[i].offset // w,
-                    grp.unit // w, t0, len(grp.tokens), len(grp.cols), grp.page_tokens,
-                    grp.first_offset, c0,
-                )  # fmt: skip
-                i += 1
+            k = len(grp.entries)
+            meta[i : i + k, 1] = grp.row_bytes // w
+            meta[i : i + k, 3:] = (grp.unit // w, t0, len(grp.tokens), len(grp.cols),
+                                   grp.page_tokens, grp.first_offset, c0)  # fmt: skip
+            i += k
         table[META * e :] = np.concatenate(pieces) if pieces else table[:0]
         meta[:, 4] += META * e
         meta[:, 9] += META * e
