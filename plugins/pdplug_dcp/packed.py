@@ -114,8 +114,13 @@ def class_packed_block(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every entry's region->destination runs of ``cls`` (entry-major ``[E * R]``: entry,
     region offset from the pack-buffer base, destination offset, length), for the rank's
-    ``n`` tokens from local offset ``l0``; ``offs`` int64 ``[E]`` are the entries' block
-    offsets. One run per page (the common case) is written straight into the output."""
+    ``n`` tokens from local offset ``l0``; ``offs`` int64 ``[E]`` (read-only, cached by
+    :meth:`EntryClass.block_offsets`) are the entries' block offsets.
+
+    With one run per page (the common case) only the destination offsets depend on the
+    chunk's pages: the region offsets and lengths depend on the shape alone (``n``, the
+    block offsets, the first page's offset, the page count) and are shared, read-only,
+    between plans of that shape."""
     pd = cls.d_page
     q0, q1 = l0 // pd, (l0 + n - 1) // pd
     o0 = l0 - q0 * pd
@@ -126,37 +131,40 @@ def class_packed_block(
     last = (pages.get((0, cl)) or cls.page_runs(0, cl)) if q1 > q0 else full
     e = offs.shape[0]
     if first[0].shape[0] == full[0].shape[0] == last[0].shape[0] == 1:
-        # one small [3, R] template (region offset, destination, length), then two
-        # broadcasts into the [3, E, R] output
         r = q1 - q0 + 1
-        tb = cls.tok_bytes
-        tok = np.empty((3, r), dtype=np.int64)
-        np.multiply(_AR[:r], pd * tb, out=tok[0]) if r <= _AR.shape[0] else tok[0].__setitem__(
-            slice(None), np.arange(r, dtype=np.int64) * (pd * tb)
-        )
-        if o0:
-            tok[0] -= o0 * tb
-        tok[0, 0] = 0
-        np.multiply(dst_pages[q0 : q1 + 1], cls.d_ps, out=tok[1])
+        dst = np.multiply(dst_pages[q0 : q1 + 1], cls.d_ps)
         f1 = int(full[1][0])
         if f1:
-            tok[1] += f1
-        tok[1, 0] += int(first[1][0]) - f1
-        tok[2] = full[2][0]
-        tok[2, 0] = first[2][0]
+            dst += f1
+        dst[0] += int(first[1][0]) - f1
         if r > 1:
-            tok[1, -1] += int(last[1][0]) - f1
-            tok[2, -1] = last[2][0]
-        blk = np.empty((3, e, r), dtype=np.int64)
-        np.add(tok[0][None, :], offs[:, None], out=blk[0])
-        blk[1:] = tok[1:, None, :]
-    else:
-        reg, dst, ln = class_packed_runs(cls, dst_pages, n, l0)
-        r = reg.shape[0]
-        blk = np.empty((3, e, r), dtype=np.int64)
-        np.add(reg[None, :], offs[:, None], out=blk[0])
-        blk[1] = dst[None, :]
-        blk[2] = ln[None, :]
+            dst[-1] += int(last[1][0]) - f1
+        out = np.empty((e, r), dtype=np.int64)
+        out[:] = dst
+        key = (id(offs), o0, r, int(first[2][0]), int(last[2][0]))
+        shared = cls._shapes.get(key)
+        if shared is None or shared[0] is not offs:
+            tb = cls.tok_bytes
+            reg = _steps(r, pd * tb, -o0 * tb)
+            reg[0] = 0
+            src = (reg[None, :] + offs[:, None]).reshape(-1)
+            lens = np.empty((e, r), dtype=np.int64)
+            lens[:] = full[2][0]
+            lens[:, 0] = first[2][0]
+            if r > 1:
+                lens[:, -1] = last[2][0]
+            ln = lens.reshape(-1)
+            src.flags.writeable = False
+            ln.flags.writeable = False
+            shared = (offs, src, ln)
+            cls.remember_shape(key, shared)
+        return cls.entry_column(r), shared[1], out.reshape(-1), shared[2]
+    reg, dst, ln = class_packed_runs(cls, dst_pages, n, l0)
+    r = reg.shape[0]
+    blk = np.empty((3, e, r), dtype=np.int64)
+    np.add(reg[None, :], offs[:, None], out=blk[0])
+    blk[1] = dst[None, :]
+    blk[2] = ln[None, :]
     flat = blk.reshape(3, -1)
     return cls.entry_column(r), flat[0], flat[1], flat[2]
 

@@ -65,6 +65,7 @@ class EntryClass(msgspec.Struct, frozen=True):
     _pages: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
     _ecols: dict[int, np.ndarray] = {}
     _offs: dict[tuple[int, int], np.ndarray] = {}
+    _shapes: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
 
     @property
     def ncols(self) -> int:
@@ -89,6 +90,19 @@ class EntryClass(msgspec.Struct, frozen=True):
                 self._offs.clear()
             self._offs[key] = out
         return out
+
+    def remember_shape(self, key: tuple[int, ...], arrays: tuple[np.ndarray, ...]) -> None:
+        """Keep read-only arrays a plan shape shares (region offsets, lengths), up to a byte
+        budget (4 MiB per class; the cache starts over when full)."""
+        size = sum(a.nbytes for a in arrays[1:])
+        if self._shape_bytes() + size > 4 << 20:
+            self._shapes.clear()
+        if size <= 4 << 20:
+            self._shapes[key] = arrays
+
+    def _shape_bytes(self) -> int:
+        # list() copies under the GIL: other senders' pack threads may insert meanwhile
+        return sum(a.nbytes for v in list(self._shapes.values()) for a in v[1:])
 
     def entry_column(self, runs: int) -> np.ndarray:
         """Read-only int64 ``[E * runs]``: each entry repeated ``runs`` times (entry-major;
@@ -206,6 +220,7 @@ def _make_class(
         w=w, d_page=d_page, head_major=head_major, unit=unit,
         cum=_ro(np.zeros(len(entries), dtype=np.int64)),
         entries_t=tuple(entries), cols_t=tuple(s_cols), _pages={}, _ecols={}, _offs={},
+        _shapes={},
     )  # fmt: skip
 
 

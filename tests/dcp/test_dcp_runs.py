@@ -147,3 +147,27 @@ def test_vllm_strided_tensors_move_byte_exact_at_real_addresses(ptp, dtp) -> Non
         assert (dstore[:, untouched].view(torch.uint8) == POISON).all()
         tail = dstore[:, dpages[-1], :, 300 - 256 :].view(torch.uint8)
         assert (tail == POISON).all(), "bytes after the partial last block were written"
+
+
+def test_plans_of_one_shape_share_read_only_region_offsets() -> None:
+    """Region offsets and lengths depend on the shape alone: plans of one shape share them
+    (read-only); another region or token count gets its own."""
+    src = make_layout(kind="mla", page_size=16, num_layers=4, head_bytes=64)
+    dst = make_layout(kind="mla", page_size=16, num_layers=4, head_bytes=64, dcp_size=2)
+    regions = pack_regions(src, dst_dcp_size=2, depth=2, region_tokens=64)
+    planner = make_dcp_planner()
+
+    def plan(pages: list[int], region: int, n: int = 64):
+        chunk = SendChunk(room=1, src_pages=np.array(pages), dst_pages=np.array([9, 4]),
+                          num_tokens=n)  # fmt: skip
+        return planner.plan(chunk, src, dst, 1, regions[region])
+
+    a, b = plan([1, 2, 3, 4], 2), plan([8, 7, 6, 5], 2)
+    assert a.src_offset is b.src_offset and a.length is b.length
+    assert not a.src_offset.flags.writeable and not a.length.flags.writeable
+    assert not np.array_equal(a.pack_src_slots, b.pack_src_slots)
+    c = plan([1, 2, 3, 4], 3)
+    assert np.array_equal(c.src_offset - a.src_offset, np.full(a.num_runs, regions[3].offset
+                                                               - regions[2].offset))  # fmt: skip
+    d = plan([1, 2, 3, 4], 2, n=50)
+    assert d.src_offset is not a.src_offset and d.length[-1] != a.length[-1]

@@ -156,7 +156,8 @@ def layout_send(kind, tps, ratio, dcp, interleave, rng) -> list[str]:
                            interleave=interleave)  # fmt: skip
             dst.mem[:] = ls.POISON
             want, mask = ls.expected(dst, kv, dpages, prefix, total)
-            st = ls.simulate(srcs, dst, req, dpages, prefix, total, 8, 2, packer=tri)
+            # 6-token segments put a rank's first token mid-page (head-major partial pages)
+            st = ls.simulate(srcs, dst, req, dpages, prefix, total, 6, 2, packer=tri)
             counts_ok = (dst.count[mask] == 1).all() and (dst.count[~mask] == 0).all()
             if not np.array_equal(dst.mem, want) or not counts_ok:
                 out.append(f"decode tp {d} dcp {rr}: {int((dst.mem != want).sum())} bytes differ")
