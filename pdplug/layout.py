@@ -62,31 +62,70 @@ def entry_map(src: KVLayout, dst: KVLayout) -> np.ndarray:
 def layout_mismatches(local: KVLayout, remote: KVLayout) -> list[str]:
     """Every reason two layouts cannot exchange KV, each naming the field and both values.
 
-    Checked: page size, dtype, layout version, memory-independent geometry (entries per layer,
-    bytes per token of every mapped entry, draft entries). DCP/TP/PP sizes may differ.
+    Checked: dtype, layout version, model (when both name one), KV heads and head size (when
+    both give them), whether heads route between the two TP sizes, entries per layer, the
+    layers held, draft entries, and per mapped entry its content and head bytes (layouts
+    with entry geometry) or bytes per token (layouts without). Page sizes may differ when both
+    layouts describe their entries and one page size divides the other; layouts without entry
+    geometry need equal page sizes (as before). DCP/PP sizes may differ; NHD vs HND, page
+    strides and TP ratios are mapped by the planner. ``engine``/``engine_version``/``kind``
+    are carried for hosts' own checks (``pdplug_check_compat``) and not compared here.
     """
+    from pdplug.heads import head_routes, layout_heads
+
     out: list[str] = []
-    if local.page_size != remote.page_size:
-        out.append(f"page_size: local {local.page_size} vs remote {remote.page_size} tokens")
+    geo = bool(local.entries) and bool(remote.entries)
+    a, b = local.page_size, remote.page_size
+    if a != b and (not geo or (a % b and b % a)):
+        why = " (neither divides the other)" if geo else ""
+        out.append(f"page_size: local {a} vs remote {b} tokens{why}")
     if local.dtype != remote.dtype:
         out.append(f"dtype: local {local.dtype} vs remote {remote.dtype}")
     if local.layout_version != remote.layout_version:
         out.append(
             f"layout_version: local {local.layout_version} vs remote {remote.layout_version}"
         )
+    for f in ("model", "num_kv_heads", "head_size"):
+        x, y = getattr(local, f), getattr(remote, f)
+        if x and y and x != y:
+            out.append(f"{f}: local {x!r} vs remote {y!r}")
+    if bool(local.entries) != bool(remote.entries):
+        side = "local" if local.entries else "remote"
+        out.append(
+            f"entries: only the {side} layout describes its entry geometry (both or neither)"
+        )
+        return out
+    hl, hr = layout_heads(local), layout_heads(remote)
+    if hl != hr:
+        out.append(f"KV heads routed: local {hl} vs remote {hr}")
+    else:
+        try:
+            head_routes(local.tp_size, remote.tp_size, hl)
+        except ValueError as e:
+            out.append(str(e))
     src, dst = (local, remote) if local.num_layers <= remote.num_layers else (remote, local)
     try:
         emap = entry_map(src, dst)
     except ValueError as e:
         out.append(str(e))
         return out
-    s_bpt = np.asarray(src.entry_bytes_per_token)
-    d_bpt = np.asarray(dst.entry_bytes_per_token)[emap]
-    for i in np.flatnonzero(s_bpt != d_bpt).tolist():
-        out.append(
-            f"entry_bytes_per_token[{i}]: {'local' if src is local else 'remote'} {s_bpt[i]} vs "
-            f"{'remote' if src is local else 'local'} {d_bpt[i]} bytes"
-        )
+    names = ("local", "remote") if src is local else ("remote", "local")
+    if geo:
+        for i, j in enumerate(emap.tolist()):
+            gs, gd = src.entry(i), dst.entry(j)
+            for f in ("content", "head_bytes"):
+                if getattr(gs, f) != getattr(gd, f):
+                    out.append(
+                        f"entries[{i}].{f}: {names[0]} {getattr(gs, f)!r} vs {names[1]} "
+                        f"{getattr(gd, f)!r}"
+                    )
+    else:
+        s_bpt = np.asarray(src.entry_bytes_per_token)
+        d_bpt = np.asarray(dst.entry_bytes_per_token)[emap]
+        for i in np.flatnonzero(s_bpt != d_bpt).tolist():
+            out.append(
+                f"entry_bytes_per_token[{i}]: {names[0]} {s_bpt[i]} vs {names[1]} {d_bpt[i]} bytes"
+            )
     s_draft = set(src.draft_entries)
     d_draft = {i for i, j in enumerate(emap.tolist()) if j in set(dst.draft_entries)}
     if s_draft != d_draft:

@@ -1,8 +1,8 @@
 """Pack-buffer layout, run merging and run addressing shared by planners and KV senders.
 
 Pure numpy helpers (no torch, no plugin imports). The algorithm follows SGLang's DCP packing
-(``dcp_pack_buffer_bytes`` / per-rank regions, PRs #35762 and #40376; see
-``shared/prior-art/sglang.md`` §3.3-3.5), rewritten for pdplug's contracts.
+(``dcp_pack_buffer_bytes`` / per-rank regions, PRs #35762 and #40376), rewritten for
+pdplug's contracts; regions are laid out in destination order (:class:`pdplug.PackGroup`).
 
 Pack buffer and regions
 -----------------------
@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdplug.protocols import PackPlanner
-from pdplug.types import KVLayout, PackRegion, Segment, SendChunk, TransferPlan
+from pdplug.types import KVLayout, PackGroup, PackRegion, Segment, SendChunk, TransferPlan
 
 __all__ = [
     "sharded_entries",
@@ -57,6 +57,8 @@ __all__ = [
     "merge_runs",
     "run_addresses",
     "segment_to_chunk",
+    "pack_groups",
+    "group_rows",
     "plan_all_ranks",
 ]
 
@@ -257,12 +259,16 @@ def run_addresses(
     :param pack_base: address of the pack buffer (the plan's offsets include the region's).
     """
     entry = plan.entry
-    src_base = np.asarray(src_entry_base, dtype=np.int64)[entry]
+    # per-entry tables first (a few dozen entries), then one gather per run array
+    src_tab = np.array(src_entry_base, dtype=np.int64)
     if plan.packed and plan.pack_entries:
-        from_pack = np.isin(entry, np.asarray(plan.pack_entries, dtype=np.int64))
-        src_base = np.where(from_pack, np.int64(pack_base), src_base)
-    dst_base = np.asarray(dst_entry_base, dtype=np.int64)[np.asarray(entry_map)[entry]]
-    return src_base + plan.src_offset, dst_base + plan.dst_offset, plan.length.copy()
+        src_tab[np.asarray(plan.pack_entries, dtype=np.int64)] = pack_base
+    dst_tab = np.asarray(dst_entry_base, dtype=np.int64)[np.asarray(entry_map)]
+    src = src_tab[entry]
+    src += plan.src_offset
+    dst = dst_tab[entry]
+    dst += plan.dst_offset
+    return src, dst, plan.length.copy()
 
 
 def segment_to_chunk(
@@ -275,29 +281,32 @@ def segment_to_chunk(
 ) -> SendChunk:
     """The :class:`SendChunk` a planner needs for one scheduler :class:`Segment`.
 
-    :param src_pages: int64 source page ids starting at this segment's first page (as
-        ``KVSender.send`` receives them; from a whole send's list pass
-        ``send_pages[segment.page_start:]``). Only the pages the segment's tokens occupy are
-        kept.
+    :param src_pages: int64 source page ids from the page holding the segment's first token on
+        (as ``KVSender.send`` receives them; from a whole send's list pass
+        ``send_pages[segment.token_start // page_size:]``). Only the pages the segment's tokens
+        occupy are kept.
     :param dst_pages: int64 destination (virtual) page ids from ``decode_prefix_len`` on.
     :param decode_prefix_len: tokens decode already holds (tokens).
-    :param page_size: source page size (tokens).
-    :raises ValueError: the segment does not start on a page boundary, starts before
-        ``decode_prefix_len``, or ``src_pages`` is too short.
+    :param page_size: source page size (tokens). A segment may start inside a source page
+        when the decode side's page differs (then ``rel_start`` is set).
+    :raises ValueError: the segment starts before ``decode_prefix_len``, or ``src_pages`` is
+        too short.
     """
     rel = segment.token_start - decode_prefix_len
-    if rel < 0 or rel % page_size:
+    if rel < 0 or page_size <= 0:
         raise ValueError(
             f"segment.token_start={segment.token_start} must be >= decode_prefix_len="
-            f"{decode_prefix_len} and page-aligned (page_size={page_size})"
+            f"{decode_prefix_len} (page_size={page_size} must be > 0)"
         )
-    need = -(-segment.num_tokens // page_size)
+    skip = segment.token_start % page_size
+    need = -(-(skip + segment.num_tokens) // page_size) if segment.num_tokens else 0
     pages = np.asarray(src_pages, dtype=np.int64)
     if pages.shape[0] < need:
         raise ValueError(
-            f"segment of {segment.num_tokens} tokens needs {need} source pages "
-            f"(page_size={page_size}), got {pages.shape[0]}"
+            f"segment of {segment.num_tokens} tokens from in-page offset {skip} needs {need} "
+            f"source pages (page_size={page_size}), got {pages.shape[0]}"
         )
+    aligned = rel % page_size == 0 and decode_prefix_len % page_size == 0
     return SendChunk(
         room=room,
         src_pages=pages[:need],
@@ -307,7 +316,63 @@ def segment_to_chunk(
         num_tokens=segment.num_tokens,
         chunk_id=segment.chunk_id,
         is_last=segment.is_last,
+        rel_start=-1 if aligned else rel,
     )
+
+
+def pack_groups(plan: TransferPlan) -> tuple[PackGroup, ...]:
+    """The gather of a packed plan: ``plan.pack_groups``, or for a plan in the original form
+    (``pack_src_slots`` rows of every pack entry) one whole-row group per entry.
+
+    :raises ValueError: a plan without region, or ``pack_row_bytes`` not matching
+        ``pack_entries``.
+    """
+    if plan.pack_groups:
+        return plan.pack_groups
+    if plan.region is None or len(plan.pack_row_bytes) != len(plan.pack_entries):
+        raise ValueError(
+            f"room {plan.room}: packed plan needs a region and pack_row_bytes per pack entry "
+            f"(region={plan.region}, {len(plan.pack_row_bytes)} row sizes for "
+            f"{len(plan.pack_entries)} entries)"
+        )
+    slots = np.asarray(
+        plan.pack_src_slots if plan.pack_src_slots is not None else [], dtype=np.int64
+    )
+    n = slots.shape[0]
+    off = plan.region.offset
+    out = []
+    for e, b in zip(plan.pack_entries, plan.pack_row_bytes):
+        out.append(
+            PackGroup(
+                entries=(e,),
+                offsets=np.array([off], dtype=np.int64),
+                tokens=slots,
+                cols=(0,),
+                row_bytes=b,
+                unit=b,
+            )
+        )
+        off += n * b
+    return tuple(out)
+
+
+def group_rows(group: PackGroup) -> np.ndarray:
+    """Source byte offset (from the entry base) of every sub-row of ``group``, in region order:
+    int64 ``[n * C]`` (see :class:`pdplug.kvtypes.PackGroup`)."""
+    tok = np.asarray(group.tokens, dtype=np.int64) * group.unit
+    cols = np.asarray(group.cols, dtype=np.int64)
+    c, n, p = cols.shape[0], tok.shape[0], group.page_tokens
+    if p == 0 or c == 1 or n == 0:
+        return (tok[:, None] + cols[None, :]).reshape(-1)
+    cnt0 = min(n, p - group.first_offset)
+    parts = [(cols[:, None] + tok[None, :cnt0]).reshape(-1)]
+    rest = tok[cnt0:]
+    f = rest.shape[0] // p
+    if f:
+        parts.append((rest[: f * p].reshape(f, 1, p) + cols[None, :, None]).reshape(-1))
+    if rest.shape[0] > f * p:
+        parts.append((cols[:, None] + rest[None, f * p :]).reshape(-1))
+    return np.concatenate(parts)
 
 
 def plan_all_ranks(

@@ -16,10 +16,10 @@ def pdplug_register_pack_planners() -> Iterator[PackPlannerSpec]:
     yield PackPlannerSpec(
         name="dcp",
         factory="pdplug_dcp.planner:make_dcp_planner",
-        summary="DCP relayout: per-rank pack regions, Triton/torch gather, merged runs",
+        summary="NHD/HND/MLA, TP and page ratios, DCP: packed in destination order, fewest runs",
     )
     yield PackPlannerSpec(
         name="tp",
         factory="pdplug_dcp.planner:make_tp_planner",
-        summary="identity layout: merged contiguous page runs, no packing",
+        summary="direct merged runs, no packing (decode DCP 1)",
     )

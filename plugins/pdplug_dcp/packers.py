@@ -1,127 +1,196 @@
-"""Packers: execute a plan's gather (``pack_src_slots`` rows of ``pack_entries``) bit-exactly.
+"""Packers: execute a plan's gather (whole token rows or head sub-rows) bit-exactly.
 
-* :class:`TorchPacker` — one gather per entry into a preallocated region view, over rows viewed
-  as the widest integer type the row size and addresses allow (no per-token loop, no
-  allocation): ``numpy.take(..., out=)`` on zero-copy views of CPU tensors (GIL released; the
-  entries are split among ``threads`` threads), ``torch.index_select(..., out=)`` on other
-  devices. Default on CPU.
-* :class:`pdplug_dcp.triton_pack.TritonPacker` — one Triton launch for all entries (SGLang
-  ``copy_mla_rows_into_pack``, PR #35762; prior-art sglang.md §3.3). Default on CUDA; runs on
-  CPU tensors only under ``TRITON_INTERPRET=1`` (tests).
+* :class:`TorchPacker` — one gather per pack entry into a preallocated region view, over
+  sub-rows viewed as the widest integer words the row size and addresses allow (no per-token
+  loop, no allocation besides the row index): ``numpy.take(..., out=)`` on zero-copy strided
+  views of CPU memory (GIL released; entries split among ``threads`` threads),
+  ``torch.index_select(..., out=)`` on other devices. Default on CPU.
+* :class:`pdplug_dcp.triton_pack.TritonPacker` — one Triton launch for all entries (after
+  SGLang ``copy_mla_rows_into_pack``, PR #35762). Default on CUDA; runs on CPU tensors only
+  under ``TRITON_INTERPRET=1`` (tests).
 
-On CUDA both enqueue on the current stream and return: record an event (or synchronise)
-before posting the writes that read the region.
+A KV entry may be a tensor of any dtype and strides (a vLLM per-layer view into a shared
+storage included) or, on CPU, a raw address (``int``): the packer reads the bytes the plan's
+:class:`~pdplug.kvtypes.PackGroup` offsets name from the entry's page 0. On CUDA both packers
+enqueue on the current stream and return: record an event (or synchronise) before posting the
+writes that read the region.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from pdplug.kvtypes import PackGroup
+from pdplug.packing import group_rows, pack_groups
 from pdplug.protocols import Packer
 from pdplug.types import TransferPlan
 
-__all__ = ["TorchPacker", "make_packer", "pack_layout", "entry_rows", "check_pack"]
+__all__ = [
+    "TorchPacker",
+    "make_packer",
+    "entry_bytes",
+    "entry_extent",
+    "check_pack",
+    "Gather",
+    "widest",
+]
 
 log = logging.getLogger(__name__)
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
-def entry_rows(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """View a contiguous KV entry tensor (any dtype/shape) as uint8 rows ``[slots, row_bytes]``.
+def widest(*values: int) -> tuple[int, torch.dtype]:
+    """The widest word (8, 4, 2 or 1 bytes) dividing every value, with its integer dtype."""
+    for w, dt in _WIDE:
+        if all(v % w == 0 for v in values):
+            return w, dt
+    return 1, torch.uint8
 
-    :raises ValueError: not contiguous, or its byte size is not a multiple of ``row_bytes``.
+
+def entry_extent(t: torch.Tensor | int) -> tuple[int, int]:
+    """``(address of the entry's first byte, bytes it spans)`` of a tensor (any strides), or
+    ``(address, -1)`` for a raw address (extent unknown: checked at registration).
+
+    :raises ValueError: a negative stride.
     """
-    if not t.is_contiguous():
-        raise ValueError(f"KV entry tensor of shape {tuple(t.shape)} is not contiguous")
-    flat = t.reshape(-1).view(torch.uint8)
-    if row_bytes <= 0 or flat.numel() % row_bytes:
-        raise ValueError(
-            f"KV entry of {flat.numel()} bytes is not a whole number of {row_bytes}-byte rows"
-        )
-    return flat.view(-1, row_bytes)
+    if isinstance(t, int):
+        return t, -1
+    if any(s < 0 for s in t.stride()):
+        raise ValueError(f"KV entry of shape {tuple(t.shape)} has a negative stride {t.stride()}")
+    es = t.element_size()
+    ext = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * es if t.numel() else 0
+    return t.data_ptr(), ext
 
 
-def pack_layout(plan: TransferPlan) -> tuple[int, np.ndarray, np.ndarray]:
-    """``(n, row_bytes int64 [E], region byte offset of each pack entry int64 [E])``."""
-    n = int(plan.pack_src_slots.shape[0]) if plan.pack_src_slots is not None else 0
-    rb = np.asarray(plan.pack_row_bytes, dtype=np.int64)
-    base = plan.region.offset if plan.region is not None else 0
-    off = base + n * (np.cumsum(rb) - rb)
-    return n, rb, off
+def entry_bytes(t: torch.Tensor | int, span: int) -> torch.Tensor:
+    """A uint8 tensor over ``span`` bytes of an entry's memory from its first byte, no copy:
+    through a tensor's storage (any device), or at a raw CPU address.
+
+    :raises ValueError: a negative stride.
+    """
+    if isinstance(t, int):
+        buf = (ctypes.c_uint8 * span).from_address(t)
+        return torch.from_numpy(np.ctypeslib.as_array(buf))
+    entry_extent(t)
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    flat.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (span,), (1,))
+    return flat
+
+
+class Gather(NamedTuple):
+    """One validated gather of one pack entry.
+
+    :ivar entry: source entry index; ``addr``: address of its page 0.
+    :ivar group: the :class:`~pdplug.kvtypes.PackGroup` it belongs to.
+    :ivar offset: byte offset of the entry's block from the pack-buffer base.
+    :ivar span: bytes of the entry the group reads (from ``addr``).
+    """
+
+    entry: int
+    addr: int
+    group: PackGroup
+    offset: int
+    span: int
+
+
+def _bounds(g: PackGroup) -> tuple[int, int]:
+    """Byte range ``[lo, hi)`` of an entry that ``g`` reads (``(0, 0)`` when empty)."""
+    tok = np.asarray(g.tokens)
+    if tok.shape[0] == 0 or not g.cols:
+        return 0, 0
+    return (
+        int(tok.min()) * g.unit + min(g.cols),
+        int(tok.max()) * g.unit + max(g.cols) + g.row_bytes,
+    )
 
 
 def check_pack(
-    plan: TransferPlan, entries: Sequence[torch.Tensor], pack_buffer: torch.Tensor
-) -> tuple[int, np.ndarray, np.ndarray, list[torch.Tensor]]:
-    """Validate a packed plan against tensors; return ``pack_layout`` plus the entry rows.
+    plan: TransferPlan,
+    entries: Sequence[torch.Tensor | int],
+    pack_buffer: torch.Tensor,
+    extents: dict[int, tuple[Any, int, int]] | None = None,
+) -> tuple[list[Gather], int]:
+    """Validate a packed plan against the memory (no per-row work: bounds come from the
+    token offsets' min/max); return one :class:`Gather` per pack entry and the bytes the plan
+    writes into its region.
 
-    :raises ValueError: missing region/row sizes, a slot outside an entry, a region outside
-        the buffer, the shard larger than the region, or tensors on different devices.
+    :param extents: a packer's cache of :func:`entry_extent` by tensor identity (a sender packs
+        from the same registered tensors every time; the cache holds them, so an id is never
+        reused while cached).
+    :raises ValueError: a region outside the buffer or smaller than the shard, an entry index
+        outside ``entries``, sub-rows outside their entry's memory, a block outside the
+        region, or memory on another device (each names the values).
     """
-    if plan.region is None or len(plan.pack_row_bytes) != len(plan.pack_entries):
-        raise ValueError(
-            f"room {plan.room}: packed plan needs a region and pack_row_bytes per pack entry "
-            f"(region={plan.region}, {len(plan.pack_row_bytes)} row sizes for "
-            f"{len(plan.pack_entries)} entries)"
-        )
     if pack_buffer.dtype != torch.uint8 or pack_buffer.dim() != 1:
         raise ValueError(
             f"pack_buffer must be uint8 [nbytes], got {pack_buffer.dtype} "
             f"{tuple(pack_buffer.shape)}"
         )
-    n, rb, off = pack_layout(plan)
+    groups = pack_groups(plan)
     reg = plan.region
-    need = n * int(rb.sum())
+    if reg is None:
+        raise ValueError(f"room {plan.room}: packed plan has no region")
+    n = len(groups[0].tokens) if groups else 0
+    need = n * sum(plan.pack_row_bytes)
     if need > reg.nbytes or reg.offset + reg.nbytes > pack_buffer.numel():
         raise ValueError(
-            f"room {plan.room}: {n} tokens x {int(rb.sum())} bytes = {need} bytes in region "
-            f"{reg.index} (offset {reg.offset}, {reg.nbytes} bytes) of a {pack_buffer.numel()}-"
-            "byte pack buffer: does not fit"
+            f"room {plan.room}: {n} tokens x {sum(plan.pack_row_bytes)} bytes = {need} bytes in "
+            f"region {reg.index} (offset {reg.offset}, {reg.nbytes} bytes) of a "
+            f"{pack_buffer.numel()}-byte pack buffer: does not fit"
         )
-    rows = []
-    for e, b in zip(plan.pack_entries, rb.tolist()):
-        if not 0 <= e < len(entries):
-            raise ValueError(f"pack entry {e} outside the {len(entries)} KV entries given")
-        t = entries[e]
-        if t.device != pack_buffer.device:
-            raise ValueError(f"entry {e} on {t.device} but pack_buffer on {pack_buffer.device}")
-        rows.append(entry_rows(t, b))
-    if n:
-        slots = np.asarray(plan.pack_src_slots)
-        hi, lo = int(slots.max()), int(slots.min())
-        short = min(r.shape[0] for r in rows)
-        if lo < 0 or hi >= short:
-            raise ValueError(
-                f"room {plan.room}: source slots span [{lo}, {hi}] but an entry holds only "
-                f"{short} token slots"
-            )
-    return n, rb, off, rows
-
-
-def _widest(row_bytes: int, *addrs: int) -> tuple[int, torch.dtype]:
-    for w, dt in _WIDE:
-        if row_bytes % w == 0 and all(a % w == 0 for a in addrs):
-            return w, dt
-    return 1, torch.uint8
+    out: list[Gather] = []
+    for g in groups:
+        m = len(g.tokens) * len(g.cols)
+        lo, hi = _bounds(g)
+        for e, off in zip(g.entries, np.asarray(g.offsets).tolist()):
+            if not 0 <= e < len(entries):
+                raise ValueError(f"pack entry {e} outside the {len(entries)} KV entries given")
+            if off < reg.offset or off + m * g.row_bytes > reg.offset + reg.nbytes:
+                raise ValueError(
+                    f"room {plan.room}: entry {e}'s block [{off}, {off + m * g.row_bytes}) lies "
+                    f"outside region {reg.index} [{reg.offset}, {reg.offset + reg.nbytes})"
+                )
+            t = entries[e]
+            if not isinstance(t, int) and t.device != pack_buffer.device:
+                raise ValueError(f"entry {e} on {t.device} but pack_buffer on {pack_buffer.device}")
+            hit = extents.get(id(t)) if extents is not None else None
+            if hit is not None and hit[0] is t:
+                addr, ext = hit[1], hit[2]
+            else:
+                addr, ext = entry_extent(t)
+                if extents is not None and not isinstance(t, int):
+                    if len(extents) > 4096:
+                        extents.clear()
+                    extents[id(t)] = (t, addr, ext)
+            if m and (lo < 0 or 0 <= ext < hi):
+                raise ValueError(
+                    f"room {plan.room}: source rows span bytes [{lo}, {hi}) of entry {e} "
+                    f"(rows {lo // g.row_bytes}..{(hi - 1) // g.row_bytes} of {g.row_bytes} "
+                    f"bytes) but the entry holds only {ext} bytes ({ext // g.row_bytes} rows)"
+                )
+            out.append(Gather(e, addr, g, off, hi))
+    return out, need
 
 
 class TorchPacker:
-    """Gather into preallocated region views (CPU default): ``numpy.take`` on CPU tensors'
-    zero-copy views, ``torch.index_select`` elsewhere.
+    """Gather into preallocated region views (CPU default): ``numpy.take`` on CPU memory's
+    zero-copy strided views, ``torch.index_select`` elsewhere.
 
-    Satisfies :class:`pdplug.protocols.Packer`. One gather per pack entry; rows are read as
-    int64/int32/int16 words when the row size and both addresses allow (bit-exact: integer
-    views never convert). On CPU the entries are dealt round-robin to ``threads`` threads (the
-    caller's thread takes the first share); ``numpy.take`` releases the GIL, so they
-    run in parallel. A row gather is bound by memory latency more than bandwidth, so on a
+    Satisfies :class:`pdplug.protocols.Packer`. One gather per pack entry; sub-rows are read as
+    int64/int32/int16 words when the row size, the offsets and both addresses allow (bit-exact:
+    integer views never convert). On CPU the entries are dealt round-robin to ``threads``
+    threads (the caller's thread takes the first share); ``numpy.take`` releases the GIL, so
+    they run in parallel. A row gather is bound by memory latency more than bandwidth, so on a
     machine with idle cores more threads help; a sender whose engine copies on the same cores
     may prefer fewer (``PlannerConfig.pack_threads``).
 
@@ -138,6 +207,23 @@ class TorchPacker:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._lock = threading.Lock()
+        self._views: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._extents: dict[int, tuple[Any, int, int]] = {}
+
+    def _bytes(self, t: torch.Tensor | int, span: int) -> torch.Tensor:
+        """:func:`entry_bytes` of a whole tensor, cached per (address, extent, device) (a sender
+        packs from the same registered entries every time; a cached view keeps its storage
+        alive, so an address is never reused under it), or ``span`` bytes at a raw address."""
+        if isinstance(t, int):
+            return entry_bytes(t, span)
+        addr, ext = entry_extent(t)
+        key = (addr, ext, str(t.device))
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 1024:
+                self._views.clear()
+            v = self._views[key] = entry_bytes(t, ext)
+        return v
 
     def _executor(self) -> ThreadPoolExecutor:
         # a forked child inherits the pool object but not its threads: start a new one there
@@ -148,41 +234,60 @@ class TorchPacker:
             return self._pool
 
     def pack(
-        self, plan: TransferPlan, entries: Sequence[torch.Tensor], pack_buffer: torch.Tensor
+        self,
+        plan: TransferPlan,
+        entries: Sequence[torch.Tensor | int],
+        pack_buffer: torch.Tensor,
     ) -> None:
-        """Gather ``plan.pack_src_slots`` rows of every ``plan.pack_entries`` entry into the
-        region (layer-major). A plan that is not packed, or has no tokens, is a no-op.
+        """Gather the plan's rows or sub-rows of every pack entry into its region, in
+        destination order. A plan that is not packed, or has no tokens, is a no-op.
 
-        :param entries: one contiguous tensor per source KV entry (layout order).
+        :param entries: one tensor (any dtype, any strides) per source KV entry (layout
+            order), or on CPU its raw address (``int``).
         :param pack_buffer: uint8 ``[nbytes]`` on the entries' device.
         :raises ValueError: see :func:`check_pack`.
         """
         if not plan.packed:
             return
-        n, rb, off, rows = check_pack(plan, entries, pack_buffer)
-        if n == 0:
+        gathers, need = check_pack(plan, entries, pack_buffer, self._extents)
+        if need == 0:
             return
-        slots = np.ascontiguousarray(plan.pack_src_slots, dtype=np.int64)
         pb = pack_buffer.data_ptr()
-        views = []
-        for src, b, o in zip(rows, rb.tolist(), off.tolist()):
-            w, dt = _widest(b, src.data_ptr(), pb + o)
-            out = pack_buffer[o : o + n * b]
-            if w > 1:
-                src = src.view(dt)
-                out = out.view(dt)
-            views.append((src, out.view(n, b // w)))
+        rows_of: dict[int, np.ndarray] = {}
+        views: list[tuple[Any, Any, Any, Any]] = []
+        for ga in gathers:
+            g = ga.group
+            rb, unit = g.row_bytes, g.unit
+            m = len(g.tokens) * len(g.cols)
+            if m == 0:
+                continue
+            rows = rows_of.get(id(g))
+            if rows is None:
+                rows = rows_of[id(g)] = group_rows(g) // unit
+            w, dt = widest(rb, unit, ga.addr, pb + ga.offset)
+            out = pack_buffer[ga.offset : ga.offset + m * rb].view(dt).view(m, rb // w)
+            src = self._bytes(entries[ga.entry], ga.span)
+            k = (src.numel() - rb) // unit + 1  # rows starting every unit bytes that fit
+            words = src[: src.numel() // w * w].view(dt)
+            views.append((words, (k, rb // w, unit // w), out, rows))
         if pack_buffer.device.type != "cpu":
-            idx = torch.from_numpy(slots).to(pack_buffer.device, non_blocking=True)
-            for src, out in views:
-                torch.index_select(src, 0, idx, out=out)
+            for words, (k, cols, stride), out, idx in views:
+                rows_v = torch.as_strided(words, (k, cols), (stride, 1))
+                dev_idx = torch.from_numpy(idx).to(pack_buffer.device, non_blocking=True)
+                torch.index_select(rows_v, 0, dev_idx, out=out)
             return
-        # slots were range-checked, so mode="clip" (no bounds pass, no buffering)
-        arrays = [(src.numpy(), out.numpy()) for src, out in views]
+        arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for words, (k, cols, stride), out, idx in views:
+            a = words.numpy()
+            rows_np = np.lib.stride_tricks.as_strided(
+                a, (k, cols), (stride * a.itemsize, a.itemsize), writeable=False
+            )
+            arrays.append((rows_np, idx, out.numpy()))
 
-        def gather(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
-            for s, o in part:
-                np.take(s, slots, axis=0, out=o, mode="clip")
+        def gather(part: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+            # rows were range-checked, so mode="clip" (no bounds pass, no buffering)
+            for s, i, o in part:
+                np.take(s, i, axis=0, out=o, mode="clip")
 
         k = min(self.threads, len(arrays))
         if k <= 1:

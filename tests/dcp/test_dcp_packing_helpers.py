@@ -127,10 +127,18 @@ def test_segment_to_chunk() -> None:
     ch = segment_to_chunk(7, seg, pages[seg.page_start :], np.arange(5), 32, 32)
     assert ch.src_pages.tolist() == [12, 13] and ch.src_page_offset == 2
     assert (ch.num_tokens, ch.chunk_id, ch.is_last, ch.room) == (54, 4, True, 7)
+    assert ch.rel_start == -1  # page-aligned: the original fields say it all
     with pytest.raises(ValueError, match="token_start=96 must be >= decode_prefix_len=128"):
         segment_to_chunk(7, seg, pages, np.arange(5), 128, 32)
     with pytest.raises(ValueError, match=r"needs 2 source pages .* got 1"):
         segment_to_chunk(7, seg, pages[:1], np.arange(5), 32, 32)
+    # a prefill page larger than the decode virtual page: a segment may start mid-page
+    mid = Segment(token_start=80, token_end=150, page_start=1, num_tokens=70, chunk_id=1,
+                  is_last=True)  # fmt: skip
+    ch = segment_to_chunk(7, mid, pages[80 // 64 :], np.arange(9), 16, 64)
+    assert (ch.rel_start, ch.src_pages.tolist()) == (64, [11, 12])  # tokens 80..149: 2 pages
+    with pytest.raises(ValueError, match=r"in-page offset 16 needs 2 source pages"):
+        segment_to_chunk(7, mid, pages[1:2], np.arange(9), 16, 64)
 
 
 def test_plan_all_ranks_batched_and_fallback_agree() -> None:

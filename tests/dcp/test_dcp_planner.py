@@ -24,7 +24,7 @@ from pdplug.packing import (
     segment_to_chunk,
     send_capacity_tokens,
 )
-from pdplug.types import SendChunk, TransferPlan
+from pdplug.types import PackRegion, SendChunk, TransferPlan
 from pdplug_dcp.planner import make_dcp_planner, make_tp_planner
 from pdplug_scheduler.scheduler import make_scheduler
 
@@ -404,13 +404,14 @@ DST = KVLayout(page_size=4, entry_bytes_per_token=(8, 16), dcp_size=2)
     [
         (_chunk(), KVLayout(page_size=4, entry_bytes_per_token=(8, 12), dcp_size=2), 0,
          ["geometry differs at source entry 1", "16 vs 12"]),
-        (_chunk(), KVLayout(page_size=8, entry_bytes_per_token=(8, 16), dcp_size=2), 0,
-         ["page_size differs: source 4 vs destination 8"]),
+        (_chunk(), KVLayout(page_size=6, entry_bytes_per_token=(8, 16), dcp_size=2), 0,
+         ["page_size: source 4 vs destination 6 tokens: neither divides the other"]),
         (_chunk(decode_prefix_len=4), DST, 0,
          ["decode_prefix_len=4", "page_size*dcp_size=4*2=8"]),
         (_chunk(dst_pages=np.arange(1)), DST, 0,
          ["too few destination pages", "need 2 virtual pages", "dst_pages has 1"]),
-        (_chunk(src_pages=np.arange(3)), DST, 0, ["num_tokens=16 needs 4 source pages", "has 3"]),
+        (_chunk(src_pages=np.arange(3)), DST, 0,
+         ["num_tokens=16 from in-page offset 0 needs 4 source pages", "has 3"]),
         (_chunk(), DST, 2, ["dst_dcp_rank=2 not in [0, dcp_size=2)"]),
         (_chunk(), KVLayout(page_size=4, entry_bytes_per_token=(8, 16), draft_entries=(1,),
                             dcp_size=2), 0, ["draft_entries do not correspond"]),
@@ -507,15 +508,17 @@ def test_draft_only_source_is_not_packed() -> None:
 
 
 def test_entry_column_cache_is_bounded() -> None:
-    """Identity and per-token plans vary their run counts per chunk; the shared entry-column
-    cache keeps small columns only, within its byte budget."""
-    from pdplug_dcp.planner import _COLS_BUDGET, geometry
+    """Packed plans vary their run counts with the chunk; the per-class entry-column cache
+    keeps small, read-only columns only, within its byte budget."""
+    from pdplug_dcp.pairs import pair_of
 
-    lay = KVLayout(page_size=1, entry_bytes_per_token=(8,) * 64)
-    planner = make_tp_planner()
-    for n in range(1, 400, 3):
+    src = KVLayout(page_size=1, entry_bytes_per_token=(8,) * 64)
+    dst = KVLayout(page_size=1, entry_bytes_per_token=(8,) * 64, dcp_size=2)
+    planner = make_dcp_planner()
+    region = PackRegion(index=0, offset=0, nbytes=1 << 30, capacity_tokens=1 << 20)
+    for n in range(1, 1200, 7):
         planner.plan(SendChunk(room=1, src_pages=np.arange(n), dst_pages=np.arange(n),
-                               num_tokens=n), lay, lay, 0)  # fmt: skip
-    cols = geometry(lay, lay).every._entry_cols
-    assert cols and sum(c.nbytes for c in cols.values()) <= _COLS_BUDGET
+                               num_tokens=n), src, dst, 0, region)  # fmt: skip
+    cols = pair_of(src, dst).main[0]._ecols
+    assert cols and sum(c.nbytes for c in cols.values()) <= (1 << 20) + (64 << 10)
     assert all(not c.flags.writeable for c in cols.values())

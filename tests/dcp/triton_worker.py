@@ -1,8 +1,12 @@
 """Run in a subprocess with TRITON_INTERPRET=1 (set before triton is imported): compare the
-Triton packer with the torch packer and a numpy reference, byte for byte, on random cases.
+Triton packer with the torch packer and a numpy reference, byte for byte, on random row cases;
+then run whole planned sends over real layouts (strided views into shared storages, head
+sub-rows, head-major regions) with the Triton packer and compare every destination byte with
+the per-token-per-head reference.
 
 Usage: ``TRITON_INTERPRET=1 python triton_worker.py SEED`` -> prints one JSON line
-``{"cases": N, "mismatches": [...], "words": [...]}``; exit code 1 on any mismatch.
+``{"cases": N, "layouts": M, "mismatches": [...], "words": [...]}``; exit code 1 on any
+mismatch.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
+sys.path.insert(0, str(Path(__file__).parent))
 
+import _layoutsim as ls  # noqa: E402
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -22,7 +29,15 @@ from pdplug_dcp.packers import TorchPacker, make_packer  # noqa: E402
 from pdplug_dcp.triton_pack import TritonPacker, gather_rows_kernel  # noqa: E402
 
 POISON = 0xA5
-hits: list[int] = []  # cached geometries per triton packer (1 = the second pack reused it)
+
+#: (kind, (prefill TP, decode TP, heads), prefill page / decode page, DCP, interleaved storage)
+LAYOUTS = [
+    ("hnd", (1, 2, 4), 2.0, 2, True),  # head sub-rows, head-major region, page ratio
+    ("hnd_split", (2, 1, 4), 0.5, 4, False),
+    ("nhd", (1, 2, 4), 1.0, 1, True),  # NHD head slice: packed at DCP 1
+    ("mla", (4, 2, 2), 1.0, 4, True),
+    ("hnd", (2, 4, 2), 1.0, 2, False),
+]
 
 
 def case(rng, row_bytes, n, slots_per_entry, region_offset, dtypes):
@@ -59,8 +74,7 @@ def case(rng, row_bytes, n, slots_per_entry, region_offset, dtypes):
         buf.fill_(POISON)
         packer.pack(plan, entries, buf)
         outs[name] = buf.numpy().copy()
-    hits.append(len(tri._checked))
-    if n:  # the cached geometry still range-checks slots
+    if n:  # slots are range-checked
         bad = msgspec.structs.replace(plan, pack_src_slots=np.full(n, slots_per_entry))
         try:
             tri.pack(bad, entries, buf)
@@ -104,10 +118,52 @@ def main(seed: int) -> int:
             elif not np.array_equal(got, ref):
                 bad = np.flatnonzero(got != ref)
                 mismatches.append(f"case {i} {name}: {bad.size} bytes differ, first at {bad[0]}")
-    if any(h > 1 for h in hits):
-        mismatches.append(f"geometry cache not reused: {hits}")
-    print(json.dumps({"cases": len(cases), "mismatches": mismatches, "words": words}))
+    for kind, tps, ratio, dcp, inter in LAYOUTS:
+        for bad in layout_send(kind, tps, ratio, dcp, inter, rng):
+            mismatches.append(f"{kind} tp {tps} ratio {ratio} dcp {dcp}: {bad}")
+    print(
+        json.dumps(
+            {"cases": len(cases), "layouts": len(LAYOUTS), "mismatches": mismatches, "words": words}
+        )
+    )
     return 1 if mismatches else 0
+
+
+def layout_send(kind, tps, ratio, dcp, interleave, rng) -> list[str]:
+    """Every decode rank of one configuration, sent with the Triton packer (torch views of
+    each rank's storage as entries), checked against the per-token-per-head reference."""
+    ptp, dtp, heads = tps
+    pd, hb, layers, pages = 4, 8, 2, 48
+    ps = int(pd * ratio)
+    prefix = pd * dcp
+    total = 3 * pd * dcp + 3  # partial last page
+    ntok = prefix + total
+    req = rng.permutation(pages)[: -(-ntok // ps)]
+    dpages = rng.permutation(pages)[: -(-total // (pd * dcp))]
+    e = layers * (2 if kind == "hnd_split" else 1)
+    kv = rng.integers(0, 256, (e, heads, ntok, hb), dtype=np.uint8)
+    srcs = [
+        ls.build(kind, ps, ptp, r, heads, layers, hb, pages, interleave=interleave)
+        for r in range(ptp)
+    ]
+    for src in srcs:
+        ls.fill_source(src, kv, req, ntok, rng)
+    out = []
+    tri = TritonPacker()
+    for d in range(dtp):
+        for rr in range(dcp):
+            dst = ls.build(kind, pd, dtp, d, heads, layers, hb, pages, dcp=dcp, dcp_rank=rr,
+                           interleave=interleave)  # fmt: skip
+            dst.mem[:] = ls.POISON
+            want, mask = ls.expected(dst, kv, dpages, prefix, total)
+            # 6-token segments put a rank's first token mid-page (head-major partial pages)
+            st = ls.simulate(srcs, dst, req, dpages, prefix, total, 6, 2, packer=tri)
+            counts_ok = (dst.count[mask] == 1).all() and (dst.count[~mask] == 0).all()
+            if not np.array_equal(dst.mem, want) or not counts_ok:
+                out.append(f"decode tp {d} dcp {rr}: {int((dst.mem != want).sum())} bytes differ")
+            if st["packed"] == 0 and (dcp > 1 or kind == "nhd"):
+                out.append(f"decode tp {d} dcp {rr}: nothing was packed ({st})")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""Unpacked plans: byte runs straight from source entries to destination entries, merged
+wherever both sides are contiguous, never crossing a destination page.
+
+Per class (:class:`~pdplug_dcp.pairs.EntryClass`): token runs (consecutive on both sides inside
+one source and one destination page) x columns give pieces; pieces are put in destination
+order inside each page (token-major or head-major) and neighbours contiguous on both sides are
+merged (SGLang ``group_concurrent_contiguous`` on bytes). One template serves every entry of
+the class (offsets are relative to each entry's base). Vectorised over runs; no Python loop
+over tokens or pages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdplug_dcp.chunks import ChunkState, token_runs
+from pdplug_dcp.pairs import EntryClass
+
+__all__ = ["class_runs", "expand_entries"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+def class_runs(
+    st: ChunkState,
+    cls: EntryClass,
+    ps: int,
+    dst_pages: np.ndarray,
+    l_start: int,
+    first: int = 0,
+    step: int = 1,
+    n: int = -1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merged runs of one entry of ``cls`` for chunk tokens ``first + step * j`` stored from
+    local offset ``l_start`` (``n`` tokens; -1: all from ``first``).
+
+    :returns: int64 ``[R]`` ``(source offset from the source entry base, destination offset
+        from the destination entry base, length)`` in bytes, in destination order.
+    """
+    k, loc, ln = token_runs(st, ps, cls.d_page, l_start, first, step, n)
+    if k.shape[0] == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    w, c = cls.w, cls.ncols
+    if ln.max() > 1 and not (w == cls.s_ts == cls.d_ts):
+        # a run is contiguous per column only when a column is a whole token stride on both
+        # sides; otherwise every token is its own piece
+        run = np.repeat(np.arange(k.shape[0]), ln)
+        off = np.arange(run.shape[0], dtype=np.int64) - np.repeat(np.cumsum(ln) - ln, ln)
+        k, loc = k[run] + off, loc[run] + off
+        ln = np.ones(k.shape[0], dtype=np.int64)
+    t = k.shape[0]
+    src_tok = _src_at(st, ps, k, cls)
+    q = loc // cls.d_page
+    dst_tok = dst_pages[q] * cls.d_ps + (loc - q * cls.d_page) * cls.d_ts
+    src = (src_tok[:, None] + cls.s_cols[None, :]).reshape(-1)
+    dst = (dst_tok[:, None] + cls.d_cols[None, :]).reshape(-1)
+    length = np.repeat(ln * w, c)
+    page = np.repeat(q, c)
+    if c > 1 and cls.head_major:
+        # reorder (run, column) -> (page, column, run): position = c * first run of the page
+        # + column * runs in the page + run index inside the page
+        _, first_t, cnt = np.unique(q, return_index=True, return_counts=True)
+        base = np.repeat(first_t, cnt)
+        tt = np.arange(t, dtype=np.int64)
+        pos = (c * base + (tt - base))[:, None] + np.arange(c)[None, :] * np.repeat(cnt, cnt)[
+            :, None
+        ]
+        pos = pos.reshape(-1)
+        order = np.empty_like(pos)
+        order[pos] = np.arange(pos.shape[0])
+        src, dst, length, page = src[order], dst[order], length[order], page[order]
+    return _merge(src, dst, length, page)
+
+
+def _src_at(st: ChunkState, ps: int, k: np.ndarray, cls: EntryClass) -> np.ndarray:
+    """Source byte offsets of chunk tokens ``k``."""
+    a = st.s0 + k
+    pg = a // ps
+    return st.src_pages[pg] * cls.s_ps + (a - pg * ps) * cls.s_ts
+
+
+def _merge(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, page: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    m = src.shape[0]
+    if m <= 1:
+        return src, dst, length
+    end_s = src[:-1] + length[:-1]
+    end_d = dst[:-1] + length[:-1]
+    brk = (src[1:] != end_s) | (dst[1:] != end_d) | (page[1:] != page[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    csum = np.concatenate(([0], np.cumsum(length)))
+    ends = np.concatenate((starts[1:], [m]))
+    return src[starts], dst[starts], csum[ends] - csum[starts]
+
+
+def expand_entries(
+    entries: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One template for every entry of a class, entry-major: four int64 ``[E * R]`` arrays
+    ``(entry, src_offset, dst_offset, length)``."""
+    e, r = entries.shape[0], src.shape[0]
+    if r == 0 or e == 0:
+        return _EMPTY, _EMPTY, _EMPTY, _EMPTY
+    return np.repeat(entries, r), np.tile(src, e), np.tile(dst, e), np.tile(length, e)
