@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 
 from pdplug import Codec, Consensus, ConsensusConfig, ConsensusError, Decision, Vote
 from pdplug.ports import free_endpoints
-from pdplug_consensus.common import Applier, LocalVotes, Tally, check_config
+from pdplug_consensus.common import check_config
+from pdplug_consensus.decide import Applier, Tally
 from pdplug_consensus.messages import Abort, Heartbeat, RingCandidate, StreamCandidate
 from pdplug_consensus.pp0 import make_pp0
 from pdplug_consensus.ring import make_ring
+from pdplug_consensus.votes import LocalVotes
 
 S = ("bootstrap", "release")
 
