@@ -1,6 +1,6 @@
 """``pp0``: PP0-centric consensus — one hop in, one hop out, whatever ``pp_size`` is.
 
-Algorithm (DESIGN.md §3; the PP0-centric store of SGLang PR #38959 with the frozen, numbered
+Algorithm (the PP0-centric store of SGLang PR #38959 with the frozen, numbered
 decisions of PR #34569):
 
 1. ``offer(stream, good, bad)`` on any rank sends a :class:`pdplug.Vote` (only the ids new

@@ -20,8 +20,8 @@ its forward pass). SGLang's stages receive with a blocking recv at the top of th
 iteration of a pipeline, so a hop costs exactly one iteration there: ``P`` iterations until
 PP0 can admit, ``2P-1`` until the last rank has the decision (2P-1 messages per round). A host
 whose ranks poll at unrelated phases adds up to one more iteration per hop (the wait for the
-next ``poll()``); ``pdplug bench consensus`` runs the ranks as a pipeline so the baseline
-costs what the field's does. Kept for comparison and as a fallback.
+next ``poll()``). Kept for comparison (``pdplug bench consensus``, which runs the ranks as a
+pipeline) and as a fallback.
 
 Same Protocol, wire codec, exactly-once application, holds, deadline and liveness (every rank
 heartbeats every other rank; a rank silent for ``peer_timeout_s`` makes ``poll()`` raise
@@ -65,6 +65,7 @@ class RingConsensus(RankConsensus):
             polls=0,
             rounds_started=0,
             rounds_frozen=0,
+            round_polls=0,
             candidates_forwarded=0,
             decisions_relayed=0,
         )
@@ -115,7 +116,9 @@ class RingConsensus(RankConsensus):
 
     def stats(self) -> dict[str, int]:
         """Counters: polls, rounds, candidates forwarded, decisions relayed / applied, frames
-        dropped by reason, deferred and late offers; on PP0 decisions, deadline/abort bads."""
+        dropped by reason, deferred and late offers; on PP0 decisions, deadline/abort bads and
+        ``round_polls`` (PP0 polls frozen rounds spent in the ring; ``pp_size`` each when every
+        rank polls right after its predecessor)."""
         out = super().stats()
         if self.leader:
             out.update(self._tally.counters)
@@ -166,6 +169,7 @@ class RingConsensus(RankConsensus):
             t.vote(sc.stream, 0, (), sc.bad, now)
             t.complete(sc.stream, sc.good, now)
         self.counters["rounds_frozen"] += 1
+        self.counters["round_polls"] += self._round - c.round  # PP0 polls it spent in the ring
         for d in t.decide(now):
             self._apply(d, now, out)
             if self.size > 1:
