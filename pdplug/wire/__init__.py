@@ -8,7 +8,15 @@
 
 from __future__ import annotations
 
-from pdplug.wire.codec import DROP_REASONS, MAC_BYTES, MAX_SENDERS, Codec, Inbound, peer_identity
+from pdplug.wire.codec import (
+    DROP_REASONS,
+    MAC_BYTES,
+    MAX_SENDERS,
+    Codec,
+    Inbound,
+    peer_identity,
+    rank_identity,
+)
 from pdplug.wire.sockets import drain, endpoint_of, is_loopback, make_socket, require_key
 
 __all__ = [
@@ -22,5 +30,6 @@ __all__ = [
     "is_loopback",
     "make_socket",
     "peer_identity",
+    "rank_identity",
     "require_key",
 ]

@@ -44,9 +44,17 @@ from typing import Any, Generic, NamedTuple, TypeVar, Union
 import msgspec
 
 from pdplug.config import WireConfig
-from pdplug.types import PeerInfo
+from pdplug.types import KVLayout, PeerInfo
 
-__all__ = ["Codec", "DROP_REASONS", "Inbound", "MAC_BYTES", "MAX_SENDERS", "peer_identity"]
+__all__ = [
+    "Codec",
+    "DROP_REASONS",
+    "Inbound",
+    "MAC_BYTES",
+    "MAX_SENDERS",
+    "peer_identity",
+    "rank_identity",
+]
 
 log = logging.getLogger(__name__)
 
@@ -370,12 +378,17 @@ class Codec(Generic[T]):
             return out
 
 
-def peer_identity(peer: PeerInfo) -> str:
+def rank_identity(instance: str, layout: KVLayout) -> str:
     """Sender identity of a KV rank: ``"<instance> tp<r> pp<r>"`` (``" dcp<r>"`` when DCP > 1).
 
-    Used by the rendezvous (a prefill rank registers under it) and meant for the transfer
-    control channel.
+    :param instance: the instance id (``KVConfig.instance``).
+    :param layout: the rank's layout (its TP / PP / DCP ranks).
     """
-    lay = peer.layout
-    dcp = f" dcp{lay.dcp_rank}" if lay.dcp_size > 1 else ""
-    return f"{peer.instance} tp{lay.tp_rank} pp{lay.pp_rank}{dcp}"
+    dcp = f" dcp{layout.dcp_rank}" if layout.dcp_size > 1 else ""
+    return f"{instance} tp{layout.tp_rank} pp{layout.pp_rank}{dcp}"
+
+
+def peer_identity(peer: PeerInfo) -> str:
+    """:func:`rank_identity` of the rank ``peer`` describes: the identity a prefill rank
+    registers under at the rendezvous, and the one its control frames carry."""
+    return rank_identity(peer.instance, peer.layout)

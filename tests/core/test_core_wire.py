@@ -410,3 +410,19 @@ def test_drain_yields_authenticated_frames_and_counts_the_rest() -> None:
         assert list(drain(router, rx)) == [] and rx.dropped == 3
     finally:
         ctx.destroy(linger=0)
+
+
+def test_rank_identities_name_instance_and_ranks() -> None:
+    from pdplug import KVLayout, PeerInfo
+    from pdplug.wire import peer_identity, rank_identity
+
+    lay = KVLayout(
+        page_size=16, entry_bytes_per_token=(8,), tp_size=2, tp_rank=1, pp_size=4, pp_rank=3
+    )
+    assert rank_identity("prefill-0", lay) == "prefill-0 tp1 pp3"
+    dcp = msgspec.structs.replace(
+        lay, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, dcp_size=4, dcp_rank=2
+    )
+    assert rank_identity("decode-1", dcp) == "decode-1 tp0 pp0 dcp2"
+    peer = PeerInfo(instance="prefill-0", role="prefill", layout=lay)
+    assert peer_identity(peer) == "prefill-0 tp1 pp3"
