@@ -8,19 +8,20 @@ of every iteration it offers the request ids that became ready on this rank and 
 ``U(0, 3 * iter)`` (same schedule for every implementation).
 
 Phases (``--phases``): ``pipeline`` (default) runs the ranks as the PP pipeline they are: rank
-``k`` starts each iteration ``k * iter / pp_size`` after PP0 (the activation hand-off), so a
-message forwarded at the end of rank ``k-1``'s iteration (its next ``poll()``) is received at
-the top of rank ``k``'s very next iteration: one iteration per ring hop, as SGLang's stages
-get by receiving the ring with a blocking recv at the top of the matching iteration. The
-``ring_trip`` column checks it: a candidate comes back to PP0 after ``pp_size`` of its
-iterations when no hop missed. What this model cannot copy: SGLang's blocking stages stretch
-every iteration by the hand-off, while these loops keep a fixed period, so the hand-offs of one
-round add up to one more iteration (the wrap to PP0): a ring admission costs its 2P-1 hops of
-one iteration plus ``(2P-1) / pp_size`` iterations of hand-off, i.e. 2P-1 pipeline iterations
-of ``iter * (1 + 1 / pp_size)``. The hand-off is as large as a round allows so that a loaded
-host's message latency rarely makes a hop miss its iteration. ``random`` (the model before)
-starts ranks at random phases, so each hop also waits U(0, 1) iteration for the receiver's
-next poll: about 1.5 iterations per hop, a slower ring than SGLang's.
+``k`` starts each iteration ``k * iter / pp_size`` after PP0 (the activation hand-off), and an
+implementation with a ``wait(timeout_s)`` method (``ring``) first waits up to half an iteration
+for its inbound frame, as SGLang's stages receive the ring with a blocking recv at the top of
+the matching iteration. A message forwarded at the end of rank ``k-1``'s iteration (its next
+``poll()``) is then received at the top of rank ``k``'s very next iteration: one iteration per
+ring hop. The ``ring_trip`` column checks it: a candidate comes back to PP0 after ``pp_size``
+of its iterations when no hop missed. What this model cannot copy: SGLang's blocking stages
+stretch every iteration by the hand-off, while these loops keep a fixed period, so the
+hand-offs of one round add up to one more iteration (the wrap to PP0): a ring admission costs
+its 2P-1 hops of one iteration plus ``(2P-1) / pp_size`` iterations of hand-off, i.e. 2P-1
+pipeline iterations of ``iter * (1 + 1 / pp_size)`` (the ``pipe_iters`` column counts those).
+``random`` (the model before) starts ranks at random phases and never waits, so each hop also
+waits U(0, 1) iteration for the receiver's next poll: about 1.5 iterations per hop, a slower
+ring than SGLang's.
 
 Admission latency of a request = (time the last rank applied its decision) - (time the last
 rank offered it, i.e. became locally ready), all on CLOCK_MONOTONIC shared by the processes.
@@ -59,9 +60,11 @@ def _rank_main(
     start: Any,
     stop: Any,
     max_s: float,
+    recv_wait_s: float,
 ) -> None:
     """One PP rank's simulated host loop (spawned process), iteration ``k`` at
-    ``start + phase_s + k * iter_s``."""
+    ``start + phase_s + k * iter_s``, first waiting up to ``recv_wait_s`` for an inbound
+    frame when the implementation can (``wait``)."""
     import msgspec
 
     from pdplug import ConsensusConfig, get_plugin_manager
@@ -95,12 +98,15 @@ def _rank_main(
     error = ""
     k = 0
     t_first = t_last = 0.0
+    wait = getattr(c, "wait", None) if recv_wait_s > 0 else None
     while True:
         target = t0 + phase_s + k * iter_s
         k += 1
         now = time.monotonic()
         if target > now:  # the rest of the iteration: the forward pass
             time.sleep(target - now)
+        if wait is not None:  # the stage's blocking recv at the top of the iteration
+            wait(recv_wait_s)
         now = time.monotonic()
         if stop.is_set() or now - t0 > max_s:
             break
@@ -212,6 +218,7 @@ def run_one(
                 start,
                 stop,
                 max_s,
+                iter_s / 2 if phases == "pipeline" else 0.0,
             ),
             daemon=True,
         )
@@ -343,19 +350,33 @@ def cli(
     click.echo("")
     click.echo(
         f"{'impl':>6} {'pp_size':>7} {'p50_ms':>9} {'p99_ms':>9} {'iterations':>10} "
-        f"{'ring_trip':>9} {'2P-1':>5}"
+        f"{'pipe_iters':>10} {'ring_trip':>9} {'2P-1':>5}"
     )
     for r in rows:
         trip = r["round_trip_iterations"]
+        pipe = r["p50_ms"] / (iter_ms * (1 + 1 / r["pp_size"]))
         click.echo(
             f"{r['impl']:>6} {r['pp_size']:>7} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} "
-            f"{r['p50_iterations']:>10.1f} {'-' if trip is None else f'{trip:.2f}':>9} "
-            f"{2 * r['pp_size'] - 1:>5}"
+            f"{r['p50_iterations']:>10.1f} {pipe if phases == 'pipeline' else float('nan'):>10.1f} "
+            f"{'-' if trip is None else f'{trip:.2f}':>9} {2 * r['pp_size'] - 1:>5}"
         )
     click.echo(
-        "iterations = p50 / iter-ms (last rank ready -> last rank applied); ring_trip = PP0 "
-        "iterations a ring candidate took to come back (SGLang's stages: pp_size)"
+        "iterations = p50 / iter-ms (last rank ready -> last rank applied); pipe_iters = p50 in "
+        "pipeline iterations of iter-ms * (1 + 1/pp_size) (forward + hand-off, what SGLang's "
+        "2P-1 counts); ring_trip = PP0 iterations a ring candidate took to come back (pp_size "
+        "when no hop missed its iteration)"
     )
+    missed = [
+        f"pp{r['pp_size']} {r['round_trip_iterations']:.2f}"
+        for r in rows
+        if r["round_trip_iterations"] and r["round_trip_iterations"] > 1.1 * r["pp_size"]
+    ]
+    if phases == "pipeline" and missed:
+        click.echo(
+            "note: ring_trip above pp_size (" + ", ".join(missed) + "): some hops missed their "
+            "iteration (a loaded host delays hand-offs), so that ring measured slower than the "
+            "field's"
+        )
     by = {(r["impl"], r["pp_size"]): r for r in rows}
     ratio = {}
     if "pp0" in names and "ring" in names:

@@ -111,6 +111,8 @@ class Link:
         self._on_tick = on_tick
         self._tick_s = min(tick_s, config.heartbeat_s)
         self.inbox: deque[tuple[int, Any]] = deque()
+        #: set by the I/O thread after it queued a frame on :attr:`inbox`
+        self.arrived = threading.Event()
         self._out: deque[tuple[int, Any]] = deque()
         self._local: deque[Any] = deque()
         self.liveness = Liveness(self._rank_of.values(), config.peer_timeout_s, time.monotonic())
@@ -295,3 +297,4 @@ class Link:
                 self._on_frame(sender, msg)
             else:
                 self.inbox.append((sender, msg))
+                self.arrived.set()

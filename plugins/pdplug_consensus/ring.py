@@ -114,6 +114,28 @@ class RingConsensus(RankConsensus):
                 self._outbox.append(cand)
         return out
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the next round's candidate is queued for :meth:`poll`, at most
+        ``timeout_s`` seconds; returns whether it is.
+
+        Not part of the Protocol (whose methods never block): for hosts that, like SGLang's PP
+        stages, receive the ring with a blocking recv at the top of the iteration, so a late
+        hand-off delays the iteration instead of costing a whole one. A rank forwards the
+        decisions it relays before the candidate, so they are queued by then too.
+        """
+        link, until = self._link, time.monotonic() + timeout_s
+
+        def queued() -> bool:
+            return any(isinstance(m, RingCandidate) for _, m in link.inbox)
+
+        while not queued():
+            link.arrived.clear()
+            left = until - time.monotonic()
+            if queued() or (left > 0 and link.arrived.wait(left)):
+                continue
+            return queued()
+        return True
+
     def stats(self) -> dict[str, int]:
         """Counters: polls, rounds, candidates forwarded, decisions relayed / applied, frames
         dropped by reason, deferred and late offers; on PP0 decisions, deadline/abort bads and
