@@ -3,10 +3,20 @@ resolve a prefill instance once every one of its ranks registered (ZMQ ROUTER + 
 
 The server answers "not ready" (``Resolved.ready = False`` with the registered count) until all
 ``pp_size * tp_size`` ranks of the instance registered, like SGLang's bootstrap server answering
-503 until ``registered >= dp*cp*tp*pp`` (prior-art sglang.md §1.3). A rank's id is
-``pp_rank * tp_size + tp_rank`` of its layout (:func:`rank_of`). Re-registering a rank replaces
-its entry (a restarted rank); a rank whose instance geometry disagrees with the ranks already
+503 until ``registered >= dp*cp*tp*pp``. A rank's id is ``pp_rank * tp_size + tp_rank`` of its
+layout (:func:`rank_of`); a rank whose instance geometry disagrees with the ranks already
 registered is refused with a reason.
+
+Every frame is sealed (:class:`~pdplug.wire.Codec` with a sender envelope, HMAC when
+``WireConfig.hmac_key`` is set): a prefill rank registers under its own identity
+(:func:`~pdplug.wire.peer_identity`, e.g. ``"prefill-0 tp0 pp1"``) and the server refuses a
+``Register`` whose peer is not the sender. **A registration is live** while its registrant's
+epoch is the newest the server has seen from that identity: only a frame carrying that epoch
+(the same registrant retrying) or a newer one (a restarted rank, which must hold the key) can
+replace it; a replayed or older-epoch frame is dropped (counted ``replay``), and a frame
+without the key never gets past the HMAC. Each request carries a random ``ref`` that its reply
+echoes, so a replayed reply is ignored by the client. Without a key (loopback only) every local
+process is trusted.
 
 The server runs in a thread and can be started by a host process or by a prefill rank::
 
@@ -17,13 +27,13 @@ The server runs in a thread and can be started by a host process or by a prefill
     peers = resolve(endpoint, "prefill-0", timeout_s=30)    # decode rank, then receiver.connect
     server.stop()
 
-Every frame goes through :class:`~pdplug.wire.Codec` (strict typed decode, size limit, optional
-HMAC); malformed frames are dropped and counted, never raised. Never pickle.
+Malformed frames are dropped and counted, never raised. Never pickle.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -35,7 +45,7 @@ import zmq
 from pdplug.config import WireConfig
 from pdplug.errors import TransferError
 from pdplug.types import KVLayout, PeerInfo
-from pdplug.wire import Codec
+from pdplug.wire import Codec, Inbound, drain, endpoint_of, make_socket, peer_identity
 
 __all__ = [
     "Register",
@@ -52,11 +62,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+SERVER_IDENTITY = "rendezvous"
+
 
 class Register(msgspec.Struct, frozen=True, kw_only=True, tag="register"):
-    """A prefill rank publishes itself. ``peer.role`` must be ``"prefill"``."""
+    """A prefill rank publishes itself. ``peer.role`` must be ``"prefill"``; the frame's sender
+    must be :func:`~pdplug.wire.peer_identity` of ``peer``.
+
+    :ivar ref: random request id the reply echoes.
+    """
 
     peer: PeerInfo
+    ref: int = 0
 
 
 class Registered(msgspec.Struct, frozen=True, kw_only=True, tag="registered"):
@@ -66,12 +83,14 @@ class Registered(msgspec.Struct, frozen=True, kw_only=True, tag="registered"):
     rank: int = -1
     world: int = 0
     reason: str = ""
+    ref: int = 0
 
 
 class Resolve(msgspec.Struct, frozen=True, kw_only=True, tag="resolve"):
-    """A decode rank asks for every rank of a prefill instance."""
+    """A decode rank asks for every rank of a prefill instance (``ref``: echoed)."""
 
     instance: str
+    ref: int = 0
 
 
 class Resolved(msgspec.Struct, frozen=True, kw_only=True, tag="resolved"):
@@ -82,6 +101,10 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True, tag="resolved"):
     registered: int = 0
     world: int = 0
     peers: tuple[PeerInfo, ...] = ()
+    ref: int = 0
+
+
+_TYPES = (Register, Resolve, Registered, Resolved)
 
 
 def rank_of(layout: KVLayout) -> int:
@@ -95,36 +118,35 @@ def world_of(layout: KVLayout) -> int:
 
 
 def bind_random(sock: zmq.Socket, host: str) -> str:
-    """Bind ``sock`` to a free port on ``host`` and return the ``tcp://host:port`` endpoint."""
+    """Bind ``sock`` to a free port on ``host`` and return the ``tcp://host:port`` endpoint.
+
+    Prefer :func:`pdplug.wire.make_socket` (``bind=0``), which also applies the wire rules.
+    """
     port = sock.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{port}"
-
-
-def _codec(wire: WireConfig, *types: type, name: str) -> Codec:
-    return Codec(*types, max_bytes=wire.max_message_bytes, hmac_key=wire.hmac_key, name=name)
 
 
 class RendezvousServer:
     """The rendezvous table, served by a ROUTER socket on a background thread.
 
-    :param wire: socket rules (bind interface, size limit, HMAC).
+    :param wire: socket rules (bind interface, size limit, HMAC key, replay window).
     :param port: TCP port, 0 (default) for a free one.
+    :raises ValueError: ``wire.bind_host`` is off loopback and ``wire.hmac_key`` is ``None``.
+    :raises zmq.ZMQError: the bind failed.
     """
 
     def __init__(self, wire: WireConfig | None = None, port: int = 0) -> None:
         self.wire = wire or WireConfig()
-        self._codec = _codec(
-            self.wire, Register, Resolve, Registered, Resolved, name="rendezvous-server"
+        self._codec = Codec.from_config(
+            self.wire, *_TYPES, name="rendezvous-server", identity=SERVER_IDENTITY
         )
         self._ctx: Any = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{self.wire.bind_host}:{port}")
-            self.endpoint = f"tcp://{self.wire.bind_host}:{port}"
-        else:
-            self.endpoint = bind_random(self._sock, self.wire.bind_host)
+        self._sock = make_socket(
+            self._ctx, zmq.ROUTER, self.wire, bind=port, name="RendezvousServer"
+        )
+        self.endpoint = endpoint_of(self._sock)
         self._table: dict[str, dict[int, PeerInfo]] = {}
+        self._epochs: dict[tuple[str, int], int] = {}  # (instance, rank) -> registrant epoch
         self._world: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -172,45 +194,52 @@ class RendezvousServer:
         while not self._stop.is_set():
             if not poller.poll(50):
                 continue
-            while True:
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    return
-                if len(frames) != 2:
-                    self._codec.drop("malformed")
-                    continue
-                ident, frame = frames
-                msg = self._codec.decode(frame)
-                if msg is None:
-                    continue
-                reply = self._handle(msg)
-                if reply is None:
-                    self._codec.drop("wrong_type")
-                    continue
-                try:
-                    self._sock.send_multipart([ident, self._codec.encode(reply)], zmq.NOBLOCK)
-                except zmq.ZMQError:  # peer gone or queue full: it will retry
-                    log.debug("rendezvous: reply to a gone peer dropped")
+            try:
+                for got in drain(self._sock, self._codec):
+                    reply = self._handle(got)
+                    if reply is None:
+                        continue
+                    try:
+                        self._sock.send_multipart(
+                            [got.route, self._codec.encode(reply)], zmq.NOBLOCK
+                        )
+                    except zmq.Again:  # peer gone or queue full: it will retry
+                        log.debug("rendezvous: reply to a gone peer dropped")
+            except zmq.ZMQError:
+                return
 
-    def _handle(self, msg: object) -> Registered | Resolved | None:
+    def _handle(self, got: Inbound) -> Registered | Resolved | None:
+        msg = got.msg
         if isinstance(msg, Register):
-            return self._register(msg.peer)
+            return self._register(msg, got.sender, got.epoch)
         if isinstance(msg, Resolve):
-            return self._resolve(msg.instance)
+            return self._resolve(msg.instance, msg.ref)
+        self._codec.drop("wrong_type")  # a reply sent as a request
         return None
 
-    def _register(self, peer: PeerInfo) -> Registered:
+    def _register(self, msg: Register, sender: str, epoch: int) -> Registered | None:
+        peer, ref = msg.peer, msg.ref
         lay = peer.layout
         rank, world = rank_of(lay), world_of(lay)
         with self._lock:
+            if sender != peer_identity(peer):
+                self.counts["refused"] += 1
+                return Registered(
+                    ok=False,
+                    ref=ref,
+                    reason=f"sender {sender!r} cannot register {peer_identity(peer)!r}",
+                )
             if peer.role != "prefill":
                 self.counts["refused"] += 1
                 return Registered(
-                    ok=False, reason=f"role must be 'prefill' to register, got {peer.role!r}"
+                    ok=False,
+                    ref=ref,
+                    reason=f"role must be 'prefill' to register, got {peer.role!r}",
                 )
+            live = self._epochs.get((peer.instance, rank))
+            if live is not None and epoch < live:  # an older incarnation the codec forgot
+                self._codec.drop("replay")
+                return None
             known = self._world.get(peer.instance)
             if known is not None and known != world and self._table.get(peer.instance):
                 self.counts["refused"] += 1
@@ -218,6 +247,7 @@ class RendezvousServer:
                     ok=False,
                     rank=rank,
                     world=known,
+                    ref=ref,
                     reason=(
                         f"instance {peer.instance!r} has {known} ranks (pp_size*tp_size) but this "
                         f"rank says {world} (pp_size={lay.pp_size}, tp_size={lay.tp_size})"
@@ -225,10 +255,11 @@ class RendezvousServer:
                 )
             self._world[peer.instance] = world
             self._table.setdefault(peer.instance, {})[rank] = peer
+            self._epochs[(peer.instance, rank)] = epoch
             self.counts["registered"] += 1
-        return Registered(ok=True, rank=rank, world=world)
+        return Registered(ok=True, rank=rank, world=world, ref=ref)
 
-    def _resolve(self, instance: str) -> Resolved:
+    def _resolve(self, instance: str, ref: int) -> Resolved:
         with self._lock:
             ranks = self._table.get(instance, {})
             world = self._world.get(instance, 0)
@@ -236,7 +267,12 @@ class RendezvousServer:
             self.counts["resolved" if ready else "not_ready"] += 1
             peers = tuple(ranks[r] for r in sorted(ranks)) if ready else ()
             return Resolved(
-                instance=instance, ready=ready, registered=len(ranks), world=world, peers=peers
+                instance=instance,
+                ready=ready,
+                registered=len(ranks),
+                world=world,
+                peers=peers,
+                ref=ref,
             )
 
 
@@ -245,30 +281,32 @@ class RendezvousServer:
 
 def _request(
     endpoint: str,
-    msg: msgspec.Struct,
+    msg: Register | Resolve,
     codec: Codec,
+    wire: WireConfig,
     deadline: float,
     what: str,
 ) -> msgspec.Struct:
-    """One request/reply over a fresh DEALER, retried until ``deadline`` (monotonic seconds)."""
+    """One request/reply over a fresh DEALER, retried until ``deadline`` (monotonic seconds).
+
+    Only a reply from the server that echoes ``msg.ref`` is taken (others: ``stale``).
+    """
     ctx: Any = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+    sock = make_socket(ctx, zmq.DEALER, wire, connect=endpoint, name=f"rendezvous {what}")
     try:
-        sock.connect(endpoint)
-        frame = codec.encode(msg)
         retry = 0.25
         while True:
-            sock.send(frame)
+            sock.send(codec.encode(msg))
             until = min(deadline, time.monotonic() + retry)
             while True:
                 left = until - time.monotonic()
                 if left <= 0 or not sock.poll(int(left * 1000) + 1):
                     break
-                reply = codec.decode(sock.recv())
-                if reply is not None:
-                    return reply  # type: ignore[no-any-return]
+                for got in drain(sock, codec):
+                    if got.sender != SERVER_IDENTITY or getattr(got.msg, "ref", None) != msg.ref:
+                        codec.drop("stale")
+                        continue
+                    return got.msg  # type: ignore[no-any-return]
             if time.monotonic() >= deadline:
                 raise TransferError(f"rendezvous {endpoint}: no answer to {what} before timeout")
             retry = min(retry * 2, 2.0)
@@ -276,18 +314,29 @@ def _request(
         sock.close(linger=0)
 
 
+def _client_codec(wire: WireConfig, identity: str) -> Codec:
+    return Codec.from_config(
+        wire, *_TYPES, name="rendezvous-client", identity=identity, members=(SERVER_IDENTITY,)
+    )
+
+
 def register(
     endpoint: str, peer: PeerInfo, *, timeout_s: float = 30.0, wire: WireConfig | None = None
 ) -> Registered:
     """Publish a prefill rank at the rendezvous (retries until answered or ``timeout_s``).
 
+    Sent under :func:`~pdplug.wire.peer_identity` of ``peer`` with a new epoch, so it replaces
+    an earlier registration of the same rank (a restart).
+
     :raises TransferError: no answer within ``timeout_s`` seconds, or the server refused the
         rank (the message carries its reason).
+    :raises ValueError: ``endpoint`` is off loopback and ``wire.hmac_key`` is ``None``.
     """
     w = wire or WireConfig()
-    codec = _codec(w, Registered, Resolved, Register, Resolve, name="rendezvous-client")
+    codec = _client_codec(w, peer_identity(peer))
     deadline = time.monotonic() + timeout_s
-    reply = _request(endpoint, Register(peer=peer), codec, deadline, "register")
+    msg = Register(peer=peer, ref=secrets.randbits(63))
+    reply = _request(endpoint, msg, codec, w, deadline, "register")
     if not isinstance(reply, Registered):
         raise TransferError(f"rendezvous {endpoint}: expected Registered, got {type(reply)}")
     if not reply.ok:
@@ -302,19 +351,24 @@ def resolve(
     timeout_s: float = 30.0,
     poll_s: float = 0.05,
     wire: WireConfig | None = None,
+    identity: str | None = None,
 ) -> list[PeerInfo]:
     """Every rank of prefill ``instance``, sorted by rank id, once all of them registered.
 
     Polls every ``poll_s`` seconds while the server answers "not ready".
 
+    :param identity: sender identity (e.g. the decode rank's
+        :func:`~pdplug.wire.peer_identity`); default: a random ``"resolver-…"`` one.
     :raises TransferError: not every rank registered within ``timeout_s`` (names how many did).
+    :raises ValueError: ``endpoint`` is off loopback and ``wire.hmac_key`` is ``None``.
     """
     w = wire or WireConfig()
-    codec = _codec(w, Registered, Resolved, Register, Resolve, name="rendezvous-client")
+    codec = _client_codec(w, identity or f"resolver-{uuid.uuid4().hex[:12]}")
     deadline = time.monotonic() + timeout_s
     last: Resolved | None = None
     while True:
-        reply = _request(endpoint, Resolve(instance=instance), codec, deadline, "resolve")
+        msg = Resolve(instance=instance, ref=secrets.randbits(63))
+        reply = _request(endpoint, msg, codec, w, deadline, "resolve")
         if isinstance(reply, Resolved) and reply.instance == instance:
             last = reply
             if reply.ready:

@@ -14,17 +14,38 @@ __all__ = ["ConsensusConfig", "KVConfig", "PlannerConfig", "SchedulerConfig", "W
 
 
 class WireConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Rules every socket applies (DESIGN.md §4).
+    """Rules every socket applies (:mod:`pdplug.wire`).
 
-    :ivar max_message_bytes: frames above this size are dropped (counted ``oversize``).
-    :ivar hmac_key: shared secret; when set every frame carries an HMAC-SHA256 and frames that
-        fail it are dropped (counted ``hmac``).
+    :ivar max_message_bytes: largest frame (bytes): sockets set ``ZMQ_MAXMSGSIZE`` to it (a
+        peer announcing a larger frame is disconnected before it is buffered) and codecs drop
+        larger frames (counted ``oversize``).
+    :ivar hmac_key: shared secret (the same bytes on every process of the deployment, e.g.
+        ``secrets.token_bytes(32)``); when set every frame carries an HMAC-SHA256 over its
+        sender envelope and payload, and frames that fail it are dropped (counted ``hmac``).
+        Required for any socket that binds or connects off loopback.
     :ivar bind_host: interface sockets bind to; loopback by default.
+    :ivar replay_window_s: a peer's new epoch (first contact or restart) is adopted only from
+        a frame sent within this many seconds of the receiver's wall clock (hosts' clocks must
+        agree within it); older frames are dropped as ``replay``.
+    :raises ValueError: a field out of range (named with its value).
     """
 
     max_message_bytes: int = 16 << 20
     hmac_key: bytes | None = None
     bind_host: str = "127.0.0.1"
+    replay_window_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes <= 0:
+            raise ValueError(
+                f"WireConfig.max_message_bytes must be > 0, got {self.max_message_bytes}"
+            )
+        if self.hmac_key is not None and not self.hmac_key:
+            raise ValueError("WireConfig.hmac_key is empty; use None (no key) or a secret")
+        if not self.bind_host:
+            raise ValueError("WireConfig.bind_host is empty; e.g. '127.0.0.1'")
+        if not self.replay_window_s > 0:
+            raise ValueError(f"WireConfig.replay_window_s must be > 0, got {self.replay_window_s}")
 
 
 class ConsensusConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,14 +3,30 @@
 For each implementation (default ``pp0`` and ``ring``, resolved by name through the plugin
 manager) and each pp_size, one real process per PP rank runs a simulated host loop: at the top
 of every iteration it offers the request ids that became ready on this rank and calls
-``poll()``; the rest of the iteration (``--iter-ms``) is the forward pass (a sleep). Ranks start
-at random phases within one iteration. Request ``i`` arrives at ``0.2 s + i * 2 * iter`` and is
-ready on each rank after an extra ``U(0, 3 * iter)`` (same schedule for every implementation).
+``poll()``; the rest of the iteration (``--iter-ms``) is the forward pass (a sleep). Request
+``i`` arrives at ``0.2 s + i * 2 * iter`` and is ready on each rank after an extra
+``U(0, 3 * iter)`` (same schedule for every implementation).
+
+Phases (``--phases``): ``pipeline`` (default) runs the ranks as the PP pipeline they are: rank
+``k`` starts each iteration ``k * iter / pp_size`` after PP0 (the activation hand-off), and an
+implementation with a ``wait(timeout_s)`` method (``ring``) first waits up to half an iteration
+for its inbound frame, as SGLang's stages receive the ring with a blocking recv at the top of
+the matching iteration. A message forwarded at the end of rank ``k-1``'s iteration (its next
+``poll()``) is then received at the top of rank ``k``'s very next iteration: one iteration per
+ring hop. The ``ring_trip`` column checks it: a candidate comes back to PP0 after ``pp_size``
+of its iterations when no hop missed. What this model cannot copy: SGLang's blocking stages
+stretch every iteration by the hand-off, while these loops keep a fixed period, so the
+hand-offs of one round add up to one more iteration (the wrap to PP0): a ring admission costs
+its 2P-1 hops of one iteration plus ``(2P-1) / pp_size`` iterations of hand-off, i.e. 2P-1
+pipeline iterations of ``iter * (1 + 1 / pp_size)`` (the ``pipe_iters`` column counts those).
+``random`` (the model before) starts ranks at random phases and never waits, so each hop also
+waits U(0, 1) iteration for the receiver's next poll: about 1.5 iterations per hop, a slower
+ring than SGLang's.
 
 Admission latency of a request = (time the last rank applied its decision) - (time the last
 rank offered it, i.e. became locally ready), all on CLOCK_MONOTONIC shared by the processes.
 The table gives p50/p99 in ms and the p50 in loop iterations; the ratio ring/pp0 uses p50s
-measured side by side in one run. Goal (DESIGN.md §6): ``pp0`` flat in pp_size (p50 at the
+measured side by side in one run. Goals: ``pp0`` flat in pp_size (p50 at the
 largest pp_size within 1.25x of the smallest) and ring/pp0 ≥ 5 at pp_size 8.
 """
 
@@ -44,8 +60,11 @@ def _rank_main(
     start: Any,
     stop: Any,
     max_s: float,
+    recv_wait_s: float,
 ) -> None:
-    """One PP rank's simulated host loop (spawned process)."""
+    """One PP rank's simulated host loop (spawned process), iteration ``k`` at
+    ``start + phase_s + k * iter_s``, first waiting up to ``recv_wait_s`` for an inbound
+    frame when the implementation can (``wait``)."""
     import msgspec
 
     from pdplug import ConsensusConfig, get_plugin_manager
@@ -79,12 +98,15 @@ def _rank_main(
     error = ""
     k = 0
     t_first = t_last = 0.0
+    wait = getattr(c, "wait", None) if recv_wait_s > 0 else None
     while True:
         target = t0 + phase_s + k * iter_s
         k += 1
         now = time.monotonic()
         if target > now:  # the rest of the iteration: the forward pass
             time.sleep(target - now)
+        if wait is not None:  # the stage's blocking recv at the top of the iteration
+            wait(recv_wait_s)
         now = time.monotonic()
         if stop.is_set() or now - t0 > max_s:
             break
@@ -134,11 +156,32 @@ def _rank_main(
     )
 
 
+def phase_offsets(pp_size: int, iter_s: float, phases: str, rng: random.Random) -> list[float]:
+    """Start offset (seconds) of each rank's loop within one iteration.
+
+    :param phases: ``"pipeline"`` (rank ``k`` at ``k * iter_s / pp_size``) or
+        ``"random"`` (uniform in ``[0, iter_s)``).
+    :raises ValueError: another ``phases``.
+    """
+    if phases == "pipeline":
+        return [k * iter_s / pp_size for k in range(pp_size)]
+    if phases == "random":
+        return [rng.uniform(0, iter_s) for _ in range(pp_size)]
+    raise ValueError(f"phases={phases!r} is not 'pipeline' or 'random'")
+
+
 def run_one(
-    impl: str, pp_size: int, iter_ms: float, requests: int, seed: int, timeout_s: float = 120.0
+    impl: str,
+    pp_size: int,
+    iter_ms: float,
+    requests: int,
+    seed: int,
+    timeout_s: float = 120.0,
+    phases: str = "pipeline",
 ) -> dict[str, Any]:
     """Run one implementation at one pp_size; return latencies (ms) and loop counts.
 
+    :param phases: rank phases (:func:`phase_offsets`).
     :raises RuntimeError: a rank failed to start, raised, disagreed or timed out.
     """
     import multiprocessing as mp
@@ -151,7 +194,7 @@ def run_one(
     rng = random.Random(seed * 1000 + pp_size)
     arrive = [0.2 + i * 2 * iter_s for i in range(requests)]
     ready = {r: [a + rng.uniform(0, 3 * iter_s) for a in arrive] for r in range(pp_size)}
-    phases = {r: rng.uniform(0, iter_s) for r in range(pp_size)}
+    offsets = phase_offsets(pp_size, iter_s, phases, rng)
     ctx = mp.get_context("spawn")
     up_q, out_q = ctx.Queue(), ctx.Queue()
     start, stop = ctx.Event(), ctx.Event()
@@ -167,7 +210,7 @@ def run_one(
                 r,
                 eps,
                 iter_s,
-                phases[r],
+                offsets[r],
                 ready[r],
                 up_q,
                 out_q,
@@ -175,6 +218,7 @@ def run_one(
                 start,
                 stop,
                 max_s,
+                iter_s / 2 if phases == "pipeline" else 0.0,
             ),
             daemon=True,
         )
@@ -232,6 +276,8 @@ def run_one(
     lat_ms = (applied.max(axis=0) - offered.max(axis=0)) * 1000.0
     iters = [results[r]["iterations"] for r in range(pp_size)]
     mean_iter_ms = float(np.mean([results[r]["mean_iter_ms"] for r in range(pp_size)]))
+    lead = results[0]["stats"]
+    rounds = lead.get("rounds_frozen", 0)
     return {
         "impl": impl,
         "pp_size": pp_size,
@@ -241,6 +287,8 @@ def run_one(
         "mean_iter_ms": mean_iter_ms,
         "loop_iterations": int(max(iters)),
         "requests": requests,
+        # ring: PP0 iterations a candidate took around the ring (SGLang: pp_size)
+        "round_trip_iterations": lead.get("round_polls", 0) / rounds if rounds else None,
     }
 
 
@@ -260,9 +308,22 @@ def _parse_pp(value: str) -> list[int]:
 @click.option("--requests", default=200, show_default=True, type=int, help="requests per run")
 @click.option("--impl", "impls", default="pp0,ring", show_default=True, help="consensus names")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--phases",
+    type=click.Choice(["pipeline", "random"]),
+    default="pipeline",
+    show_default=True,
+    help="rank loop phases: a PP pipeline (as in the field) or random (the model before)",
+)
 @json_option
 def cli(
-    pp: str, iter_ms: float, requests: int, impls: str, seed: int, json_path: str | None
+    pp: str,
+    iter_ms: float,
+    requests: int,
+    impls: str,
+    seed: int,
+    phases: str,
+    json_path: str | None,
 ) -> None:
     """Admission latency of pp0 vs ring at several pp_size (real processes per rank)."""
     from pdplug_bench.machine import machine_line, write_json
@@ -276,22 +337,45 @@ def cli(
     click.echo(machine_line())
     click.echo(
         f"sizes: pp_size {sizes}, iteration {iter_ms} ms, {requests} requests per run, "
-        f"implementations {names}"
+        f"implementations {names}, phases {phases}"
     )
     rows = []
     for size in sizes:
         for name in names:
-            row = run_one(name, size, iter_ms, requests, seed)
+            row = run_one(name, size, iter_ms, requests, seed, phases=phases)
             rows.append(row)
             click.echo(
                 f"  {name:>5} pp{size}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms"
             )
     click.echo("")
-    click.echo(f"{'impl':>6} {'pp_size':>7} {'p50_ms':>9} {'p99_ms':>9} {'iterations':>10}")
+    click.echo(
+        f"{'impl':>6} {'pp_size':>7} {'p50_ms':>9} {'p99_ms':>9} {'iterations':>10} "
+        f"{'pipe_iters':>10} {'ring_trip':>9} {'2P-1':>5}"
+    )
     for r in rows:
+        trip = r["round_trip_iterations"]
+        pipe = r["p50_ms"] / (iter_ms * (1 + 1 / r["pp_size"]))
         click.echo(
             f"{r['impl']:>6} {r['pp_size']:>7} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} "
-            f"{r['p50_iterations']:>10.1f}"
+            f"{r['p50_iterations']:>10.1f} {pipe if phases == 'pipeline' else float('nan'):>10.1f} "
+            f"{'-' if trip is None else f'{trip:.2f}':>9} {2 * r['pp_size'] - 1:>5}"
+        )
+    click.echo(
+        "iterations = p50 / iter-ms (last rank ready -> last rank applied); pipe_iters = p50 in "
+        "pipeline iterations of iter-ms * (1 + 1/pp_size) (forward + hand-off, what SGLang's "
+        "2P-1 counts); ring_trip = PP0 iterations a ring candidate took to come back (pp_size "
+        "when no hop missed its iteration)"
+    )
+    missed = [
+        f"pp{r['pp_size']} {r['round_trip_iterations']:.2f}"
+        for r in rows
+        if r["round_trip_iterations"] and r["round_trip_iterations"] > 1.1 * r["pp_size"]
+    ]
+    if phases == "pipeline" and missed:
+        click.echo(
+            "note: ring_trip above pp_size (" + ", ".join(missed) + "): some hops missed their "
+            "iteration (a loaded host delays hand-offs), so that ring measured slower than the "
+            "field's"
         )
     by = {(r["impl"], r["pp_size"]): r for r in rows}
     ratio = {}
@@ -318,6 +402,12 @@ def cli(
             {
                 "rows": rows,
                 "ratio_ring_over_pp0": ratio,
-                "sizes": {"pp": sizes, "iter_ms": iter_ms, "requests": requests, "seed": seed},
+                "sizes": {
+                    "pp": sizes,
+                    "iter_ms": iter_ms,
+                    "requests": requests,
+                    "seed": seed,
+                    "phases": phases,
+                },
             },
         )

@@ -106,7 +106,9 @@ class DecodeRank:
         )
         self.receiver = pm.make_kv_receiver(kv_cfg, name=names.get("kv_sender"))
         self.receiver.register_kv(self.cache.entry_tensors())
-        peers = resolve(spec.bootstrap, spec.prefill_instance, timeout_s=spec.timeout_s * 2)
+        peers = resolve(
+            spec.bootstrap, spec.prefill_instance, timeout_s=spec.timeout_s * 2, wire=spec.wire
+        )
         self.receiver.connect(list(peers))
         self.consensus = pm.make_consensus(
             ConsensusConfig(

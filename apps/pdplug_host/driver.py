@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable
@@ -167,7 +168,8 @@ class _Run:
     def __init__(self, opts: DemoOptions, requests: list[TraceRequest]) -> None:
         self.opts = opts
         self.requests = requests
-        self.wire = WireConfig()
+        # a fresh key per run: every socket of the demo's processes authenticates its frames
+        self.wire = WireConfig(hmac_key=secrets.token_bytes(32))
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")

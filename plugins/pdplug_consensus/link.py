@@ -1,19 +1,23 @@
 """One rank's ZMQ sockets and the background I/O thread that owns them.
 
 Topology: every rank binds a ROUTER at its own endpoint (on ``wire.bind_host``) and connects
-one DEALER, identity ``b"r<rank>"``, to each peer it sends to. A ROUTER frame is accepted only
-when it is exactly ``[identity, payload]``, the payload decodes through the socket's
-:class:`pdplug.wire.Codec` (size, HMAC, strict type), the identity names an expected peer and
-the message's ``rank`` field equals it; anything else is dropped and counted (``unknown_rank``
-for identity / rank mismatches). DEALER/ROUTER over one TCP connection per direction was chosen
-over PUSH/PULL: it carries the sender identity for the rank check and measured a lower loopback
-round trip here (p50 63 µs vs 110 µs, 3000 ping-pongs between two processes).
+one DEALER to each peer it sends to; every socket comes from :func:`pdplug.wire.make_socket`
+(``ZMQ_MAXMSGSIZE``, the off-loopback key rule). A frame is accepted only when it passes the
+rank's sealed :class:`pdplug.wire.Codec` (size, HMAC, strict type, member identity, replay)
+and the message's ``rank`` field, when it has one, is the rank of the authenticated sender;
+anything else is dropped and counted. The peer's rank comes from the frame's envelope, never
+from a ZMQ routing id (DEALERs keep the random one libzmq gives them, so a process squatting
+a routing id blocks nobody). Dead-rank lists are taken only from the ranks allowed to report
+them (``dead_from``: the leader in ``pp0``). DEALER/ROUTER over one TCP connection per
+direction measured a lower loopback round trip than PUSH/PULL (p50 63 µs vs 110 µs, 3000
+ping-pongs between two processes).
 
 pyzmq sockets are not thread-safe, so after construction only the I/O thread touches the
-network sockets; the host thread hands it frames through deques and wakes it through an
-inproc PAIR guarded by a lock. High-water marks are 0 (unbounded): a silently dropped decision
-would be a sequence gap, and a peer that stops reading is reported dead after
-``peer_timeout_s`` anyway.
+network sockets, and it encodes every frame it sends right before sending it (a receiver
+drops a sealed frame that overtakes a later one). The host thread hands it messages through
+deques and wakes it through an inproc PAIR guarded by a lock. High-water marks are 0
+(unbounded): a silently dropped decision would be a sequence gap, and a peer that stops
+reading is reported dead after ``peer_timeout_s`` anyway.
 """
 
 from __future__ import annotations
@@ -29,99 +33,117 @@ from typing import Any
 
 import zmq
 
-from pdplug.wire import Codec
-from pdplug_consensus.common import Liveness, parse_port
+from pdplug import ConsensusConfig
+from pdplug.wire import Codec, drain, make_socket
+from pdplug_consensus.common import parse_port
 from pdplug_consensus.messages import Heartbeat
 
-__all__ = ["Link"]
+__all__ = ["Link", "Liveness"]
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
+class Liveness:
+    """Last time each peer rank was heard from; silent longer than ``timeout_s`` = dead.
+
+    A peer never heard from counts from construction, so a rank that never starts is also
+    reported.
+    """
+
+    def __init__(self, ranks: Iterable[int], timeout_s: float, now: float) -> None:
+        self.timeout_s = timeout_s
+        self.last = {r: now for r in ranks}
+
+    def touch(self, rank: int, now: float) -> None:
+        if rank in self.last:
+            self.last[rank] = now
+
+    def dead(self, now: float) -> list[int]:
+        return sorted(r for r, t in self.last.items() if now - t > self.timeout_s)
+
+
 class Link:
     """ROUTER inbox + DEALERs to peers + liveness, served by one daemon thread.
 
-    :param rank: this PP rank.
-    :param endpoints: ``tcp://host:port`` per rank; this rank binds the port of its own entry
-        on ``bind_host``.
+    :param config: the rank's config (rank, endpoints, wire rules, heartbeat and timeout).
+    :param codec: the rank's sealed codec; its members are the identities of ``in_peers``.
+    :param identities: sender identity of every rank, indexed by rank.
     :param out_peers: ranks this rank sends to (frames and heartbeats).
     :param in_peers: ranks whose frames are accepted (and watched for liveness).
-    :param codec: the socket codec.
     :param heartbeat: ``(dead ranks) -> Heartbeat`` sent every ``heartbeat_s`` (I/O thread).
-    :param on_frame: ``(sender, msg, frame)`` for accepted non-heartbeat frames, run on the I/O
+    :param dead_from: ranks whose heartbeat dead-lists are believed.
+    :param on_frame: ``(sender, msg)`` for accepted non-heartbeat frames, run on the I/O
         thread; default appends to :attr:`inbox` for the host thread.
     :param on_local: handler of objects the host passes with :meth:`local` (I/O thread).
     :param on_tick: ``(now)`` after every wake-up (I/O thread), e.g. the leader's decide step.
     :param tick_s: longest sleep between ticks (seconds).
+    :param name: label of the thread and the inproc wake-up socket.
+    :raises ValueError: an endpoint off loopback without ``wire.hmac_key``.
     :raises zmq.ZMQError: the bind failed (address in use, bad interface).
     """
 
     def __init__(
         self,
         *,
-        rank: int,
-        endpoints: tuple[str, ...],
+        config: ConsensusConfig,
+        codec: Codec,
+        identities: tuple[str, ...],
         out_peers: Iterable[int],
         in_peers: Iterable[int],
-        codec: Codec,
-        bind_host: str,
-        heartbeat_s: float,
-        peer_timeout_s: float,
         heartbeat: Callable[[tuple[int, ...]], Heartbeat],
-        on_frame: Callable[[int, Any, bytes], None] | None = None,
+        dead_from: Iterable[int] = (),
+        on_frame: Callable[[int, Any], None] | None = None,
         on_local: Callable[[Any], None] | None = None,
         on_tick: Callable[[float], None] | None = None,
         tick_s: float = 0.05,
         name: str = "link",
     ) -> None:
-        self.rank = rank
+        self.rank = rank = config.pp_rank
         self.codec = codec
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s = config.heartbeat_s
         self.out_peers = tuple(out_peers)
-        self._idents = {f"r{p}".encode(): p for p in in_peers}
+        self._rank_of = {identities[p]: p for p in in_peers}
+        self._dead_from = frozenset(dead_from)
         self._heartbeat = heartbeat
         self._on_frame = on_frame
         self._on_local = on_local
         self._on_tick = on_tick
-        self._tick_s = min(tick_s, heartbeat_s)
-        self.inbox: deque[tuple[int, Any, bytes]] = deque()
-        self._out: deque[tuple[int, bytes]] = deque()
+        self._tick_s = min(tick_s, config.heartbeat_s)
+        self.inbox: deque[tuple[int, Any]] = deque()
+        #: set by the I/O thread after it queued a frame on :attr:`inbox`
+        self.arrived = threading.Event()
+        self._out: deque[tuple[int, Any]] = deque()
         self._local: deque[Any] = deque()
-        self.liveness = Liveness(self._idents.values(), peer_timeout_s, time.monotonic())
+        self.liveness = Liveness(self._rank_of.values(), config.peer_timeout_s, time.monotonic())
         #: ranks declared dead (silent, or reported by the leader); read by the host thread
         self.dead: tuple[int, ...] = ()
         #: dead rank -> the peer that reported it
         self.reported_dead: dict[int, int] = {}
         self.error: BaseException | None = None
-        self.counters = {"frames_in": 0, "frames_out": 0, "send_again": 0, "heartbeats_out": 0}
+        self.counters = {
+            "frames_out": 0,
+            "send_again": 0,
+            "heartbeats_out": 0,
+            "dead_reports_ignored": 0,
+        }
         self._stop = False
+        wire, eps = config.wire, config.endpoints
         self._ctx = zmq.Context()
         try:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            for opt, val in (
-                (zmq.LINGER, 0),
-                (zmq.RCVHWM, 0),
-                (zmq.SNDHWM, 0),
-                # memory guard; frames above max_bytes but below this are counted "oversize"
-                (zmq.MAXMSGSIZE, 2 * codec.max_bytes + 1024),
-            ):
-                self._router.setsockopt(opt, val)
-            port = parse_port(endpoints[rank], f"ConsensusConfig.endpoints[{rank}]")
-            self._router.bind(f"tcp://{bind_host}:{port}")
-            self._dealers: dict[int, zmq.Socket] = {}
-            for p in self.out_peers:
-                d = self._ctx.socket(zmq.DEALER)
-                d.setsockopt(zmq.ROUTING_ID, f"r{rank}".encode())
-                d.setsockopt(zmq.SNDHWM, 0)
-                d.setsockopt(zmq.LINGER, 200)  # flush the last decisions on close
-                d.connect(endpoints[p])
-                self._dealers[p] = d
+            port = parse_port(eps[rank], f"ConsensusConfig.endpoints[{rank}]")
+            what = f"consensus {name} rank {rank}"
+            self._router = make_socket(self._ctx, zmq.ROUTER, wire, bind=port, hwm=0, name=what)
+            self._dealers: dict[int, zmq.Socket] = {
+                # linger: flush the last decisions on close
+                p: make_socket(
+                    self._ctx, zmq.DEALER, wire, connect=eps[p], hwm=0, linger_ms=200, name=what
+                )
+                for p in self.out_peers
+            }
             addr = f"inproc://pdplug-consensus-{name}-{next(_ids)}"
-            self._wake_rx = self._ctx.socket(zmq.PAIR)
-            self._wake_rx.bind(addr)
-            self._wake_tx = self._ctx.socket(zmq.PAIR)
-            self._wake_tx.connect(addr)
+            self._wake_rx = make_socket(self._ctx, zmq.PAIR, wire, bind=addr, name=what)
+            self._wake_tx = make_socket(self._ctx, zmq.PAIR, wire, connect=addr, name=what)
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
@@ -133,9 +155,9 @@ class Link:
 
     # ------------------------------------------------------------------ host thread side
 
-    def send(self, peer: int, frame: bytes) -> None:
-        """Queue ``frame`` for ``peer`` (non-blocking; any thread)."""
-        self._out.append((peer, frame))
+    def send(self, peer: int, msg: Any) -> None:
+        """Queue ``msg`` for ``peer``; the I/O thread encodes and sends it (any thread)."""
+        self._out.append((peer, msg))
         self._wake()
 
     def local(self, obj: Any) -> None:
@@ -192,7 +214,8 @@ class Link:
     # ------------------------------------------------------------------ I/O thread side
 
     def send_now(self, peer: int, frame: bytes) -> None:
-        """Send on the I/O thread (only from ``on_frame`` / ``on_local`` / ``on_tick``)."""
+        """Send a frame just encoded on the I/O thread (``on_frame`` / ``on_local`` /
+        ``on_tick`` only)."""
         try:
             self._dealers[peer].send(frame, zmq.NOBLOCK)
             self.counters["frames_out"] += 1
@@ -235,7 +258,8 @@ class Link:
             while self._local:
                 self._on_local(self._local.popleft())  # type: ignore[misc]
             while self._out:
-                self.send_now(*self._out.popleft())
+                peer, msg = self._out.popleft()
+                self.send_now(peer, self.codec.encode(msg))
             if self._on_tick is not None:
                 self._on_tick(time.monotonic())
 
@@ -253,31 +277,24 @@ class Link:
             self._beat()  # tell peers now (the leader's heartbeat carries the dead list)
 
     def _drain(self, now: float) -> None:
-        while True:
-            try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            self.counters["frames_in"] += 1
-            if len(parts) != 2:
-                self.codec.drop("malformed")
-                continue
-            ident, frame = parts
-            msg = self.codec.decode(frame)
-            if msg is None:
-                continue
-            sender = self._idents.get(ident)
-            if sender is None or getattr(msg, "rank", sender) != sender:
+        for got in drain(self._router, self.codec):
+            sender = self._rank_of[got.sender]  # the codec admits members only
+            msg = got.msg
+            if getattr(msg, "rank", sender) != sender:
                 self.codec.drop("unknown_rank")
                 continue
             self.liveness.touch(sender, now)
             if isinstance(msg, Heartbeat):
-                fresh = [r for r in msg.dead if r not in self.reported_dead]
-                if fresh:
-                    self.reported_dead.update(dict.fromkeys(fresh, sender))
-                    self._check(now)
+                if msg.dead and sender not in self._dead_from:
+                    self.counters["dead_reports_ignored"] += 1
+                elif msg.dead:
+                    fresh = [r for r in msg.dead if r not in self.reported_dead]
+                    if fresh:
+                        self.reported_dead.update(dict.fromkeys(fresh, sender))
+                        self._check(now)
                 continue
             if self._on_frame is not None:
-                self._on_frame(sender, msg, frame)
+                self._on_frame(sender, msg)
             else:
-                self.inbox.append((sender, msg, frame))
+                self.inbox.append((sender, msg))
+                self.arrived.set()

@@ -1,10 +1,19 @@
-"""Wire messages private to the consensus plugin (besides :class:`pdplug.Vote` / ``Decision``).
+"""Wire messages of the consensus plugin (besides :class:`pdplug.Vote` / ``Decision``) and the
+identities and codecs its sockets use.
 
-Every struct is frozen and tagged, so each socket decodes a strict tagged union through
-:class:`pdplug.wire.Codec` (size limit, optional HMAC, drop counters). Never pickle.
+Every struct is frozen and tagged, so each socket decodes a strict tagged union through a
+sealed :class:`pdplug.wire.Codec` (size limit, HMAC when keyed, sender envelope, replay
+rejection, drop counters). Never pickle.
+
+A rank's identity is ``"<impl>:<group>:pp<rank>"``, ``group`` being a digest of the endpoint
+list every rank of one group is configured with, so a frame of another group (or of the other
+implementation) sharing the key is not a member here.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
 
 import msgspec
 
@@ -17,8 +26,10 @@ __all__ = [
     "Abort",
     "StreamCandidate",
     "RingCandidate",
-    "pp0_codec",
-    "ring_codec",
+    "PP0_TYPES",
+    "RING_TYPES",
+    "identities",
+    "rank_codec",
 ]
 
 
@@ -73,26 +84,25 @@ class RingCandidate(msgspec.Struct, frozen=True, kw_only=True, tag="ring_cand"):
     aborted: tuple[int, ...] = ()
 
 
-def pp0_codec(config: ConsensusConfig) -> Codec:
-    """Codec of every ``pp0`` socket: Vote, Decision, Abort, Heartbeat."""
-    return Codec(
-        Vote,
-        Decision,
-        Abort,
-        Heartbeat,
-        max_bytes=config.wire.max_message_bytes,
-        hmac_key=config.wire.hmac_key,
-        name=f"pp0[r{config.pp_rank}]",
-    )
+PP0_TYPES: tuple[type, ...] = (Vote, Decision, Abort, Heartbeat)
+RING_TYPES: tuple[type, ...] = (RingCandidate, Decision, Heartbeat)
 
 
-def ring_codec(config: ConsensusConfig) -> Codec:
-    """Codec of every ``ring`` socket: RingCandidate, Decision, Heartbeat."""
-    return Codec(
-        RingCandidate,
-        Decision,
-        Heartbeat,
-        max_bytes=config.wire.max_message_bytes,
-        hmac_key=config.wire.hmac_key,
-        name=f"ring[r{config.pp_rank}]",
+def identities(config: ConsensusConfig, impl: str) -> tuple[str, ...]:
+    """Sender identity of every rank of ``config``'s group, indexed by PP rank."""
+    group = hashlib.sha256("\n".join(config.endpoints).encode()).hexdigest()[:12]
+    return tuple(f"{impl}:{group}:pp{r}" for r in range(config.pp_size))
+
+
+def rank_codec(
+    config: ConsensusConfig, impl: str, types: tuple[type, ...], peers: Iterable[int]
+) -> Codec:
+    """Sealed codec of this rank's sockets: its identity, accepting frames from ``peers`` only."""
+    ids = identities(config, impl)
+    return Codec.from_config(
+        config.wire,
+        *types,
+        name=f"{impl}[r{config.pp_rank}]",
+        identity=ids[config.pp_rank],
+        members=[ids[p] for p in peers],
     )

@@ -1,6 +1,6 @@
 """``pp0``: PP0-centric consensus — one hop in, one hop out, whatever ``pp_size`` is.
 
-Algorithm (DESIGN.md §3; the PP0-centric store of SGLang PR #38959 with the frozen, numbered
+Algorithm (the PP0-centric store of SGLang PR #38959 with the frozen, numbered
 decisions of PR #34569):
 
 1. ``offer(stream, good, bad)`` on any rank sends a :class:`pdplug.Vote` (only the ids new
@@ -20,8 +20,10 @@ Admission latency is one network hop in, one out, plus the wait for each rank's 
 request id (``hold(rid)`` per pending chunk, ``release_hold(rid)`` when it completes).
 
 Liveness: followers heartbeat PP0 and PP0 heartbeats followers every ``heartbeat_s``; PP0's
-heartbeat carries the ranks it declared dead. A rank silent for ``peer_timeout_s`` makes
-``poll()`` raise :class:`pdplug.ConsensusError` naming it, on every surviving rank.
+heartbeat carries the ranks it declared dead (followers believe dead-lists from PP0 only). A
+rank silent for ``peer_timeout_s`` makes ``poll()`` raise :class:`pdplug.ConsensusError` naming
+it, on every surviving rank. Votes, aborts and heartbeats count only from authenticated
+members (sealed codec, :mod:`pdplug_consensus.link`); a replayed frame is dropped.
 
 Host-supplied decision relay
 ----------------------------
@@ -34,9 +36,10 @@ pass ``relay=`` (a :class:`DecisionRelay`) to :func:`make_pp0` on **every** rank
 * ``receive() -> list[bytes]`` is called on followers only, from the host thread inside
   ``poll()``; it returns the frames that arrived since the last call, in publish order,
   without blocking (``[]`` when none).
-* Frames are opaque codec frames (msgpack, HMAC-prefixed when a key is set); the followers
-  decode, authenticate and sequence-check them exactly as ZMQ-delivered ones, so a relay that
-  drops, repeats or reorders a frame makes ``poll()`` raise :class:`pdplug.ConsensusError`.
+* Frames are opaque sealed codec frames (PP0's identity, epoch and sequence; HMAC when a key
+  is set); followers authenticate them with a codec of their own that accepts PP0 only, so a
+  relay that repeats or reorders a frame has it dropped (counted ``replay``), and one that
+  drops a frame makes ``poll()`` raise :class:`pdplug.ConsensusError` (sequence gap).
 
 With a relay, decisions leave PP0 at its next ``poll()`` rather than from its I/O thread (up
 to one PP0 loop iteration later); votes, aborts and heartbeats still use ZMQ.
@@ -52,14 +55,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from pdplug import ConsensusConfig, ConsensusError
+from pdplug import ConsensusConfig
 from pdplug.types import Decision, Vote
-from pdplug_consensus.common import Applier, LocalVotes, Tally, check_config, horizon_s
-from pdplug_consensus.link import Link
-from pdplug_consensus.messages import Abort, Heartbeat, pp0_codec
+from pdplug.wire import Codec
+from pdplug_consensus.base import RankConsensus
+from pdplug_consensus.common import horizon_s
+from pdplug_consensus.decide import Tally
+from pdplug_consensus.messages import PP0_TYPES, Abort, Heartbeat
 
 __all__ = ["DecisionRelay", "PP0Consensus", "make_pp0"]
 
@@ -79,94 +83,56 @@ class DecisionRelay(Protocol):
         ...
 
 
-class PP0Consensus:
+class PP0Consensus(RankConsensus):
     """One PP rank's ``pp0`` consensus (implements :class:`pdplug.protocols.Consensus`).
 
     :param config: rank, size, endpoints (``endpoints[0]`` is PP0), streams, timeouts (s),
         wire rules (size limit, HMAC key, bind interface).
     :param relay: optional host channel for decisions (see the module docstring).
-    :raises ValueError: a config field is invalid (named with its value).
+    :raises ValueError: a config field is invalid (named with its value), or an endpoint is
+        off loopback without ``wire.hmac_key``.
+    :raises TypeError: ``relay`` lacks ``publish`` / ``receive``.
     :raises zmq.ZMQError: this rank's endpoint cannot be bound.
     """
 
+    impl = "pp0"
+
     def __init__(self, config: ConsensusConfig, relay: DecisionRelay | None = None) -> None:
-        check_config(config)
+        peers = range(1, config.pp_size) if config.pp_rank == 0 else (0,)
+        super().__init__(config, PP0_TYPES, peers)
         if relay is not None and not isinstance(relay, DecisionRelay):
             raise TypeError(
                 f"make_pp0: relay={relay!r} lacks publish(frame) / receive() (DecisionRelay)"
             )
-        self.config = config
-        self.rank = config.pp_rank
-        self.leader = config.pp_rank == 0
         self._relay = relay
-        self._codec = pp0_codec(config)
-        hz = horizon_s(config)
-        self._applier = Applier(config.streams, hz)
-        self._votes = LocalVotes(config.streams, self._applier, hz)
         self._vote_seq = dict.fromkeys(config.streams, 0)
         self._abort_seq = 0
-        self._own: deque[bytes] = deque()  # PP0: its decisions, in the order sent
-        self._failed: ConsensusError | None = None
-        self._closed = False
-        self.counters = {"votes_sent": 0, "aborts_sent": 0, "decisions_applied": 0}
-        followers = range(1, config.pp_size)
+        self._own: deque[tuple[Decision, bytes]] = deque()  # PP0: its decisions, as sent
+        self.counters.update(votes_sent=0, aborts_sent=0)
+        if relay is not None and not self.leader:
+            self._relay_codec: Codec = Codec.from_config(
+                config.wire,
+                Decision,
+                name=f"pp0-relay[r{self.rank}]",
+                identity=self.identities[self.rank],
+                members=(self.identities[0],),
+            )
+            self._codecs.append(self._relay_codec)
         if self.leader:
+            hz = horizon_s(config)
             self._tally = Tally(config.pp_size, config.streams, config.vote_deadline_s, hz)
             self._vote_next: dict[tuple[int, str], int] = {}
             self._abort_next: dict[int, int] = {}
             self._lcount = {"vote_gaps": 0}
-        self._link = Link(
-            rank=self.rank,
-            endpoints=config.endpoints,
-            out_peers=followers if self.leader else (0,),
-            in_peers=followers if self.leader else (0,),
-            codec=self._codec,
-            bind_host=config.wire.bind_host,
-            heartbeat_s=config.heartbeat_s,
-            peer_timeout_s=config.peer_timeout_s,
+        self._start_link(
             heartbeat=self._heartbeat,
+            dead_from=() if self.leader else (0,),
             on_frame=self._leader_frame if self.leader else None,
             on_local=self._leader_local if self.leader else None,
             on_tick=self._leader_tick if self.leader else None,
-            name="pp0",
         )
 
     # ------------------------------------------------------------------ host API
-
-    def offer(self, stream: str, good: Iterable[int] = (), bad: Iterable[int] = ()) -> None:
-        """Vote ``good`` (ready here) and ``bad`` (failed here) request ids for ``stream``.
-
-        Sent to PP0 at once. ``good`` ids with holds are deferred until released; ids
-        already offered or already decided are ignored.
-
-        :raises ValueError: unknown ``stream`` or a non-integer id.
-        :raises ConsensusError: this object was closed.
-        """
-        self._open()
-        self._votes.offer(stream, good, bad)
-        self._flush()
-
-    def hold(self, rid: int, n: int = 1) -> None:
-        """Mark ``n`` chunks of ``rid`` pending here: its ``good`` votes wait for release.
-
-        :raises ValueError: ``n < 1``.
-        """
-        self._votes.hold(rid, n)
-
-    def release_hold(self, rid: int, n: int = 1) -> None:
-        """``n`` pending chunks of ``rid`` completed; deferred ``good`` votes go out at zero.
-
-        :raises ValueError: more holds released than taken.
-        """
-        if self._votes.release_hold(rid, n):
-            self._flush()
-
-    def abort(self, rid: int) -> None:
-        """Abort ``rid``: decided ``bad`` in every stream where it is pending, and on later
-        votes (remembered for ``max(60, 4 * vote_deadline_s)`` seconds)."""
-        self._open()
-        self._votes.abort(rid, time.monotonic())
-        self._flush()
 
     def poll(self) -> list[Decision]:
         """Decisions that arrived since the last call, in ``seq`` order per stream.
@@ -177,20 +143,19 @@ class PP0Consensus:
         """
         self._open()
         self._check()
+        inbox = self._link.inbox
         if self.leader:
-            frames = [self._own.popleft() for _ in range(len(self._own))]
+            own = [self._own.popleft() for _ in range(len(self._own))]
             if self._relay is not None:
-                for f in frames:
+                for _, f in own:
                     self._relay.publish(f)
-            msgs: list[Any] = [self._codec.decode(f) for f in frames]
+            msgs: list[Any] = [d for d, _ in own]
         elif self._relay is not None:
-            msgs = [self._codec.decode(f) for f in self._relay.receive()]
-            inbox = self._link.inbox
+            msgs = [self._relay_codec.decode(f) for f in self._relay.receive()]
             for _ in range(len(inbox)):  # decisions must come through the relay only
                 inbox.popleft()
                 self._codec.drop("other")
         else:
-            inbox = self._link.inbox
             msgs = [inbox.popleft()[1] for _ in range(len(inbox))]
         out: list[Decision] = []
         now = time.monotonic()
@@ -200,55 +165,21 @@ class PP0Consensus:
             if not isinstance(m, Decision):
                 self._codec.drop("wrong_type")
                 continue
-            try:
-                self._applier.apply(m, now)
-            except ConsensusError as e:
-                self._failed = ConsensusError(f"pp0 rank {self.rank}: {e}")
-                raise self._failed from None
-            self._votes.applied(m)
-            out.append(m)
-        self.counters["decisions_applied"] += len(out)
+            self._apply(m, now, out)
         return out
 
     def stats(self) -> dict[str, int]:
         """Counters: votes/aborts sent, decisions applied, frames dropped by reason (codec),
         deferred and late offers; on PP0 also decisions made, deadline/abort bads."""
-        out = dict(self.counters)
-        out.update(self._votes.counters)
-        out.update(self._codec.stats())
-        out.update(self._link.counters)
+        out = super().stats()
         if self.leader:
             out.update(self._tally.counters)
             out.update(self._lcount)
         return out
 
-    def close(self) -> None:
-        """Stop the I/O thread and close the sockets; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._link.close()
-
-    def __enter__(self) -> PP0Consensus:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ internals
 
-    def _open(self) -> None:
-        if self._closed:
-            raise ConsensusError(f"pp0 rank {self.rank}: consensus is closed")
-
-    def _check(self) -> None:
-        if self._failed is None:
-            why = self._link.failure()
-            if why is not None:
-                self._failed = ConsensusError(f"pp0 rank {self.rank}: {why}")
-        if self._failed is not None:
-            raise self._failed
-
-    def _flush(self) -> None:
+    def _voted(self) -> None:
         votes, aborts = self._votes.take()
         msgs: list[Any] = []
         for stream, good, bad in votes:
@@ -264,7 +195,7 @@ class PP0Consensus:
             if self.leader:
                 self._link.local(m)
             else:
-                self._link.send(0, self._codec.encode(m))
+                self._link.send(0, m)
 
     def _heartbeat(self, dead: tuple[int, ...]) -> Heartbeat:
         return Heartbeat(rank=self.rank, dead=dead if self.leader else ())
@@ -272,9 +203,9 @@ class PP0Consensus:
     # ------------------------------------------------------------------ PP0's I/O thread
 
     def _leader_local(self, msg: Any) -> None:
-        self._leader_frame(0, msg, b"")
+        self._leader_frame(0, msg)
 
-    def _leader_frame(self, sender: int, msg: Any, frame: bytes) -> None:
+    def _leader_frame(self, sender: int, msg: Any) -> None:
         now = time.monotonic()
         if isinstance(msg, Vote):
             if not self._tally.has_stream(msg.stream):
@@ -282,7 +213,7 @@ class PP0Consensus:
                 return
             key = (sender, msg.stream)
             want = self._vote_next.get(key, 0)
-            if msg.seq < want:  # replayed or duplicated frame
+            if msg.seq < want:  # a duplicate the envelope let through (cannot happen)
                 self._codec.drop("stale")
                 return
             if msg.seq > want:
@@ -303,9 +234,9 @@ class PP0Consensus:
         for d in self._tally.decide(now):
             frame = self._codec.encode(d)
             if self._relay is None:
-                for p in range(1, self.config.pp_size):
+                for p in self.peers:
                     self._link.send_now(p, frame)
-            self._own.append(frame)
+            self._own.append((d, frame))
 
 
 def make_pp0(config: ConsensusConfig, *, relay: DecisionRelay | None = None) -> PP0Consensus:

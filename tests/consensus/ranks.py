@@ -45,6 +45,7 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     hmac_key: bytes | None = None
     max_message_bytes: int = 1 << 20
     relay: bool = False
+    init_delay_s: float = 0.0  # sleep before building the consensus (a rank starting late)
 
 
 class Applied(msgspec.Struct, frozen=True, array_like=True):
@@ -63,6 +64,8 @@ class Result(msgspec.Struct, kw_only=True):
     error_t: float | None = None
     stats: dict[str, int] = {}
     relay_frames: int = 0
+    rss_start_kib: int = 0  # peak resident memory (VmHWM) once started
+    rss_end_kib: int = 0  # peak resident memory (VmHWM) at the end
 
 
 # --------------------------------------------------------------------------- relay
@@ -90,6 +93,15 @@ class PipeRelay:
 
 
 # --------------------------------------------------------------------------- rank process
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set size (``VmHWM``, KiB; Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
 
 
 def _make(inst: Instance, rank: int, relay: Any) -> Any:
@@ -128,6 +140,7 @@ def rank_main(
     from pdplug import ConsensusError
 
     insts = msgspec.msgpack.decode(plan, type=list[Instance])
+    time.sleep(max((i.init_delay_s for i in insts), default=0.0))
     try:
         objs = [
             _make(i, rank, PipeRelay(relay_conns) if i.relay and relay_conns else None)
@@ -140,7 +153,7 @@ def rank_main(
     if not start.wait(60):
         return
     t0 = start_time = time.monotonic()
-    res = [Result(rank=rank, impl=i.impl) for i in insts]
+    res = [Result(rank=rank, impl=i.impl, rss_start_kib=peak_rss_kib()) for i in insts]
     nxt = [0] * len(insts)
     decided = [{s: 0 for s in STREAMS} for _ in insts]
     aborted: list[set[int]] = [set() for _ in insts]
@@ -190,6 +203,7 @@ def rank_main(
             done_sent = True
         time.sleep(loop_s)
     for k, c in enumerate(objs):
+        res[k].rss_end_kib = peak_rss_kib()
         res[k].stats = c.stats()
         relay = getattr(c, "_relay", None)
         res[k].relay_frames = relay.frames if relay is not None else 0

@@ -31,11 +31,26 @@ def test_bench_consensus_smoke(tmp_path) -> None:
     )
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert "machine:" in r.output and "ratio ring/pp0" in r.output
+    assert "phases pipeline" in r.output and "ring_trip" in r.output
     data = json.loads(out.read_text())
     assert [(x["impl"], x["pp_size"]) for x in data["rows"]] == [("pp0", 2), ("ring", 2)]
     for row in data["rows"]:
         assert 0 < row["p50_ms"] <= row["p99_ms"]
-    assert set(data["ratio_ring_over_pp0"]) == {"2"}
+    pp0, ring = data["rows"]
+    assert pp0["round_trip_iterations"] is None and ring["round_trip_iterations"] >= 2
+    assert set(data["ratio_ring_over_pp0"]) == {"2"} and data["sizes"]["phases"] == "pipeline"
+
+
+def test_pipeline_phases_space_the_ranks_over_one_iteration() -> None:
+    import random
+
+    from pdplug_bench.consensus import phase_offsets
+
+    assert phase_offsets(4, 0.008, "pipeline", random.Random(0)) == [0.0, 0.002, 0.004, 0.006]
+    rand = phase_offsets(4, 0.008, "random", random.Random(0))
+    assert all(0 <= x < 0.008 for x in rand)
+    with pytest.raises(ValueError, match="phases='x'"):
+        phase_offsets(4, 0.008, "x", random.Random(0))
 
 
 def test_bench_consensus_rejects_bad_pp() -> None:

@@ -11,10 +11,12 @@ from pdplug import Consensus, ConsensusConfig, ConsensusError
 from pdplug.ports import free_endpoints
 from pdplug.types import Decision, Vote
 from pdplug.wire import Codec
-from pdplug_consensus.common import Applier, LocalVotes, Tally, check_config
+from pdplug_consensus.common import check_config
+from pdplug_consensus.decide import Applier, Tally
 from pdplug_consensus.messages import Abort, Heartbeat, RingCandidate, StreamCandidate
 from pdplug_consensus.pp0 import make_pp0
 from pdplug_consensus.ring import make_ring
+from pdplug_consensus.votes import LocalVotes
 
 S = ("bootstrap", "release")
 
@@ -319,3 +321,19 @@ def test_wire_messages_roundtrip_strictly() -> None:
 
     assert c.decode(hmac.new(b"k", bad, hashlib.sha256).digest() + bad) is None
     assert c.drops["wrong_type"] == 1
+
+
+def test_ring_wait_blocks_until_the_next_candidate_is_queued() -> None:
+    import time
+
+    eps = free_endpoints(2)
+    cfg = [ConsensusConfig(pp_rank=r, pp_size=2, endpoints=eps) for r in range(2)]
+    with make_ring(cfg[0]) as r0, make_ring(cfg[1]) as r1:
+        t = time.monotonic()
+        assert r1.wait(0.2) is False  # nothing sent yet: bounded by the timeout
+        assert 0.15 <= time.monotonic() - t < 2.0
+        r0.poll()  # starts round 1 (queued for the end of this iteration)
+        assert r1.wait(0.5) is False
+        r0.poll()  # end of the iteration: round 1 leaves for rank 1
+        assert r1.wait(5.0) is True
+        assert r1.poll() == [] and r1.stats()["candidates_forwarded"] == 1
