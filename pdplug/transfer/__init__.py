@@ -71,9 +71,10 @@ when it packs, one pack thread. Host calls are thread-safe.
 from __future__ import annotations
 
 from pdplug.transfer.engine import TransferEngine, dedup_regions, hard_exit
+from pdplug.transfer.handshake import Compat, Emit, default_compat, default_emit
 from pdplug.transfer.messages import Abort, Done, Heartbeat, Hello, HelloAck, control_codec
 from pdplug.transfer.receiver import KVReceiverSession
-from pdplug.transfer.sender import Compat, Emit, KVSenderSession, default_compat, default_emit
+from pdplug.transfer.sender import KVSenderSession
 
 __all__ = [
     "TransferEngine",

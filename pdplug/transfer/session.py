@@ -1,31 +1,72 @@
-"""What the KV sender and receiver sessions share: the room-facing host calls (poll, wait,
-failure reason, drained, close) and the event queue that keeps observers off the data path.
+"""What the KV sender and receiver sessions share: the room-facing host calls, the event queue
+that keeps observers off the data path, and the checks of registered KV entries.
 
 Subclasses set ``rooms`` (:class:`pdplug.rooms.Rooms`), ``engine``, ``_loop``
-(:class:`~pdplug.transfer.loop.EngineLoop`), ``_emit`` (observer or ``None``), ``_events`` and
-``_closed``, and implement ``_drained(room)`` and ``_shutdown()`` (both run on the engine
-thread).
+(:class:`~pdplug.transfer.loop.EngineLoop`), ``_emit`` (observer or ``None``), ``_events``,
+``counts`` and ``_closed``, and implement ``_drained(room)`` and ``_shutdown()`` (both run on
+the engine thread).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
 
 from pdplug.errors import TransferError
 from pdplug.types import KVPoll, PdplugEvent
 
 if TYPE_CHECKING:
+    import torch
+
     from pdplug.rooms import Rooms
     from pdplug.transfer.engine import TransferEngine
     from pdplug.transfer.loop import EngineLoop
 
-__all__ = ["RoomSession"]
+__all__ = ["RoomSession", "entries_geometry"]
 
 log = logging.getLogger(__name__)
 
 _S = TypeVar("_S", bound="RoomSession")
+
+
+def entries_geometry(
+    entries: Sequence[torch.Tensor], bytes_per_token: Sequence[int], page_tokens: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Check KV entry tensors and return ``(base addresses, nbytes, pages)``.
+
+    :param entries: one contiguous tensor per entry (any dtype).
+    :param bytes_per_token: bytes of one token row per entry.
+    :param page_tokens: tokens per page per entry (``page_size``, or ``page_size * dcp_size``
+        for a decode draft entry).
+    :returns: int64 ``[E]`` base addresses, int64 ``[E]`` sizes (bytes), and the number of
+        whole pages every entry holds (the minimum over entries).
+    :raises ValueError: wrong entry count, a non-contiguous tensor, or an entry smaller than
+        one page (each names the entry index and the value).
+    """
+    if len(entries) != len(bytes_per_token):
+        raise ValueError(
+            f"register_kv: got {len(entries)} entries, layout has {len(bytes_per_token)}"
+        )
+    base = np.zeros(len(entries), dtype=np.int64)
+    nbytes = np.zeros(len(entries), dtype=np.int64)
+    pages = None
+    for i, t in enumerate(entries):
+        if not t.is_contiguous():
+            raise ValueError(f"register_kv: entries[{i}] is not contiguous")
+        base[i] = t.data_ptr()
+        nbytes[i] = t.numel() * t.element_size()
+        n = int(nbytes[i]) // (bytes_per_token[i] * page_tokens[i])
+        if n <= 0:
+            raise ValueError(
+                f"register_kv: entries[{i}] has {int(nbytes[i])} bytes, below one page of "
+                f"{page_tokens[i]} tokens x {bytes_per_token[i]} bytes"
+            )
+        pages = n if pages is None else min(pages, n)
+    return base, nbytes, int(pages or 0)
 
 
 class RoomSession:
@@ -34,6 +75,7 @@ class RoomSession:
 
     rooms: Rooms
     engine: TransferEngine
+    counts: Counter[str]
     _loop: EngineLoop
     _emit: Callable[[PdplugEvent], None] | None
     _events: list[PdplugEvent]
@@ -98,9 +140,20 @@ class RoomSession:
     def _shutdown(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def _common_stats(self, codec: Any, tags: Any) -> dict[str, Any]:
+        """Counters every session reports: its own, the control codec's and the tag codec's
+        drops by reason, and the engine loop's errors."""
+        out: dict[str, Any] = dict(self.counts)
+        out.update({f"control_{k}": v for k, v in codec.stats().items()})
+        out.update({f"tags_{k}": v for k, v in tags.stats().items()})
+        out["loop_errors"] = self._loop.errors
+        return out
+
     def _queue_event(self, kind: str, room: int, fields: dict[str, Any]) -> None:
         """Queue an event for the observers; they run at the next periodic round, off the
         completion path."""
+        if self._emit is None:
+            return
         self._events.append(
             PdplugEvent(kind=kind, source=self.engine.name, room=room, fields=fields)
         )
