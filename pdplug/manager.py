@@ -646,7 +646,11 @@ class PluginManager:
         """
         if planner is None:
             planner = self.make_pack_planner()
-        return cast(KVSender, self._factory("kv_sender", name)(config, planner, packer))
+        factory = self._factory("kv_sender", name)
+        return cast(
+            KVSender,
+            factory(config, planner, packer, compat=self.check_compat, emit=self.emit),
+        )
 
     def make_kv_receiver(self, config: KVConfig, name: str | None = None) -> KVReceiver:
         """Build the selected decode-side KV receiver (same selection as the sender).
@@ -655,7 +659,8 @@ class PluginManager:
         :param name: explicit selection; default ``select=`` / ``PDPLUG_KV_SENDER`` / ``nixl``.
         :raises PluginError: as :meth:`resolve`, or the factory failed to import.
         """
-        return cast(KVReceiver, self._factory("kv_sender", name, "receiver_factory")(config))
+        factory = self._factory("kv_sender", name, "receiver_factory")
+        return cast(KVReceiver, factory(config, compat=self.check_compat, emit=self.emit))
 
     def check_compat(self, local: PeerInfo, remote: PeerInfo) -> list[str]:
         """Every reason to refuse ``remote``: layout checks plus every plugin's veto.

@@ -1,14 +1,18 @@
 """The decode side's rooms on the engine thread: leases, completion tags and drain state.
 
-A room the host expects becomes a :class:`RecvLease` waiting for every connected prefill rank
-of its instance. Tags are validated strictly (:meth:`RecvLeases.on_tag`): the current lease
-generation, the source rank the connection or agent belongs to, no duplicate and nothing past
-a source's last chunk; anything else is dropped and counted by the codec it came through.
+A room the host expects becomes a :class:`RecvLease` bound to the prefill sources its DestInfo
+was sent to. Tags are validated strictly (:meth:`RecvLeases.on_tag`): the current lease
+generation, the source rank the connection or agent belongs to, no duplicate and nothing past a
+source's last chunk; anything else is dropped and counted by the codec it came through.
+
+A failed room is *drained* only when every source it was sent to confirmed it stopped writing
+its pages (a drained failure notice) or is known dead — never by a timer. Until then the
+decode rank asks again (an ``Abort``) every ``ask_s`` seconds, so a lost notice cannot pin the
+pages forever, and the room counts as ``undrained`` in ``stats()``.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -28,20 +32,22 @@ _MAX_CHUNKS = 1 << 24  # chunk ids above this are malformed
 class RecvLease(msgspec.Struct, kw_only=True):
     """One room on a receiver (engine thread state).
 
-    :ivar sources: the prefill ranks the room waits for; ``got``/``last``: chunk ids received
-        and the last chunk id, per source; ``stopped``: sources that confirmed they stopped
-        writing the room's pages.
+    :ivar srcs: the prefill sources the DestInfo was sent to, by rank (the room waits for
+        each); ``got``/``last``: chunk ids received and the last chunk id, per source;
+        ``stopped``: sources that confirmed they stopped writing the room's pages.
+    :ivar failed_at/asked_at: monotonic seconds of the failure and of the last ``Abort`` sent.
     """
 
     room: int
     generation: int
     instance: str
     dest: DestInfo
-    sources: tuple[int, ...]
+    srcs: dict[int, Source] = {}
     got: dict[int, set[int]] = {}
     last: dict[int, int] = {}
     stopped: set[int] = set()
     failed_at: float = 0.0
+    asked_at: float = 0.0
     done: bool = False
 
 
@@ -50,7 +56,7 @@ class RecvLeases:
 
     :param rooms: the session's thread-safe room table.
     :param sources: the session's prefill sources.
-    :param timeout_s: ``KVConfig.transfer_timeout_s``.
+    :param ask_s: seconds between two ``Abort`` s for a failed room that has not drained.
     :param event: ``(kind, lease, **fields)`` observer hook of the session.
     :param counts: the session's counters.
     """
@@ -60,109 +66,126 @@ class RecvLeases:
         *,
         rooms: Rooms,
         sources: PrefillSources,
-        timeout_s: float,
+        ask_s: float,
         event: Callable[..., None],
         counts: Counter[str],
     ) -> None:
         self._rooms = rooms
         self._sources = sources
-        self._timeout_s = timeout_s
+        self._ask_s = ask_s
         self._event = event
         self._counts = counts
         self.leases: dict[int, RecvLease] = {}
-        self.draining: dict[int, RecvLease] = {}
+        self.draining: dict[int, dict[int, RecvLease]] = {}  # room -> generation -> lease
 
-    def expect(self, instance: str, dest: DestInfo) -> None:
+    # ------------------------------------------------------------------ host calls
+    def expect(self, instance: str, dest: DestInfo, now: float) -> None:
+        """Send ``dest`` to every source of ``instance`` (or fail at once if one is not
+        connected: then nothing was sent and the room is drained)."""
         room, gen = dest.room, dest.generation
         if self._rooms.generation(room) != gen:
             return
         table = self._sources.table(instance)
-        lease = RecvLease(
-            room=room, generation=gen, instance=instance, dest=dest, sources=tuple(sorted(table))
-        )
+        lease = RecvLease(room=room, generation=gen, instance=instance, dest=dest)
         self.leases[room] = lease
-        self.draining.pop(room, None)
         dead = [s.rank for s in table.values() if not s.alive or s.state != "accepted"]
         if dead or not table:
-            self._failed(lease, f"prefill {instance} ranks {dead} are not connected")
+            self.failed(lease, f"prefill {instance} ranks {dead} are not connected", now)
             return
+        lease.srcs = dict(table)
         for src in table.values():
             self._sources.send(src, dest)
         self._counts["expected"] += 1
 
-    def abort(self, room: int, gen: int, reason: str) -> None:
+    def abort(self, room: int, gen: int, reason: str, now: float) -> None:
+        """The host aborted ``room``: tell every source."""
         lease = self.leases.get(room)
         if lease is None or lease.generation != gen:
             return
-        if not lease.failed_at:
-            lease.failed_at = time.monotonic()
-        self._tell(lease, reason)
+        lease.failed_at = lease.failed_at or now
+        self._tell(lease, reason, now)
         self._counts["aborted"] += 1
 
-    def _tell(self, lease: RecvLease, reason: str) -> None:
-        for src in self._sources.table(lease.instance).values():
-            if src.alive:
-                msg = Abort(room=lease.room, generation=lease.generation, reason=reason[:512])
-                self._sources.send(src, msg)
-
     def clear(self, room: int, gen: int) -> None:
+        """The host cleared ``room``; an undrained lease stays watched until it drains."""
         lease = self.leases.get(room)
         if lease is None or lease.generation != gen:
             return
         del self.leases[room]
         if not self._lease_drained(lease):
-            self.draining[room] = lease
+            self.draining.setdefault(room, {})[gen] = lease
 
     def drained(self, room: int) -> bool:
-        lease = self.leases.get(room) or self.draining.get(room)
-        return lease is None or self._lease_drained(lease)
+        """No source can still write into ``room``'s pages (any generation of it)."""
+        lease = self.leases.get(room)
+        if lease is not None and not self._lease_drained(lease):
+            return False
+        return all(self._lease_drained(ls) for ls in self.draining.get(room, {}).values())
+
+    # ------------------------------------------------------------------ outcomes
+    def failed(self, lease: RecvLease, reason: str, now: float, tell: bool = False) -> None:
+        """Fail ``lease`` (the first reason wins); with ``tell``, abort it on every source."""
+        if self._rooms.fail(lease.room, reason, lease.generation):
+            self._counts["rooms_failed"] += 1
+            self._event("transfer_failed", lease, reason=reason)
+        lease.failed_at = lease.failed_at or now
+        if tell:
+            self._tell(lease, reason, now)
+
+    def _tell(self, lease: RecvLease, reason: str, now: float) -> None:
+        lease.asked_at = now
+        msg = Abort(room=lease.room, generation=lease.generation, reason=reason[:512])
+        for rank, src in lease.srcs.items():
+            if src.alive and rank not in lease.stopped:
+                self._sources.send(src, msg)
 
     def _lease_drained(self, lease: RecvLease) -> bool:
         if lease.done:
             return True
-        st = (
-            self._rooms.status(lease.room)
-            if self._rooms.generation(lease.room) == lease.generation
-            else KVPoll.Failed
-        )
-        if st != KVPoll.Failed:
-            return False
-        table = self._sources.table(lease.instance)
-        quiet = all(
-            r in lease.stopped or r not in table or not table[r].alive for r in lease.sources
-        )
-        if not lease.failed_at:
-            lease.failed_at = time.monotonic()
-        return quiet or time.monotonic() - lease.failed_at > self._timeout_s
+        current = self._rooms.generation(lease.room) == lease.generation
+        if current and self._rooms.status(lease.room) != KVPoll.Failed:
+            return False  # still live (a cleared lease was aborted, so it failed)
+        return all(r in lease.stopped or not s.alive for r, s in lease.srcs.items())
 
-    def _failed(self, lease: RecvLease, reason: str, tell: bool = False) -> None:
-        if self._rooms.fail(lease.room, reason, lease.generation):
-            self._counts["rooms_failed"] += 1
-            self._event("transfer_failed", lease, reason=reason)
-        if not lease.failed_at:
-            lease.failed_at = time.monotonic()
-        if tell:
-            self._tell(lease, reason)
-
-    def source_dead(self, instance: str, src: Source, reason: str) -> None:
+    def source_dead(self, src: Source, reason: str, now: float) -> None:
+        """Fail every room that waits for ``src`` (telling the other sources)."""
         for lease in self.leases.values():
-            if lease.instance == instance and not lease.done:
-                self._failed(lease, reason, tell=True)
+            if lease.srcs.get(src.rank) is src and not lease.done:
+                self.failed(lease, reason, now, tell=True)
 
-    def on_tag(self, src: Source, tag: ChunkTag, codec: Any, drained: bool = False) -> None:
+    def keep_alive(self, src: Source, generations: tuple[int, ...]) -> None:
+        """``src`` says these rooms' work is moving there (queued or being written): re-arm
+        their deadlines."""
+        live = set(generations)
+        for lease in self.leases.values():
+            if lease.generation in live and lease.srcs.get(src.rank) is src:
+                self._rooms.touch(lease.room, lease.generation)
+
+    def rebind(self, old: Source, new: Source) -> None:
+        """The same prefill process was connected again: its rooms continue on ``new``."""
+        for lease in self._all():
+            if lease.srcs.get(old.rank) is old:
+                lease.srcs[old.rank] = new
+
+    def _all(self) -> list[RecvLease]:
+        return [*self.leases.values(), *(ls for g in self.draining.values() for ls in g.values())]
+
+    def on_tag(self, src: Source, tag: ChunkTag, codec: Any, now: float, drained: bool) -> None:
+        """A completion tag (or a failure notice, ``ok=False``) from ``src``."""
         if tag.src_rank != src.rank or src.state != "accepted":
             codec.drop("unknown_rank")
             return
         lease = self.leases.get(tag.room)
         if lease is None or lease.generation != tag.generation:
-            lease = None if tag.ok else self.draining.get(tag.room)  # a cleared room's drain
-        if lease is None or lease.generation != tag.generation or lease.instance != src.instance:
+            # a cleared room's drain notice
+            lease = None if tag.ok else self.draining.get(tag.room, {}).get(tag.generation)
+        if lease is None or lease.instance != src.instance:
             codec.drop("stale")
             return
         if not tag.ok:
             if drained:  # this source wrote its last byte into the room's pages
                 lease.stopped.add(src.rank)
-            self._failed(lease, f"prefill {src.instance} rank {src.rank}: {tag.reason}")
+            self.failed(lease, f"prefill {src.instance} rank {src.rank}: {tag.reason}", now)
             return
         if not 0 <= tag.chunk_id < _MAX_CHUNKS:
             codec.drop("malformed")
@@ -184,8 +207,7 @@ class RecvLeases:
         self._rooms.advance(lease.room, KVPoll.Transferring, lease.generation)
         self._rooms.touch(lease.room, lease.generation)
         done = all(
-            r in lease.last and len(lease.got.get(r, ())) == lease.last[r] + 1
-            for r in lease.sources
+            r in lease.last and len(lease.got.get(r, ())) == lease.last[r] + 1 for r in lease.srcs
         )
         if done:
             lease.done = True
@@ -193,15 +215,35 @@ class RecvLeases:
                 self._counts["rooms_ok"] += 1
                 self._event("transfer_done", lease)
 
+    # ------------------------------------------------------------------ periodic
     def expire(self, now: float) -> None:
         """Fail rooms past their deadline (telling the prefill ranks)."""
         for room, gen, reason in self._rooms.expire(now):
             lease = self.leases.get(room)
             if lease is not None and lease.generation == gen:
-                self._failed(lease, reason, tell=True)
+                self.failed(lease, reason, now, tell=True)
 
-    def sweep(self) -> None:
-        """Forget cleared rooms that drained."""
-        if self.draining:
-            for room in [r for r, ls in self.draining.items() if self._lease_drained(ls)]:
+    def sweep(self, now: float) -> None:
+        """Forget cleared rooms that drained; ask again about failed ones that did not."""
+        for room in list(self.draining):
+            gens = self.draining[room]
+            for gen in [g for g, ls in gens.items() if self._lease_drained(ls)]:
+                del gens[gen]
+            if not gens:
                 del self.draining[room]
+        for lease in self._all():
+            due = lease.failed_at and now - lease.asked_at >= self._ask_s
+            if due and not self._lease_drained(lease):
+                self._counts["abort_resent"] += 1
+                self._tell(lease, "aborted (asking again until drained)", now)
+
+    def gauges(self) -> dict[str, int]:
+        """What the table holds now: leases, cleared rooms still draining, failed rooms not
+        drained yet (live or cleared)."""
+        return {
+            "leases": len(self.leases),
+            "draining": sum(len(g) for g in self.draining.values()),
+            "undrained": sum(
+                1 for ls in self._all() if ls.failed_at and not self._lease_drained(ls)
+            ),
+        }

@@ -70,6 +70,10 @@ def frame_sender(frames: list[bytes], peer: bytes | None = None) -> tuple[bytes,
 class Liveness:
     """Heartbeat pacing and the silence bound of one session's peers.
 
+    Silence is counted only while this side could listen: after this side's own engine thread
+    stalled (a round more than ``timeout_s / 2`` after the previous one — an overloaded host, a
+    long GC pause), peers get a fresh ``timeout_s`` before they are called silent.
+
     :param timeout_s: a peer silent this long is dead (``KVConfig.transfer_timeout_s``);
         heartbeats go out every ``timeout_s / 5`` seconds, clamped to [0.05, 1].
     """
@@ -79,9 +83,15 @@ class Liveness:
         self.interval_s = max(0.05, min(1.0, timeout_s / 5))
         self.seq = 0
         self._next = 0.0
+        self._last = 0.0
+        self._resumed = 0.0
 
     def due(self, now: float) -> bool:
-        """Whether a heartbeat round is due at ``now`` (then ``seq`` moved on)."""
+        """Whether a heartbeat round is due at ``now`` (then ``seq`` moved on); called every
+        round, it also notices when this side stalled."""
+        if self._last and now - self._last > max(2 * self.interval_s, self.timeout_s / 2):
+            self._resumed = now
+        self._last = now
         if now < self._next:
             return False
         self._next = now + self.interval_s
@@ -89,9 +99,9 @@ class Liveness:
         return True
 
     def silent_for(self, last_seen: float, now: float) -> float | None:
-        """Seconds a peer last seen at ``last_seen`` has been silent, if that is over the
-        bound; ``None`` while it is alive."""
-        silent = now - last_seen
+        """Seconds a peer last seen at ``last_seen`` has been silent while this side listened,
+        if that is over the bound; ``None`` while it is alive."""
+        silent = now - max(last_seen, self._resumed)
         return silent if silent > self.timeout_s else None
 
 

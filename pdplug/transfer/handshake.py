@@ -3,10 +3,12 @@
 A decode rank sends :class:`~pdplug.transfer.messages.Hello` (its
 :class:`~pdplug.types.PeerInfo`) to every prefill rank it connects to; each answers
 :class:`~pdplug.transfer.messages.HelloAck`, accepted or refused naming every mismatch. Both
-sides check: role, backend, the host's compat function (:data:`Compat`: layout checks plus
-plugin vetoes), and on the prefill side what its planner and pack buffer can serve
-(:func:`check_decode_peer`). The decode side merges its own findings with each prefill rank's
-refusal (:func:`merge_refusals`) into one :class:`~pdplug.errors.CompatError`.
+sides check: role, backend, TP pairing (:func:`tp_pairing`), the host's compat function
+(:data:`Compat`; :func:`layout_compat` when the builder of the session gives none — a plugin
+manager passes its own ``check_compat``, layout checks plus every plugin's veto), and on the
+prefill side what its planner and pack buffer can serve (:func:`check_decode_peer`). The
+decode side merges its own findings with each prefill rank's refusal (:func:`merge_refusals`)
+into one :class:`~pdplug.errors.CompatError`.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pdplug.errors import PlanError
-from pdplug.layout import entry_map
+from pdplug.layout import entry_map, layout_mismatches
 from pdplug.protocols import PackPlanner
-from pdplug.types import PdplugEvent, PeerInfo
+from pdplug.types import KVLayout, PdplugEvent, PeerInfo
 
 __all__ = [
     "Compat",
     "Emit",
-    "default_compat",
-    "default_emit",
+    "layout_compat",
+    "tp_pairing",
     "check_decode_peer",
     "check_prefill_peer",
     "merge_refusals",
@@ -37,28 +39,40 @@ Compat = Callable[[PeerInfo, PeerInfo], Sequence[str]]
 Emit = Callable[[PdplugEvent], None]
 
 
-def default_compat(local: PeerInfo, remote: PeerInfo) -> list[str]:
-    """Layout checks plus every plugin's ``pdplug_check_compat`` veto, through the
-    process-wide manager (:meth:`pdplug.manager.PluginManager.check_compat`)."""
-    from pdplug.manager import get_plugin_manager
-
-    return get_plugin_manager().check_compat(local, remote)
+def layout_compat(local: PeerInfo, remote: PeerInfo) -> list[str]:
+    """The layout checks alone (:func:`pdplug.layout.layout_mismatches`): what a session uses
+    when whoever built it passed no ``compat``."""
+    return layout_mismatches(local.layout, remote.layout)
 
 
-def default_emit(event: PdplugEvent) -> None:
-    """Broadcast ``event`` to every plugin's ``pdplug_on_event`` through the process-wide
-    manager (:meth:`pdplug.manager.PluginManager.emit`; observer errors are logged)."""
-    from pdplug.manager import get_plugin_manager
+def tp_pairing(prefill: KVLayout, decode: KVLayout) -> str | None:
+    """Why a prefill rank cannot feed a decode rank by TP position, or ``None``.
 
-    get_plugin_manager().emit(event)
+    A decode TP rank is fed by the prefill ranks of the same TP rank (equal TP sizes; each
+    rank holds the same heads). Other TP ratios need a planner that maps heads between ranks
+    (vLLM #45330) and are refused here.
+    """
+    if prefill.tp_size != decode.tp_size:
+        return (
+            f"tp_size: prefill {prefill.tp_size} vs decode {decode.tp_size} (a decode TP rank "
+            "is fed by the prefill TP rank of the same index; other ratios are not supported)"
+        )
+    if prefill.tp_rank != decode.tp_rank:
+        return (
+            f"tp_rank: prefill {prefill.tp_rank} vs decode {decode.tp_rank} (connect a decode "
+            "TP rank to the prefill ranks of its own TP rank)"
+        )
+    return None
 
 
-def _identity(remote: PeerInfo, role: str, backend: str) -> list[str]:
+def _identity(remote: PeerInfo, role: str, backend: str, tp: str | None) -> list[str]:
     out: list[str] = []
     if remote.role != role:
         out.append(f"role: expected {role!r}, got {remote.role!r}")
     if remote.backend != backend:
         out.append(f"backend: local {backend} vs remote {remote.backend or '?'}")
+    if tp is not None:
+        out.append(tp)
     return out
 
 
@@ -89,7 +103,8 @@ def check_decode_peer(
     :param region_nbytes: bytes of one pack region, ``None`` without a pack buffer.
     :returns: ``(mismatches, entry map, relayout)``; the map is ``None`` when refused.
     """
-    out = _identity(remote, "decode", backend) + _compat(compat, local, remote)
+    tp = tp_pairing(local.layout, remote.layout)
+    out = _identity(remote, "decode", backend, tp) + _compat(compat, local, remote)
     if out:
         return out, None, False
     rl, ll = remote.layout, local.layout
@@ -119,7 +134,7 @@ def check_prefill_peer(
 ) -> list[str]:
     """The decode side's check of a prefill rank it is about to connect to (from the
     rendezvous): role, backend, a control endpoint, and the host's compat function."""
-    out = _identity(remote, "prefill", backend)
+    out = _identity(remote, "prefill", backend, tp_pairing(remote.layout, local.layout))
     if not remote.control_endpoint:
         out.append("control_endpoint: empty")
     return out + _compat(compat, local, remote)

@@ -1,13 +1,24 @@
-"""The prefill side's rooms on the engine thread: leases, DestInfo intake, aborts, segments and
-failure notices.
+"""The prefill side's rooms on the engine thread: leases, intake, aborts and failure notices.
 
-A room started by the host becomes a :class:`~pdplug.transfer.pipeline.Lease`. DestInfos that
+A room started by the host becomes a :class:`~pdplug.transfer.records.Lease`. DestInfos that
 arrive before ``start`` wait in an inbox for ``bootstrap_timeout_s``. The lease turns
 ``WaitingForInput`` once every DCP rank of its decode instance sent its DestInfo; each segment
-becomes one job per destination for the :class:`~pdplug.transfer.pipeline.SendPipeline`. A
-failure is reported to every destination as ``Done(ChunkTag(ok=False))`` at once and again,
-``drained``, once no write of the room is in flight (the negative twin of a completion, vLLM
-PR #50754).
+becomes one job per destination for the :class:`~pdplug.transfer.pipeline.SendPipeline`.
+
+Every way a room ends reaches the decode side within one round trip:
+
+* a failure is sent to every destination as ``Done(ChunkTag(ok=False))`` at once, and again,
+  ``drained``, once no write of the room is in flight (the negative twin of a completion,
+  vLLM PR #50754);
+* an ``Abort`` is always answered: by failing the lease, or — when nothing of the room is in
+  flight to that decode rank (not started yet, unknown, already drained) — by a drained failure
+  notice at once. An abort that comes before ``start`` is remembered, so ``start`` fails the
+  room at once instead of waiting for ``bootstrap_timeout_s``;
+* a DestInfo for a room that already failed here is refused at once with the room's reason;
+* two decode instances claiming one room are both told: the room fails if nothing was sent
+  yet, else the later claimant is refused; one request's KV never goes to another's pages;
+* a segment that ends past, or a last segment that ends short of, the ``num_tokens`` the
+  decode rank declared fails the room naming both numbers.
 """
 
 from __future__ import annotations
@@ -24,13 +35,14 @@ from pdplug.rooms import Rooms
 from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.messages import Abort, Done
 from pdplug.transfer.peers import DecodePeers
-from pdplug.transfer.pipeline import Job, Lease, Peer, SendPipeline
+from pdplug.transfer.pipeline import SendPipeline
+from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
 from pdplug.types import ChunkTag, DestInfo, KVLayout, KVPoll, PackRegion, Segment, pages_from_bytes
 from pdplug.wire import Codec
 
 __all__ = ["SendLeases"]
 
-_MAX_INBOX = 65536  # rooms whose DestInfo arrived before start(); older than bootstrap expire
+_MAX_INBOX = 65536  # rooms held for a later start(); a flood beyond this is dropped
 
 
 class SendLeases:
@@ -39,9 +51,10 @@ class SendLeases:
     :param rank: this prefill rank's id; ``layout``: its layout; ``planner``: the planner.
     :param rooms: the session's thread-safe room table.
     :param pipe: the session's send pipeline; ``peers``: its decode peers.
-    :param engine: returns the current engine; ``codec``/``tags``: the control and tag codecs.
+    :param engine: returns the current engine; ``tags``: the engine-notification codec.
+    :param codec: the control codec (counts semantic drops).
     :param regions: returns the pack regions (set at ``register_kv``).
-    :param inbox_ttl_s: ``bootstrap_timeout_s``: how long an early DestInfo is kept.
+    :param inbox_ttl_s: ``bootstrap_timeout_s``: how long an early DestInfo or abort is kept.
     :param event: ``(kind, lease, **fields)`` observer hook of the session.
     :param counts: the session's counters.
     """
@@ -78,24 +91,31 @@ class SendLeases:
         self._counts = counts
         self.leases: dict[int, Lease] = {}
         self.draining: list[Lease] = []
-        self.inbox: dict[int, dict[tuple[str, int], tuple[DestInfo, float]]] = {}
+        self.inbox: dict[int, dict[PeerKey, tuple[DestInfo, float]]] = {}
+        self.aborted: dict[int, dict[PeerKey, tuple[int, str, float]]] = {}
 
     # ------------------------------------------------------------------ host calls
     def start(self, room: int, gen: int, now: float) -> None:
-        """The host started ``room`` (lease ``gen``); adopt DestInfos that came first."""
+        """The host started ``room`` (lease ``gen``); adopt what came first."""
         if self._rooms.generation(room) != gen:
             return  # cleared before we got here
         lease = Lease(room=room, generation=gen)
         self.leases[room] = lease
-        for key, (d, _t) in sorted(self.inbox.pop(room, {}).items()):
+        early = sorted(self.inbox.pop(room, {}).items())
+        tomb = self.aborted.pop(room, None)
+        if tomb:
+            key, (_g, why, _t) = min(tomb.items())
+            self._counts["aborted_before_start"] += 1
+            self.fail(lease, f"aborted by {describe(key)} before start: {why}")
+        for key, (d, _t) in early:
             peer = self._peers.by_position(key)
             if peer is not None:
-                self._add_dest(lease, peer, d, now)
+                self.on_dest(peer, d, now)
 
     def dest(self, room: int) -> list[DestInfo]:
-        """The DestInfos of ``room`` sorted by DCP rank."""
+        """The DestInfos of ``room`` sorted by destination position."""
         lease = self.leases.get(room)
-        return [] if lease is None else [lease.dests[r] for r in sorted(lease.dests)]
+        return [] if lease is None else [lease.dests[k] for k in sorted(lease.dests)]
 
     def capacity(self, room: int) -> int | None:
         """Largest segment of ``room`` in tokens (``None``: no destination needs packing).
@@ -118,20 +138,30 @@ class SendLeases:
             cap = c if cap is None else min(cap, c)
         return cap
 
-    def enqueue(self, room: int, gen: int, seg: Segment, pages: np.ndarray) -> None:
-        """One segment of ``room`` becomes one job per destination."""
+    def enqueue(self, room: int, gen: int, seg: Segment, pages: np.ndarray, now: float) -> None:
+        """One segment of ``room`` becomes one job per destination (after the count check)."""
         lease = self.leases.get(room)
         if lease is None or lease.generation != gen or lease.failed:
             return
         jobs = []
         try:
-            for r in sorted(lease.dests):
-                d = lease.dests[r]
+            for key in sorted(lease.dests):
+                d = lease.dests[key]
+                short = seg.is_last and seg.token_end < d.num_tokens
+                if d.num_tokens and (seg.token_end > d.num_tokens or short):
+                    which = "the last segment" if seg.is_last else f"segment {seg.chunk_id}"
+                    self.fail(
+                        lease,
+                        f"token count: {which} ends at token {seg.token_end} but {describe(key)} "
+                        f"declared num_tokens={d.num_tokens} (KVReceiver.expect); both sides "
+                        "must agree on the prompt length",
+                    )
+                    return
                 dst = pages_from_bytes(d.dst_pages)
                 chunk = segment_to_chunk(
                     room, seg, pages, dst, d.decode_prefix_len, self._layout.page_size
                 )
-                jobs.append(Job(lease=lease, dst_rank=r, chunk=chunk))
+                jobs.append(Job(lease=lease, key=key, dst_rank=key[2], chunk=chunk))
         except ValueError as e:
             self.fail(lease, f"segment {seg.chunk_id}: {e}")
             return
@@ -140,7 +170,7 @@ class SendLeases:
             return
         lease.segments[seg.chunk_id] = len(jobs)
         self._counts["segments"] += 1
-        self._pipe.submit(jobs)
+        self._pipe.submit(jobs, now)
 
     def abort(self, room: int, gen: int) -> None:
         """The host aborted ``room``."""
@@ -179,6 +209,17 @@ class SendLeases:
         self._pipe.purge(lease)
         self.notify_failure(lease)
 
+    def _failure(self, d: DestInfo, reason: str) -> ChunkTag:
+        return ChunkTag(
+            generation=d.generation,
+            room=d.room,
+            chunk_id=-1,
+            is_last=True,
+            src_rank=self._rank,
+            ok=False,
+            reason=reason[:512],
+        )
+
     def notify_failure(self, lease: Lease) -> None:
         """Tell every destination the room failed: at once, and again (``drained``) once no
         write of the room is in flight here any more."""
@@ -187,27 +228,24 @@ class SendLeases:
             return
         first = lease.notified == 0
         lease.notified = 1 + drained
-        reason = (lease.reason or self._rooms.reason(lease.room) or "failed")[:512]
+        reason = lease.reason or self._rooms.reason(lease.room) or "failed"
         engine = self._engine()
-        for r, d in lease.dests.items():
-            peer = lease.peers[r]
+        for key, d in lease.dests.items():
+            peer = lease.peers[key]
             if not peer.alive:
                 continue
-            tag = ChunkTag(
-                generation=d.generation,
-                room=lease.room,
-                chunk_id=-1,
-                is_last=True,
-                src_rank=self._rank,
-                ok=False,
-                reason=reason,
-            )
+            tag = self._failure(d, reason)
             self._peers.send(peer, Done(chunk=tag, drained=drained))
             if first and engine.notifications:
                 try:
                     engine.notify(peer.handle, self._tags.encode(tag))
                 except Exception:
                     self._counts["notify_failed"] += 1
+
+    def _refuse(self, peer: Peer, d: DestInfo, reason: str) -> None:
+        """Tell one decode rank at once that ``d``'s room ended here with nothing of it in
+        flight to that rank (its pages are not written by this rank)."""
+        self._peers.send(peer, Done(chunk=self._failure(d, reason), drained=True))
 
     def job_done(self, job: Job) -> None:
         """A job's write completed; the room succeeds with its last segment's last job."""
@@ -221,18 +259,39 @@ class SendLeases:
                 self._counts["rooms_ok"] += 1
                 self._event("transfer_done", lease)
 
-    def written(self, peer: Peer, tag: ChunkTag) -> None:
-        """A write completed on an engine without notifications: send its tag."""
-        self._peers.send(peer, Done(chunk=tag))
+    def written(self, job: Job, tag: ChunkTag) -> None:
+        """A write completed on an engine without notifications: send its tag to the
+        destination's current connection."""
+        peer = job.lease.peers.get(job.key)
+        if peer is not None and peer.alive:
+            self._peers.send(peer, Done(chunk=tag))
 
     def peer_dropped(self, peer: Peer, reason: str) -> None:
         """Fail every room bound to a dropped peer."""
         for lease in list(self.leases.values()):
-            if any(p is peer for p in lease.peers.values()):
-                self.fail(lease, f"decode {peer.key[0]} dcp {peer.key[1]}: {reason}")
+            if lease.peers.get(peer.key) is peer:
+                self.fail(lease, f"{describe(peer.key)}: {reason}")
+
+    def rebind(self, old: Peer, new: Peer) -> None:
+        """The same decode process handshook again: its rooms continue on the new peer."""
+        for lease in [*self.leases.values(), *self.draining]:
+            if lease.peers.get(old.key) is old:
+                lease.peers[old.key] = new
+
+    def keep_alive(self, active: set[int]) -> dict[PeerKey, list[int]]:
+        """Re-arm the deadline of rooms whose work is moving (:meth:`SendPipeline.active`);
+        returns, per destination, the decode lease generations of those rooms (sent with the
+        next heartbeat so the decode side re-arms them too)."""
+        live: dict[PeerKey, list[int]] = {}
+        for lease in self.leases.values():
+            if id(lease) in active and not lease.failed:
+                self._rooms.touch(lease.room, lease.generation)
+                for key, d in lease.dests.items():
+                    live.setdefault(key, []).append(d.generation)
+        return live
 
     def expire(self, now: float) -> None:
-        """Fail rooms past their deadline; forget DestInfos nobody started."""
+        """Fail rooms past their deadline; forget drained cleared rooms."""
         for room, gen, reason in self._rooms.expire(now):
             lease = self.leases.get(room)
             if lease is not None and lease.generation == gen:
@@ -241,37 +300,58 @@ class SendLeases:
             self.draining[:] = [ls for ls in self.draining if ls.inflight]
 
     def expire_inbox(self, now: float) -> None:
-        """Forget DestInfos older than ``bootstrap_timeout_s`` that no ``start`` claimed."""
-        for room in [
-            r for r, box in self.inbox.items() if all(now - t > self._ttl for _d, t in box.values())
-        ]:
-            del self.inbox[room]
-            self._counts["dest_expired"] += 1
+        """Forget early DestInfos and aborts older than ``bootstrap_timeout_s``."""
+        for table, counter in ((self.inbox, "dest_expired"), (self.aborted, "abort_expired")):
+            for room in [
+                r for r, box in table.items() if all(now - v[-1] > self._ttl for v in box.values())
+            ]:
+                del table[room]
+                self._counts[counter] += 1
+
+    def gauges(self) -> dict[str, int]:
+        """What the table holds now."""
+        return {
+            "leases": len(self.leases),
+            "draining": len(self.draining),
+            "inbox": len(self.inbox),
+            "early_aborts": len(self.aborted),
+        }
 
     # ------------------------------------------------------------------ control messages
     def on_dest(self, peer: Peer, d: DestInfo, now: float) -> None:
         """A decode rank's DestInfo for one room."""
-        if (d.decode_instance, d.dcp_rank) != peer.key:
+        if d.decode_instance != peer.key[0] or d.dcp_rank != peer.key[2]:
             self._codec.drop("unknown_rank")
             return
         if len(d.dst_pages) % 8 or d.decode_prefix_len < 0 or d.num_tokens < 0:
             self._codec.drop("malformed")
             return
         lease = self.leases.get(d.room)
-        if lease is None or lease.failed:
+        if lease is None:
+            tomb = self.aborted.get(d.room, {})
+            if peer.key in tomb and tomb[peer.key][0] < d.generation:
+                del tomb[peer.key]  # a newer lease of that decode rank
             if d.room not in self.inbox and len(self.inbox) >= _MAX_INBOX:
                 self._codec.drop("other")  # a flood of DestInfos nobody starts
                 return
             self.inbox.setdefault(d.room, {})[peer.key] = (d, now)
             self._counts["dest_early"] += 1
             return
-        self._add_dest(lease, peer, d, now)
-
-    def _add_dest(self, lease: Lease, peer: Peer, d: DestInfo, now: float) -> None:
-        if lease.instance and lease.instance != d.decode_instance:
-            self._codec.drop("other")
+        if lease.failed:  # the decode rank learns it now, not after its own timeout
+            self._counts["dest_after_failure"] += 1
+            self._refuse(peer, d, lease.reason or "failed on the prefill rank")
             return
-        cur = lease.dests.get(d.dcp_rank)
+        if lease.instance and lease.instance != d.decode_instance:
+            self._counts["room_conflicts"] += 1
+            reason = (
+                f"room {d.room} is claimed by two decode instances ({lease.instance!r} and "
+                f"{d.decode_instance!r}); a room id must name one request (see KVSender)"
+            )
+            if not lease.posted:  # nothing moved yet: neither claim can be trusted
+                self.fail(lease, reason)
+            self._refuse(peer, d, reason)
+            return
+        cur = lease.dests.get(peer.key)
         if cur is not None:
             if cur.generation == d.generation:
                 self._codec.drop("other")  # duplicate
@@ -281,11 +361,11 @@ class SendLeases:
             return
         lease.instance = d.decode_instance
         lease.expected = peer.info.layout.dcp_size
-        lease.dests[d.dcp_rank] = d
-        lease.peers[d.dcp_rank] = peer
+        lease.dests[peer.key] = d
+        lease.peers[peer.key] = peer
         if len(lease.dests) < lease.expected:
             return
-        ds = list(lease.dests.values())
+        ds = [lease.dests[k] for k in sorted(lease.dests)]
         if len({(x.decode_prefix_len, x.num_tokens) for x in ds}) != 1:
             self.fail(
                 lease,
@@ -299,24 +379,44 @@ class SendLeases:
             return
         self._rooms.advance(lease.room, KVPoll.WaitingForInput, lease.generation)
 
-    def on_abort(self, peer: Peer, a: Abort) -> None:
-        """A decode rank aborted one room."""
+    def on_abort(self, peer: Peer, a: Abort, now: float) -> None:
+        """A decode rank aborted (or asks again about) one room; always answered."""
+        key = peer.key
+        why = f"aborted by {describe(key)}: {a.reason}"
         lease = self.leases.get(a.room)
-        mine = None if lease is None else lease.dests.get(peer.key[1])
-        if (
-            lease is not None
-            and mine is not None
-            and lease.peers.get(peer.key[1]) is peer
-            and mine.generation == a.generation
-        ):
-            if not lease.failed:
+        if lease is not None:
+            d = lease.dests.get(key)
+            if d is not None and d.generation == a.generation:
+                if not lease.failed:
+                    self._counts["aborted_by_decode"] += 1
+                    self.fail(lease, why)
+                elif lease.inflight == 0:  # asked again: confirm it drained
+                    self._refuse(peer, d, lease.reason)
+                return
+            if d is None and not lease.failed and lease.instance in ("", key[0]):
                 self._counts["aborted_by_decode"] += 1
-                self.fail(lease, f"aborted by decode {peer.key[0]} dcp {peer.key[1]}: {a.reason}")
-            return
+                self.fail(lease, why)  # its DestInfo never came (or was lost)
+        for ls in self.draining:
+            d = ls.dests.get(key)
+            if d is not None and d.generation == a.generation:
+                if ls.inflight == 0:
+                    self._refuse(peer, d, ls.reason)
+                return
         box = self.inbox.get(a.room)
-        if box is not None and peer.key in box and box[peer.key][0].generation == a.generation:
-            del box[peer.key]
+        if box is not None and key in box and box[key][0].generation == a.generation:
+            del box[key]
             if not box:
                 del self.inbox[a.room]
-            return
-        self._codec.drop("stale")
+        if lease is None:  # remembered, so a later start() fails at once
+            self.aborted.setdefault(a.room, {})[key] = (a.generation, a.reason, now)
+        self._counts["abort_confirmed"] += 1
+        tag = ChunkTag(
+            generation=a.generation,
+            room=a.room,
+            chunk_id=-1,
+            is_last=True,
+            src_rank=self._rank,
+            ok=False,
+            reason=(f"{why} (nothing in flight on prefill rank {self._rank})")[:512],
+        )
+        self._peers.send(peer, Done(chunk=tag, drained=True))

@@ -81,9 +81,15 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="hb"):
-    """Liveness, both directions; a peer silent for ``transfer_timeout_s`` is declared dead."""
+    """Liveness, both directions; a peer silent for ``transfer_timeout_s`` is declared dead.
+
+    :ivar live: (prefill -> decode) lease generations of the decode rank's rooms whose work is
+        moving on the prefill rank (queued behind other rooms, packing, or being written): the
+        decode rank re-arms their deadlines, so time spent queued is not taken for silence.
+    """
 
     seq: int
+    live: tuple[int, ...] = ()
 
 
 #: every type a control socket accepts

@@ -1,5 +1,4 @@
-"""Decode side: :class:`KVReceiverSession`, the engine-neutral KV receiver both default
-backends use.
+"""Decode side: :class:`KVReceiverSession`, the engine-neutral KV receiver of both backends.
 
 One session per decode rank (one per DCP rank). It registers the rank's KV entries with the
 engine, connects to every prefill rank's control endpoint (handshake and liveness:
@@ -18,6 +17,7 @@ deadlines (SGLang ``TransferStatus.is_done`` + generations; vLLM PR #50754).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -36,8 +36,7 @@ from pdplug.transfer.handshake import (
     Compat,
     Emit,
     check_prefill_peer,
-    default_compat,
-    default_emit,
+    layout_compat,
     merge_refusals,
 )
 from pdplug.transfer.loop import EngineLoop
@@ -57,10 +56,12 @@ class KVReceiverSession(RoomSession):
 
     :param config: this rank's :class:`~pdplug.config.KVConfig` (``role="decode"``).
     :param engine: the backend adapter (:class:`~pdplug.transfer.engine.TransferEngine`).
-    :param compat: handshake check ``(local, remote) -> mismatches``; default
-        :func:`~pdplug.transfer.handshake.default_compat`.
+    :param compat: handshake check ``(local, remote) -> mismatches`` (a plugin manager passes
+        its ``check_compat``); ``None``: the layout checks only
+        (:func:`~pdplug.transfer.handshake.layout_compat`).
     :param emit: observer callback for room outcomes (``transfer_done`` /
-        ``transfer_failed``, once per room); ``None`` disables.
+        ``transfer_failed``, once per room; a plugin manager passes its ``emit``); ``None``:
+        no events.
     :raises ValueError: ``config.role`` is not ``"decode"``.
     """
 
@@ -70,7 +71,7 @@ class KVReceiverSession(RoomSession):
         engine: TransferEngine,
         *,
         compat: Compat | None = None,
-        emit: Emit | None = default_emit,
+        emit: Emit | None = None,
     ) -> None:
         if config.role != "decode":
             raise ValueError(
@@ -79,12 +80,13 @@ class KVReceiverSession(RoomSession):
         self.config = config
         self.layout = config.layout
         self.engine = engine
-        self.compat: Compat = compat or default_compat
+        self.compat: Compat = compat or layout_compat
         self._emit = emit
         self._events: list[PdplugEvent] = []
         self.rooms = Rooms.from_config(config)
         self.counts: Counter[str] = Counter()
         self._closed = False
+        self._down = False
         w = config.wire
         name = f"{config.instance}/d{config.layout.dcp_rank}"
         self._codec = control_codec(w, name=f"{name}/control")
@@ -98,19 +100,21 @@ class KVReceiverSession(RoomSession):
             self._step,
             lambda: False,
             idle_s=self._idle_s,
+            on_death=self._engine_died,
         )
         channel = DealerChannel(self._loop, w, self._codec, self._on_message, self.counts)
         self._sources = PrefillSources(
             channel=channel,
             codec=self._codec,
             liveness=self._live,
-            on_dead=lambda inst, src, reason: self._table.source_dead(inst, src, reason),
+            on_dead=lambda src, why: self._table.source_dead(src, why, time.monotonic()),
+            on_replace=lambda old, new: self._table.rebind(old, new),
             counts=self.counts,
         )
         self._table = RecvLeases(
             rooms=self.rooms,
             sources=self._sources,
-            timeout_s=config.transfer_timeout_s,
+            ask_s=max(0.25, min(2.0, config.transfer_timeout_s / 4)),
             event=self._event,
             counts=self.counts,
         )
@@ -165,6 +169,13 @@ class KVReceiverSession(RoomSession):
             raise ValueError(f"KVReceiver.connect: peers span several instances {sorted(inst)}")
         instance = peers[0].instance
         local = self.peer_info()
+        lay = self.layout
+        # a decode TP rank is fed by the prefill ranks of its own TP rank (handshake.tp_pairing)
+        peers = [
+            p for p in peers if p.layout.tp_size != lay.tp_size or p.layout.tp_rank == lay.tp_rank
+        ]
+        if not peers:
+            raise CompatError([f"tp_rank: no rank of prefill {instance} has tp_rank {lay.tp_rank}"])
         mine = [
             f"prefill {instance} rank {rank_of(p.layout)}: {m}"
             for p in peers
@@ -245,7 +256,7 @@ class KVReceiverSession(RoomSession):
             decode_prefix_len=decode_prefix_len,
             num_tokens=num_tokens,
         )
-        self._loop.submit(lambda: self._table.expect(inst, dest))
+        self._loop.submit(lambda: self._table.expect(inst, dest, time.monotonic()))
         return gen
 
     def abort(self, room: int, reason: str = "aborted") -> None:
@@ -254,7 +265,7 @@ class KVReceiverSession(RoomSession):
         if gen is None:
             return
         self.rooms.fail(room, f"aborted on decode dcp {self.layout.dcp_rank}: {reason}", gen)
-        self._loop.submit(lambda: self._table.abort(room, gen, reason))
+        self._loop.submit(lambda: self._table.abort(room, gen, reason, time.monotonic()))
 
     def clear(self, room: int) -> None:
         """Forget ``room``; later tags of its generation are dropped as stale. An unfinished
@@ -268,8 +279,10 @@ class KVReceiverSession(RoomSession):
         self._loop.submit(lambda: self._table.clear(room, gen))
 
     def stats(self) -> dict[str, Any]:
-        """Counters: chunks, rooms_ok/failed, sources_dead, and drops by reason for the
-        control channel (``control_dropped_*``) and engine notifications (``tags_dropped_*``)."""
+        """Counters: chunks, rooms_ok/failed, sources_dead, abort_resent, drops by reason for
+        the control channel (``control_dropped_*``) and engine notifications
+        (``tags_dropped_*``), ``engine_*`` engine counters; and what the rank holds now:
+        leases, draining (cleared, not drained), undrained (failed, not drained), sources."""
         out: dict[str, Any] = {"backend": self.engine.name, "dcp_rank": self.layout.dcp_rank}
         out.update(self._common_stats(self._codec, self._tags))
         return out
@@ -309,6 +322,7 @@ class KVReceiverSession(RoomSession):
         )
 
     def _shutdown(self) -> None:
+        self._down = True
         self._flush_events()
         self._sources.close()
         self.engine.close()
@@ -319,13 +333,18 @@ class KVReceiverSession(RoomSession):
             return
         src.last_seen = now
         if isinstance(msg, Done):
-            self._table.on_tag(src, msg.chunk, self._codec, msg.drained)
+            self._table.on_tag(src, msg.chunk, self._codec, now, msg.drained)
         elif isinstance(msg, HelloAck):
             self._sources.on_ack(src, msg)
-        elif not isinstance(msg, Heartbeat):
+        elif isinstance(msg, Heartbeat):
+            if msg.live:
+                self._table.keep_alive(src, msg.live)
+        else:
             self._codec.drop("wrong_type")
 
     def _step(self, now: float) -> None:
+        if self._down:
+            return  # the engine is closed; the loop is about to stop
         if self.engine.notifications:
             for name, data in self.engine.poll_notifications():
                 src = self._sources.by_agent.get(name)
@@ -335,7 +354,7 @@ class KVReceiverSession(RoomSession):
                 tag = self._tags.decode(data)
                 if tag is not None:
                     src.last_seen = now
-                    self._table.on_tag(src, tag, self._tags)
+                    self._table.on_tag(src, tag, self._tags, now, False)
         if now >= self._next_periodic:
             self._next_periodic = now + 0.01
             self._periodic(now)
@@ -354,7 +373,12 @@ class KVReceiverSession(RoomSession):
         self._table.expire(now)
         if self._live.due(now):
             self._sources.heartbeat(now)
-            self._table.sweep()
+            self._table.sweep(now)
 
     def _drained(self, room: int) -> bool:
         return self._table.drained(room)
+
+    def _gauges(self) -> dict[str, int]:
+        out = self._table.gauges()
+        out["sources"] = sum(len(t) for t in self._sources.by_instance.values())
+        return out

@@ -41,7 +41,7 @@ from pdplug.protocols import Packer, PackPlanner
 from pdplug.rooms import Rooms
 from pdplug.transfer.channel import Liveness, RouterChannel
 from pdplug.transfer.engine import TransferEngine, dedup_regions
-from pdplug.transfer.handshake import Compat, Emit, check_decode_peer, default_compat, default_emit
+from pdplug.transfer.handshake import Compat, Emit, check_decode_peer, layout_compat
 from pdplug.transfer.leases import SendLeases
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Abort, Heartbeat, Hello, control_codec, tag_codec
@@ -63,12 +63,14 @@ class KVSenderSession(RoomSession):
     :param planner: the pack planner (``needs_relayout``, ``capacity_tokens``, ``plan``).
     :param packer: the packer; ``None`` takes ``planner.packer(config.device)``.
     :param engine: the backend adapter (:class:`~pdplug.transfer.engine.TransferEngine`).
-    :param compat: handshake check ``(local, remote) -> mismatches``; default
-        :func:`~pdplug.transfer.handshake.default_compat`.
-    :param emit: observer callback for room outcomes (``transfer_done`` with bytes and
-        seconds, ``transfer_failed`` with the reason; once per room); ``None`` disables.
-    :param max_inflight: posts in flight at once (unpacked sends; packed ones are bounded by
-        their regions).
+    :param compat: handshake check ``(local, remote) -> mismatches`` (a plugin manager passes
+        its ``check_compat``); ``None``: the layout checks only
+        (:func:`~pdplug.transfer.handshake.layout_compat`).
+    :param emit: observer callback for room outcomes (``transfer_done``, ``transfer_failed``
+        with the reason; once per room and rank; a plugin manager passes its ``emit``);
+        ``None``: no events.
+    :param max_inflight: unpacked posts in flight at once per decode peer (packed ones are
+        bounded by the pack regions).
     :raises ValueError: ``config.role`` is not ``"prefill"``, or ``pack_depth``/``max_dst_dcp``
         is not > 0.
     """
@@ -81,7 +83,7 @@ class KVSenderSession(RoomSession):
         engine: TransferEngine,
         *,
         compat: Compat | None = None,
-        emit: Emit | None = default_emit,
+        emit: Emit | None = None,
         max_inflight: int = 64,
     ) -> None:
         if config.role != "prefill":
@@ -96,7 +98,7 @@ class KVSenderSession(RoomSession):
         self.planner = planner
         self._packer = packer
         self._engine = engine
-        self.compat: Compat = compat or default_compat
+        self.compat: Compat = compat or layout_compat
         self._emit = emit
         self._events: list[PdplugEvent] = []
         self.rank = bootstrap.rank_of(config.layout)
@@ -104,6 +106,7 @@ class KVSenderSession(RoomSession):
         self.max_inflight = max_inflight
         self.counts: Counter[str] = Counter()
         self._closed = False
+        self._down = False
         w = config.wire
         label = f"{config.instance}/p{self.rank}"
         self._codec = control_codec(w, name=f"{label}/control")
@@ -118,6 +121,7 @@ class KVSenderSession(RoomSession):
             f"pdplug-{engine.name}-send-{config.instance}-{self.rank}",
             self._step,
             lambda: self._pipe.busy(),
+            on_death=self._engine_died,
         )
         self._channel = RouterChannel(self._loop, w, self._codec, self._on_message, self.counts)
         self.endpoint = self._channel.endpoint
@@ -131,8 +135,9 @@ class KVSenderSession(RoomSession):
             max_inflight=max_inflight,
             on_done=lambda job: self._table.job_done(job),
             on_fail=lambda lease, reason: self._table.fail(lease, reason),
-            on_written=lambda peer, tag: self._table.written(peer, tag),
+            on_written=lambda job, tag: self._table.written(job, tag),
             on_drained=lambda lease: self._table.notify_failure(lease),
+            on_idle=lambda peer: self._peers.release(peer),
             waker=self._loop.wake,
         )
         self._peers = DecodePeers(
@@ -143,6 +148,7 @@ class KVSenderSession(RoomSession):
             check=self._check_peer,
             local=self.peer_info,
             on_drop=lambda peer, reason: self._table.peer_dropped(peer, reason),
+            on_rebind=lambda old, new: self._table.rebind(old, new),
             liveness=self._live,
             counts=self.counts,
         )
@@ -272,7 +278,7 @@ class KVSenderSession(RoomSession):
         self.rooms.advance(room, KVPoll.Transferring, gen)
         if segment.is_last:
             self.rooms.advance(room, KVPoll.Success, gen)  # held until nothing is pending
-        self._loop.submit(lambda: self._table.enqueue(room, gen, segment, pages))
+        self._loop.submit(lambda: self._table.enqueue(room, gen, segment, pages, time.monotonic()))
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every destination once in-flight writes drained."""
@@ -295,7 +301,11 @@ class KVSenderSession(RoomSession):
 
     def stats(self) -> dict[str, Any]:
         """Counters: posts, runs, bytes, notify_only, segments, rooms_ok/failed, refused peers,
-        peers_dead, pack_s/plan_s/post_s (seconds), and control-channel drops by reason."""
+        peers_dead, room_conflicts, writes_stuck (ever), pack_s/plan_s/post_s (seconds),
+        control-channel drops by reason, ``engine_*`` engine counters; and what the rank holds
+        now: leases, draining, inbox, early_aborts, queued, packing, xfers, stuck_writes (writes
+        pending past ``transfer_timeout_s``, their regions and handles held), busy_regions,
+        peers_connected."""
         out: dict[str, Any] = {"backend": self.engine.name, "rank": self.rank}
         out.update(self._common_stats(self._codec, self._tags))
         out.update(self._pipe.counts)
@@ -346,6 +356,7 @@ class KVSenderSession(RoomSession):
         )
 
     def _shutdown(self) -> None:
+        self._down = True
         self._flush_events()
         self._pipe.close()
         self._peers.close()
@@ -375,14 +386,22 @@ class KVSenderSession(RoomSession):
         if isinstance(msg, DestInfo):
             self._table.on_dest(peer, msg, now)
         elif isinstance(msg, Abort):
-            self._table.on_abort(peer, msg)
+            self._table.on_abort(peer, msg, now)
         elif not isinstance(msg, Heartbeat):
             self._codec.drop("wrong_type")
 
     def _drained(self, room: int) -> bool:
         return self._table.drained(room)
 
+    def _gauges(self) -> dict[str, int]:
+        out = self._table.gauges()
+        out.update(self._pipe.gauges())
+        out["peers_connected"] = len(self._peers)
+        return out
+
     def _step(self, now: float) -> None:
+        if self._down:
+            return  # the engine is closed; the loop is about to stop
         self.engine.progress()
         if self._pipe.has_work():
             self._pipe.step(now)
@@ -392,7 +411,8 @@ class KVSenderSession(RoomSession):
                 self._flush_events()
             self._table.expire(now)
             if self._live.due(now):
-                self._peers.heartbeat(now)
+                live = self._table.keep_alive(self._pipe.active(now))
+                self._peers.heartbeat(now, live)
                 self._table.expire_inbox(now)
 
     def _event(self, kind: str, lease: Lease, **fields: Any) -> None:

@@ -5,7 +5,9 @@ rank of a prefill instance and sends each a :class:`~pdplug.transfer.messages.He
 is ``accepted`` or ``refused`` by its :class:`~pdplug.transfer.messages.HelloAck`. Completion
 tags are attributed to a source by its connection (control channel) or its engine agent name
 (engine notifications). A source silent for ``transfer_timeout_s`` is declared dead; the
-session's ``on_dead`` fails the rooms that wait for it. Runs on the engine thread.
+session's ``on_dead`` fails the rooms that wait for it. Connecting to an instance again replaces
+its sources; a rank served by the same process (same agent) keeps its rooms (``on_replace``).
+Runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class PrefillSources:
     :param channel: the session's DEALER sockets.
     :param codec: the control codec (drops of stale acks).
     :param liveness: heartbeat pacing and silence bound.
-    :param on_dead: ``(instance, source, reason)`` when a source is declared dead.
+    :param on_dead: ``(source, reason)`` when a source is declared dead.
+    :param on_replace: ``(old, new)`` when a reconnect reaches the same prefill process.
     :param counts: the session's counters (``sources_dead``).
     """
 
@@ -63,13 +66,15 @@ class PrefillSources:
         channel: DealerChannel,
         codec: Codec[Any],
         liveness: Liveness,
-        on_dead: Callable[[str, Source, str], None],
+        on_dead: Callable[[Source, str], None],
+        on_replace: Callable[[Source, Source], None],
         counts: Counter[str],
     ) -> None:
         self._channel = channel
         self._codec = codec
         self._live = liveness
         self._on_dead = on_dead
+        self._on_replace = on_replace
         self._counts = counts
         self.by_instance: dict[str, dict[int, Source]] = {}
         self.by_cid: dict[bytes, Source] = {}
@@ -86,7 +91,8 @@ class PrefillSources:
         """Open a connection to every rank in ``peers`` and send each a Hello; the future
         resolves once every rank answered (replaces an earlier connection to ``instance``)."""
         fut: Future[list[Source]] = Future()
-        if instance in self.by_instance:
+        old = self.by_instance.get(instance, {})
+        if old:
             self.disconnect(instance)
         now = time.monotonic()
         group: list[Source] = []
@@ -105,6 +111,10 @@ class PrefillSources:
             group.append(src)
         self.by_instance[instance] = {s.rank: s for s in group}
         self._pending.append((group, fut))
+        for src in group:
+            prev = old.get(src.rank)
+            if prev is not None and prev.agent_name and prev.agent_name == src.agent_name:
+                self._on_replace(prev, src)
         return fut
 
     def abandon(self, fut: Future[list[Source]]) -> list[int]:
@@ -172,4 +182,4 @@ class PrefillSources:
                     f"prefill {inst} rank {src.rank} silent for {silent:.1f} s "
                     "(KVConfig.transfer_timeout_s)"
                 )
-                self._on_dead(inst, src, reason)
+                self._on_dead(src, reason)

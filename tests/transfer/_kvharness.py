@@ -218,7 +218,7 @@ def prefill_main(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -
 
 
 class Observer:
-    """A ``pdplug_on_event`` plugin registered on the process-wide manager."""
+    """A ``pdplug_on_event`` plugin registered on the manager that builds the senders."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int, str]] = []
@@ -230,11 +230,11 @@ class Observer:
 
 
 def _prefill(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> None:
-    from pdplug import KVPoll, PluginManager, SchedulerConfig, get_plugin_manager
+    from pdplug import KVPoll, PluginManager, SchedulerConfig
 
     obs = Observer()
-    get_plugin_manager().pm.register(obs, name="test-observer")
     pm = PluginManager()
+    pm.pm.register(obs, name="test-observer")  # the sessions it builds report to it
     planner = pm.make_pack_planner()
     sched = pm.make_scheduler(SchedulerConfig(page_size=P, chunk_size=int(opts.get("grid", 96))))
     senders = []

@@ -24,14 +24,18 @@ def pair(backend: str, instances: list[str], **opts: Any) -> Iterator[tuple[Any,
     """A rendezvous (this process), a prefill process and a decode process, both ready."""
     server = RendezvousServer().start()
     pre = kh.Child(kh.prefill_main, server.endpoint, backend, opts)
-    dec = kh.Child(kh.decode_main, server.endpoint, backend, {**opts, "instances": instances})
+    dec = None
     try:
-        pre.info = pre.wait("ready", 60)
-        dec.info = dec.wait("ready", 60)
+        # the decode starts once the prefill registered: a loaded machine can take longer than
+        # the decode's resolve timeout to spawn and start a prefill process
+        pre.info = pre.wait("ready", 90)
+        dec = kh.Child(kh.decode_main, server.endpoint, backend, {**opts, "instances": instances})
+        dec.info = dec.wait("ready", 90)
         yield server, pre, dec
     finally:
         for c in (dec, pre):
-            c.stop()
+            if c is not None:
+                c.stop()
         server.stop()
 
 

@@ -4,6 +4,7 @@ bad input is refused with a message naming the field and the value."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import time
 
@@ -30,16 +31,76 @@ def test_sessions_match_the_protocols(proto: type, impl: type) -> None:
         assert got == want, (impl.__name__, name, got, want)
 
 
-@pytest.mark.parametrize("module", [pdplug.transfer, pdplug.rooms, pdplug.bootstrap])
+_MODULES = [
+    pdplug.transfer,
+    pdplug.rooms,
+    pdplug.bootstrap,
+    *(
+        importlib.import_module(f"pdplug.transfer.{m}")
+        for m in (
+            "arrivals",
+            "channel",
+            "engine",
+            "faults",
+            "handshake",
+            "leases",
+            "loop",
+            "messages",
+            "peers",
+            "pipeline",
+            "receiver",
+            "records",
+            "regions",
+            "sender",
+            "session",
+            "sources",
+            "writes",
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize("module", _MODULES, ids=lambda m: m.__name__)
 def test_public_names_are_documented(module: object) -> None:
+    # the object's own __doc__: inspect.getdoc would inherit a base class's (msgspec.Struct's)
+    assert (getattr(module, "__doc__", "") or "").strip(), f"{module} has no docstring"
     for name in module.__all__:  # type: ignore[attr-defined]
         obj = getattr(module, name)
         if not (inspect.isclass(obj) or inspect.isfunction(obj)):
             continue  # aliases and data are documented where they are defined
-        assert (inspect.getdoc(obj) or "").strip(), f"{name} has no docstring"
+        own = vars(obj).get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        assert (own or "").strip(), f"{name} has no docstring of its own"
         for meth, fn in vars(obj).items() if inspect.isclass(obj) else ():
             if inspect.isfunction(fn) and not meth.startswith("_"):
-                assert inspect.getdoc(fn), f"{name}.{meth} has no docstring"
+                assert (fn.__doc__ or "").strip(), f"{name}.{meth} has no docstring"
+
+
+def test_transfer_modules_are_small_and_say_their_job() -> None:
+    for module in _MODULES[3:]:
+        path = module.__file__
+        assert path is not None
+        with open(path) as f:
+            lines = f.read().splitlines()
+        assert len(lines) <= 460, (path, len(lines))
+        first = (module.__doc__ or "").strip().splitlines()[0]
+        assert first.endswith(".") and len(first) > 20, (path, first)
+
+
+def test_the_receiver_imports_nothing_from_the_sender() -> None:
+    import ast
+
+    for name in ("receiver", "arrivals", "sources"):
+        path = importlib.import_module(f"pdplug.transfer.{name}").__file__
+        assert path is not None
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        imported = {
+            n.module
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module is not None
+        }
+        for side in ("sender", "leases", "peers", "pipeline", "regions", "writes", "records"):
+            assert f"pdplug.transfer.{side}" not in imported, (name, side)
 
 
 def _layout(**kw: int) -> KVLayout:
