@@ -9,7 +9,8 @@ generation; vLLM PR #50754 for the negative-twin rule).
 Rules (SGLang ``CommonKVManager.update_status``):
 
 * a room's status only moves up the :class:`~pdplug.types.KVPoll` lattice
-  (:func:`~pdplug.types.merge_poll`); ``Failed`` is absorbing;
+  (:func:`~pdplug.types.merge_poll`); ``Failed`` is absorbing, and a room that ended
+  ``Success`` is not failed afterwards (a late abort does not end it a second time);
 * an event for a room that is not leased (never leased, or already cleared) is ignored, so a
   ``Failed`` for a cleared room cannot poison a recycled room id;
 * every non-terminal state has a deadline (``bootstrap_timeout_s``, ``waiting_timeout_s``,
@@ -261,14 +262,15 @@ class Rooms:
             return r.status
 
     def fail(self, room: int, reason: str, generation: int | None = None) -> bool:
-        """Fail the room with ``reason``.
+        """Fail the room with ``reason`` (a room that ended ``Success`` stays ``Success``: a
+        room ends once).
 
-        :returns: True if this call moved the room to ``Failed`` (False if it already was, or
-            the event was ignored: a cleared room or another generation).
+        :returns: True if this call moved the room to ``Failed`` (False if it already ended,
+            or the event was ignored: a cleared room or another generation).
         """
         with self._lock:
             r = self._get(room, generation)
-            if r is None or r.status == KVPoll.Failed:
+            if r is None or r.status in (KVPoll.Failed, KVPoll.Success):
                 return False
             r.status = KVPoll.Failed
             r.reason = reason

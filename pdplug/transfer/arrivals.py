@@ -49,6 +49,7 @@ class RecvLease(msgspec.Struct, kw_only=True):
     failed_at: float = 0.0
     asked_at: float = 0.0
     done: bool = False
+    reported: bool = False
 
 
 class RecvLeases:
@@ -105,6 +106,12 @@ class RecvLeases:
         lease.failed_at = lease.failed_at or now
         self._tell(lease, reason, now)
         self._counts["aborted"] += 1
+        view = self._rooms.view(room)
+        if not lease.reported and (view is None or view.status == KVPoll.Failed):
+            lease.reported = True  # the host failed (or cleared) it: its one outcome
+            self._counts["rooms_failed"] += 1
+            why = view.reason if view is not None else reason
+            self._event("transfer_failed", lease, reason=why)
 
     def clear(self, room: int, gen: int) -> None:
         """The host cleared ``room``; an undrained lease stays watched until it drains."""
@@ -125,7 +132,8 @@ class RecvLeases:
     # ------------------------------------------------------------------ outcomes
     def failed(self, lease: RecvLease, reason: str, now: float, tell: bool = False) -> None:
         """Fail ``lease`` (the first reason wins); with ``tell``, abort it on every source."""
-        if self._rooms.fail(lease.room, reason, lease.generation):
+        if self._rooms.fail(lease.room, reason, lease.generation) and not lease.reported:
+            lease.reported = True
             self._counts["rooms_failed"] += 1
             self._event("transfer_failed", lease, reason=reason)
         lease.failed_at = lease.failed_at or now
@@ -212,6 +220,7 @@ class RecvLeases:
         if done:
             lease.done = True
             if self._rooms.advance(lease.room, KVPoll.Success, lease.generation) == KVPoll.Success:
+                lease.reported = True
                 self._counts["rooms_ok"] += 1
                 self._event("transfer_done", lease)
 

@@ -201,9 +201,16 @@ class SendLeases:
         """Fail ``lease`` (once), drop its queued work and tell its destinations."""
         if lease.failed:
             return
+        moved = self._rooms.fail(lease.room, reason, lease.generation)
+        view = None if moved else self._rooms.view(lease.room)
+        if (
+            view is not None
+            and view.generation == lease.generation
+            and view.status == KVPoll.Success
+        ):
+            return  # it ended already: a room ends once
         lease.failed = True
         lease.reason = reason
-        self._rooms.fail(lease.room, reason, lease.generation)
         self._counts["rooms_failed"] += 1
         self._event("transfer_failed", lease, reason=reason)
         self._pipe.purge(lease)
@@ -389,9 +396,9 @@ class SendLeases:
             if d is not None and d.generation == a.generation:
                 if not lease.failed:
                     self._counts["aborted_by_decode"] += 1
-                    self.fail(lease, why)
-                elif lease.inflight == 0:  # asked again: confirm it drained
-                    self._refuse(peer, d, lease.reason)
+                    self.fail(lease, why)  # a room that succeeded stays so
+                if lease.inflight == 0:  # confirm nothing of it is in flight (or asked again)
+                    self._refuse(peer, d, lease.reason or f"{why} (the room had ended)")
                 return
             if d is None and not lease.failed and lease.instance in ("", key[0]):
                 self._counts["aborted_by_decode"] += 1

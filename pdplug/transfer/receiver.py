@@ -260,9 +260,10 @@ class KVReceiverSession(RoomSession):
         return gen
 
     def abort(self, room: int, reason: str = "aborted") -> None:
-        """Fail ``room`` here and tell every prefill rank to stop sending it."""
+        """Fail ``room`` here and tell every prefill rank to stop sending it (a room that
+        already succeeded stays so)."""
         gen = self.rooms.generation(room)
-        if gen is None:
+        if gen is None or self.rooms.status(room) == KVPoll.Success:
             return
         self.rooms.fail(room, f"aborted on decode dcp {self.layout.dcp_rank}: {reason}", gen)
         self._loop.submit(lambda: self._table.abort(room, gen, reason, time.monotonic()))

@@ -281,9 +281,10 @@ class KVSenderSession(RoomSession):
         self._loop.submit(lambda: self._table.enqueue(room, gen, segment, pages, time.monotonic()))
 
     def abort(self, room: int, reason: str = "aborted") -> None:
-        """Fail ``room`` here and tell every destination once in-flight writes drained."""
+        """Fail ``room`` here and tell every destination once in-flight writes drained (a room
+        that already succeeded stays so)."""
         gen = self.rooms.generation(room)
-        if gen is None:
+        if gen is None or self.rooms.status(room) == KVPoll.Success:
             return
         self.rooms.fail(room, f"aborted on prefill rank {self.rank}: {reason}", gen)
         self._loop.submit(lambda: self._table.abort(room, gen))
