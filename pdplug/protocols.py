@@ -287,7 +287,8 @@ class KVSender(Protocol):
         ...
 
     def close(self) -> None:
-        """Release handles, deregister memory, close sockets; idempotent."""
+        """Release handles, deregister memory, close sockets; idempotent. Afterwards the
+        process exits normally (no native crash at interpreter exit)."""
         ...
 
 

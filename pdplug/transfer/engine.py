@@ -168,13 +168,12 @@ def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def hard_exit(code: int = 0) -> NoReturn:
-    """End a process that owned transfer engines without running native destructors.
+    """End the process now with ``code``, after flushing stdout/stderr and logging, without
+    running interpreter shutdown (``os._exit``).
 
-    The NIXL 1.5.1 wheel (UCX backend, CPU host) crashes with SIGSEGV in its native destructors
-    at interpreter exit, even for an idle agent; an exit code of 139 would hide the real result
-    of a worker or a benchmark. Close every session first (that releases handles and
-    deregisters memory), then call this: it flushes stdout/stderr and logging and ends the
-    process with ``code`` via ``os._exit``.
+    Not needed for clean exits any more: a process whose sessions were closed exits normally
+    (the NIXL 1.5.1 crash at interpreter exit is avoided by the ``nixl`` plugin, see
+    ``pdplug_nixl.engine``). Kept for scripts that want to end at once.
     """
     import logging
     import os

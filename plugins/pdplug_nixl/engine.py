@@ -12,6 +12,17 @@ descriptor set-up that dominates small descriptors; every other pattern goes thr
 lists measured slower: ``pdplug bench transfer`` overhead 13-15% with them vs 6-8% without).
 The agent is used from the session's engine thread only.
 
+Clean exits. The NIXL 1.5.1 wheel bundles its own ``libnl-route-3``; UCX's EFA transport, which
+it loads when the first agent starts, links the *system* copy (through the system
+``libefa``/``libibverbs`` of hosts that have rdma-core installed, as Mooncake needs). With the
+bundled copy initialised first, the two copies' destructors crash at interpreter exit
+(SIGSEGV in ``rtnl_tc_unregister`` during ``_dl_fini``), whatever Python released before — even
+an agent that never registered memory. Loading the system copy before the first agent
+(:func:`load_system_libnl`) reverses the order and the process exits normally; a process that
+imported Mooncake first (which links the system copy) already had it that way. ``close``
+releases what the agent holds in vLLM's NixlConnector order (transfer handles — the session
+does that —, prepared descriptor lists, remote agents, registered memory) and then drops the
+agent, so its native teardown runs while the interpreter is alive.
 """
 
 from __future__ import annotations
@@ -28,7 +39,28 @@ import numpy as np
 
 from pdplug import KVConfig, PeerInfo, TransferError
 
-__all__ = ["NixlEngine", "import_nixl"]
+__all__ = ["NixlEngine", "import_nixl", "load_system_libnl"]
+
+_LIBNL: list[Any] = []  # the system libnl-route, once loaded (kept so it stays loaded)
+
+
+def load_system_libnl() -> bool:
+    """Load the system ``libnl-route-3`` (if the host has one) before the first NIXL agent
+    starts, so it is initialised before NIXL's bundled copy and torn down after it (see the
+    module docstring); idempotent. Returns whether a system copy is loaded."""
+    if _LIBNL:
+        return True
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("nl-route-3")
+    if not name:
+        return False
+    try:
+        _LIBNL.append(ctypes.CDLL(name))
+    except OSError:
+        return False
+    return True
 
 
 def import_nixl() -> Any:
@@ -73,6 +105,7 @@ class NixlEngine:
 
     def __init__(self, config: KVConfig) -> None:
         api = import_nixl()
+        load_system_libnl()
         lay = config.layout
         role = "p" if config.role == "prefill" else "d"
         self._name = (
@@ -273,7 +306,10 @@ class NixlEngine:
             self._notifs.extend((sender, bytes(m)) for m in msgs)
 
     def close(self) -> None:
-        """Release prepared lists, remote agents and registrations; idempotent."""
+        """Release prepared lists, remote agents and registrations, then drop the agent;
+        idempotent (the session released its transfer handles before)."""
+        if self._agent is None:
+            return
         for _k, (lh, rh, _i) in list(self._prep.items()):
             self._release_dlist(lh)
             self._release_dlist(rh)
@@ -290,3 +326,5 @@ class NixlEngine:
             except Exception:
                 pass
         self._reg.clear()
+        self._notifs.clear()
+        self._agent = None  # its native teardown runs now, not at interpreter exit
