@@ -132,10 +132,18 @@ class RecvLeases:
     # ------------------------------------------------------------------ outcomes
     def failed(self, lease: RecvLease, reason: str, now: float, tell: bool = False) -> None:
         """Fail ``lease`` (the first reason wins); with ``tell``, abort it on every source."""
-        if self._rooms.fail(lease.room, reason, lease.generation) and not lease.reported:
+        moved = self._rooms.fail(lease.room, reason, lease.generation)
+        view = None if moved else self._rooms.view(lease.room)
+        # a room its deadline failed (Rooms.expire) is reported here too, once
+        expired = (
+            view is not None
+            and view.generation == lease.generation
+            and view.status == KVPoll.Failed
+        )
+        if not lease.reported and (moved or expired):
             lease.reported = True
             self._counts["rooms_failed"] += 1
-            self._event("transfer_failed", lease, reason=reason)
+            self._event("transfer_failed", lease, reason=view.reason if view else reason)
         lease.failed_at = lease.failed_at or now
         if tell:
             self._tell(lease, reason, now)
@@ -150,8 +158,9 @@ class RecvLeases:
     def _lease_drained(self, lease: RecvLease) -> bool:
         if lease.done:
             return True
-        current = self._rooms.generation(lease.room) == lease.generation
-        if current and self._rooms.status(lease.room) != KVPoll.Failed:
+        view = self._rooms.view(lease.room)  # a snapshot: the host may clear it meanwhile
+        live = view is not None and view.generation == lease.generation
+        if live and view is not None and view.status != KVPoll.Failed:
             return False  # still live (a cleared lease was aborted, so it failed)
         return all(r in lease.stopped or not s.alive for r, s in lease.srcs.items())
 
@@ -210,8 +219,9 @@ class RecvLeases:
         if tag.is_last:
             lease.last[src.rank] = tag.chunk_id
         self._counts["chunks"] += 1
-        if self._rooms.status(lease.room) == KVPoll.Failed:
-            return
+        view = self._rooms.view(lease.room)
+        if view is None or view.generation != lease.generation or view.status == KVPoll.Failed:
+            return  # failed, or cleared by the host meanwhile: a late completion changes nothing
         self._rooms.advance(lease.room, KVPoll.Transferring, lease.generation)
         self._rooms.touch(lease.room, lease.generation)
         done = all(

@@ -3,8 +3,9 @@
 A backend plugin (``nixl``, ``mooncake``, a third party's) implements only this thin verb set;
 :class:`~pdplug.transfer.sender.KVSenderSession` and
 :class:`~pdplug.transfer.receiver.KVReceiverSession` do everything else (control channel,
-rooms, planning, packing, double buffering, tags, timeouts). Shape from prior-art sglang.md §6
-item 2 (register / export / connect / write / poll / notify) with capability flags.
+rooms, planning, packing, double buffering, tags, timeouts). The verbs are the ones SGLang's
+and vLLM's transfer backends share (register / export / connect / write / poll / notify), with
+capability flags.
 
 Threading: a session calls its engine from **one thread only** (its engine thread), so engines
 need not be thread-safe (vLLM serialises NIXL on a single-thread executor for the same reason).
@@ -142,8 +143,8 @@ def engine_wakes(engine: object, waker: Callable[[], None]) -> bool:
 def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """Merge duplicate, overlapping and touching ``(address, nbytes)`` regions (sorted).
 
-    Engines reject re-registration of an overlapping range (Mooncake#3153, prior-art
-    vllm-nixl-mooncake.md §6 row 13), and a unified pool can report one buffer twice.
+    Engines reject re-registration of an overlapping range (Mooncake#3153), and a unified
+    pool can report one buffer twice.
     Zero-length regions are dropped.
 
     :raises ValueError: a negative address or size (named).

@@ -45,6 +45,8 @@ class FaultyEngine:
     :param seed: seed of the delay draws.
     :param hold: ``hold(peer handle) -> bool``: writes to such peers wait for
         :meth:`release_held` (a peer that stopped answering); ``None`` holds nothing.
+    :param stall: ``(probability, seconds)``: each write is, with that probability, late by
+        that many more seconds (a write that gets stuck, then recovers).
     """
 
     def __init__(
@@ -53,12 +55,15 @@ class FaultyEngine:
         delay: tuple[float, float] = (0.0, 0.0),
         seed: int = 0,
         hold: Callable[[Any], bool] | None = None,
+        stall: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.inner = inner
         self.name = inner.name
         self.notifications = inner.notifications
         self.delay = delay
         self.hold = hold
+        self.stall = stall
+        self.stalled = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # release_held may come from a host thread
         self._waiting: list[_Write] = []
@@ -74,11 +79,15 @@ class FaultyEngine:
     ) -> Any:
         """Record the write; its real post happens later (:meth:`progress`)."""
         lo, hi = self.delay
+        late = self._rng.uniform(lo, hi)
+        if self.stall[0] and self._rng.random() < self.stall[0]:
+            late += self.stall[1]
+            self.stalled += 1
         held = self.hold is not None and self.hold(peer)
         w = _Write(
             peer,
             (src.copy(), dst.copy(), length.copy(), tag),
-            time.monotonic() + self._rng.uniform(lo, hi),
+            time.monotonic() + late,
             held,
         )
         with self._lock:

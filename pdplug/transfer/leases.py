@@ -199,8 +199,8 @@ class SendLeases:
     # ------------------------------------------------------------------ outcomes
     def fail(self, lease: Lease, reason: str) -> None:
         """Fail ``lease`` (once), drop its queued work and tell its destinations."""
-        if lease.failed:
-            return
+        if lease.failed or lease.succeeded:
+            return  # it ended already: a room ends once
         moved = self._rooms.fail(lease.room, reason, lease.generation)
         view = None if moved else self._rooms.view(lease.room)
         if (
@@ -208,7 +208,7 @@ class SendLeases:
             and view.generation == lease.generation
             and view.status == KVPoll.Success
         ):
-            return  # it ended already: a room ends once
+            return
         lease.failed = True
         lease.reason = reason
         self._counts["rooms_failed"] += 1
@@ -262,7 +262,8 @@ class SendLeases:
         if left == 0 and not lease.failed and not lease.cleared:
             self._rooms.touch(lease.room, lease.generation)
             st = self._rooms.done_pending(lease.room, 1, lease.generation)
-            if st == KVPoll.Success:
+            if st == KVPoll.Success and not lease.succeeded:
+                lease.succeeded = True
                 self._counts["rooms_ok"] += 1
                 self._event("transfer_done", lease)
 

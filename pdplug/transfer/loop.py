@@ -74,9 +74,13 @@ class EngineLoop:
         self._backoff_s = backoff_s
         self._ctx: Any = zmq.Context.instance()
         addr = f"inproc://pdplug-wake-{uuid.uuid4().hex}"
+        # in-process wake-up pair: empty frames only, nothing lingers
         self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
+        for sock in (self._wake_rx, self._wake_tx):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, 64)
+        self._wake_rx.bind(addr)
         self._wake_tx.connect(addr)
         self._wake_lock = threading.Lock()
         self._poller = zmq.Poller()

@@ -65,6 +65,7 @@ class Lease(msgspec.Struct, kw_only=True):
     :ivar inflight: writes posted (or packing) and not yet done.
     :ivar notified: failure notices sent: 0 none, 1 failed, 2 failed and drained.
     :ivar posted: a job of the room was dispatched (bytes may have moved).
+    :ivar succeeded: the room ended ``Success`` here (it is never failed afterwards).
     """
 
     room: int
@@ -80,6 +81,7 @@ class Lease(msgspec.Struct, kw_only=True):
     notified: int = 0
     cleared: bool = False
     posted: bool = False
+    succeeded: bool = False
 
 
 class Job(msgspec.Struct, kw_only=True):

@@ -211,3 +211,41 @@ def test_nixl_engine_prepares_a_repeated_small_pattern_and_moves_the_bytes() -> 
     finally:
         a.close()
         b.close()
+
+
+def test_every_control_socket_bounds_frames_and_lingers_0() -> None:
+    import zmq
+
+    from pdplug import WireConfig
+    from pdplug.transfer.channel import control_socket, frame_sender
+    from pdplug.wire import MAC_BYTES
+
+    wire = WireConfig(max_message_bytes=4096)
+    for kind in (zmq.ROUTER, zmq.DEALER):
+        sock = control_socket(kind, wire)
+        try:
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096 + MAC_BYTES
+            assert sock.getsockopt(zmq.LINGER) == 0
+        finally:
+            sock.close()
+    # who sent a frame: the routing id on a ROUTER, the connection on a DEALER
+    assert frame_sender([b"id", b"payload"]) == (b"id", b"payload")
+    assert frame_sender([b"payload"], b"conn") == (b"conn", b"payload")
+    assert frame_sender([b"a", b"b", b"c"]) is None
+    assert frame_sender([b"a", b"b"], b"conn") is None
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_sessions_sockets_use_the_wire_limit(backend: str) -> None:
+    import zmq
+
+    require(backend)
+    pm = PluginManager()
+    cfg = KVConfig(instance="p", role="prefill", layout=_layout(), pack_region_tokens=16)
+    sender = pm.make_kv_sender(cfg, name=backend)
+    try:
+        sock = sender._channel.sock  # type: ignore[attr-defined]
+        assert sock.getsockopt(zmq.MAXMSGSIZE) >= cfg.wire.max_message_bytes
+        assert sock.getsockopt(zmq.LINGER) == 0
+    finally:
+        sender.close()
