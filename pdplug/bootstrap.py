@@ -368,7 +368,12 @@ def resolve(
     last: Resolved | None = None
     while True:
         msg = Resolve(instance=instance, ref=secrets.randbits(63))
-        reply = _request(endpoint, msg, codec, w, deadline, "resolve")
+        try:
+            reply: msgspec.Struct | None = _request(endpoint, msg, codec, w, deadline, "resolve")
+        except TransferError:
+            if last is None:
+                raise
+            reply = None  # the server answered "not ready" before: say so, not "no answer"
         if isinstance(reply, Resolved) and reply.instance == instance:
             last = reply
             if reply.ready:

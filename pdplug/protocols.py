@@ -161,9 +161,40 @@ class KVSender(Protocol):
 
     Call order per request (room): :meth:`start` -> :meth:`poll` until ``WaitingForInput`` ->
     :meth:`dest` / :meth:`capacity_tokens` -> :meth:`send` each segment -> :meth:`poll` (or
-    :meth:`wait`) until ``Success``/``Failed`` -> :meth:`clear`. Every wait ends within the
-    configured timeouts (``KVConfig``); see :mod:`pdplug.transfer` for the default
-    implementation and the full host walkthrough.
+    :meth:`wait`) until ``Success``/``Failed`` -> :meth:`drained` -> :meth:`clear`. Every wait
+    ends within the configured timeouts (``KVConfig``); see :mod:`pdplug.transfer` for the
+    default implementation and the full host walkthrough.
+
+    **Room ids.** A room id names one request on a prefill instance for as long as either side
+    holds it. Allocate ids so that two live requests can never share one — a random 63-bit id
+    per request (SGLang's bootstrap room), or the decode instance's index in the high bits and
+    a per-instance counter below (``room = decode_index << 40 | n``). A sender that sees two
+    decode instances claim one room tells both at once (``Failed``, the reason names both): it
+    fails the room if nothing was sent yet, else refuses the later claimant; it never writes one
+    request's KV into another's pages (ray-project/ray #63741).
+
+    **How rooms end** (each end reaches the decode side within one round trip):
+
+    * ``transfer_timeout_s`` bounds *silence*, not queueing: while this rank keeps completing
+      writes, a room whose work waits in the local send queue behind other rooms keeps its
+      deadline re-armed, and its decode ranks are told so (vLLM #53095);
+    * a write the engine still reports in flight after ``transfer_timeout_s`` fails its room
+      but is never abandoned: the room stays ``Failed`` and not :meth:`drained`, its pack region
+      and engine handle stay reserved, and ``stats()["stuck_writes"]`` counts it until the
+      engine reports it done or failed (SGLang #32564);
+    * a decode abort that comes before :meth:`start`, and a destination that comes after the
+      room failed here, end the room on both sides at once (vLLM #41269);
+    * a segment that ends past, or a last segment that ends short of, the ``num_tokens`` the
+      decode declared fails the room on both sides, naming both numbers (vLLM #50558, #30358);
+    * if the rank's engine thread dies, every room fails with the cause, :meth:`wait` returns,
+      and ``stats()["engine_thread_died"]`` says why.
+
+    **Peers.** A decode rank is identified by its full position (instance, TP, DCP and PP
+    rank). A decode TP rank is fed by the prefill ranks of the same TP rank (equal TP sizes);
+    other TP ratios are refused at the handshake. A peer that is slow, stops answering or
+    handshakes again affects only its own rooms: destinations are served round-robin, a peer's
+    writes hold at most its share of the pack regions, and a re-handshake from the same decode
+    process keeps its rooms going.
     """
 
     def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
@@ -238,7 +269,8 @@ class KVSender(Protocol):
         ...
 
     def drained(self, room: int) -> bool:
-        """Whether no write of ``room`` is in flight here (its source pages may be reused)."""
+        """Whether no write of ``room`` is in flight here (its source pages may be reused):
+        never while the engine still reports one in flight, however long ago it was posted."""
         ...
 
     def clear(self, room: int) -> None:
@@ -250,11 +282,13 @@ class KVSender(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """Counters (bytes, runs posted, drops by reason, timings)."""
+        """Counters (bytes, runs posted, drops by reason, timings) and what the rank holds now
+        (rooms, queued jobs, writes in flight, ``stuck_writes``, busy pack regions)."""
         ...
 
     def close(self) -> None:
-        """Release handles, deregister memory, close sockets; idempotent."""
+        """Release handles, deregister memory, close sockets; idempotent. Afterwards the
+        process exits normally (no native crash at interpreter exit)."""
         ...
 
 
@@ -267,6 +301,15 @@ class KVReceiver(Protocol):
     :func:`pdplug.bootstrap.resolve`) -> per request :meth:`expect` -> :meth:`poll` (or
     :meth:`wait`) until ``Success``/``Failed`` -> (:meth:`drained` before reusing the pages
     of a failed room) -> :meth:`clear`.
+
+    Room ids follow the rule of :class:`KVSender` (one live request per room id on a prefill
+    instance; e.g. the decode instance's index in the high bits). A room fails at once, naming
+    the reason, when the prefill side already failed it, another decode instance claims it, or
+    the prefill's token count disagrees with ``num_tokens``. A failed room is :meth:`drained`
+    only once every prefill rank it was sent to confirmed it stopped writing its pages, or is
+    known dead — never by a timer (the receiver asks again until then, and
+    ``stats()["undrained"]`` counts such rooms). If the rank's engine thread dies, every room
+    fails with the cause and :meth:`wait` returns.
     """
 
     def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
@@ -280,7 +323,9 @@ class KVReceiver(Protocol):
 
     def connect(self, prefill: Sequence[PeerInfo], timeout_s: float | None = None) -> None:
         """Handshake with every rank of a prefill instance (bounded by ``timeout_s``, default
-        ``bootstrap_timeout_s``).
+        ``bootstrap_timeout_s``) that feeds this rank: the ranks of this rank's TP rank (a
+        different TP size is refused). Connecting to an instance again (a re-handshake) keeps
+        the rooms in flight with the prefill processes that are still the same.
 
         :raises pdplug.errors.CompatError: naming every mismatch (page size, bytes per token,
             dtype, layout version, backend, plugin vetoes) from both sides.
@@ -302,6 +347,8 @@ class KVReceiver(Protocol):
 
         :param dst_pages: int64 ``[n]`` this rank's destination (virtual) page ids from
             ``decode_prefix_len`` on.
+        :param num_tokens: the prompt length (tokens); when non-zero the prefill must send
+            exactly ``[decode_prefix_len, num_tokens)``, else the room fails on both sides.
         :raises ValueError: a page outside the registered KV, too few pages for
             ``num_tokens``, a prefix not aligned to the virtual page, a leased room.
         """
@@ -329,8 +376,8 @@ class KVReceiver(Protocol):
         ...
 
     def drained(self, room: int) -> bool:
-        """Whether no prefill rank can still write into ``room``'s pages (succeeded, every
-        source acknowledged the failure or died, or ``transfer_timeout_s`` passed)."""
+        """Whether no prefill rank can still write into ``room``'s pages: it succeeded, or
+        every source it was sent to confirmed it stopped or is known dead (never by a timer)."""
         ...
 
     def clear(self, room: int) -> None:
@@ -343,7 +390,8 @@ class KVReceiver(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """Counters (bytes, chunks, drops by reason)."""
+        """Counters (chunks, drops by reason, engine counters such as lost notifications) and
+        what the rank holds now (rooms, ``undrained`` failed rooms)."""
         ...
 
     def close(self) -> None:

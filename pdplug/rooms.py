@@ -1,24 +1,27 @@
-"""The per-room KVPoll state machine every KV sender and receiver uses (DESIGN.md §3).
+"""The per-room KVPoll state machine every KV sender and receiver uses.
 
 One :class:`Rooms` table per rank. A *room* is a request's bootstrap room id; each time a room id
 is (re)used the table hands out a new **lease generation** (a process-wide, strictly increasing
 integer), and every event about the room carries the generation it was meant for, so a late
 completion from a recycled room can never touch the new request (SGLang's receiver lease
-generation, prior-art sglang.md §4; vLLM#50754 for the negative-twin rule).
+generation; vLLM PR #50754 for the negative-twin rule).
 
-Rules (SGLang ``CommonKVManager.update_status``, prior-art sglang.md §1.3):
+Rules (SGLang ``CommonKVManager.update_status``):
 
 * a room's status only moves up the :class:`~pdplug.types.KVPoll` lattice
-  (:func:`~pdplug.types.merge_poll`); ``Failed`` is absorbing;
+  (:func:`~pdplug.types.merge_poll`); ``Failed`` is absorbing, and a room that ended
+  ``Success`` is not failed afterwards (a late abort does not end it a second time);
 * an event for a room that is not leased (never leased, or already cleared) is ignored, so a
   ``Failed`` for a cleared room cannot poison a recycled room id;
 * every non-terminal state has a deadline (``bootstrap_timeout_s``, ``waiting_timeout_s``,
   ``transfer_timeout_s`` of :class:`~pdplug.config.KVConfig`); :meth:`Rooms.expire` fails rooms
-  past theirs with a reason naming the state and the config field. Progress in ``Transferring``
-  (:meth:`Rooms.touch`) re-arms the transfer deadline: the timeout bounds *silence*, not size;
+  past theirs with a reason naming the state and the config field. Progress (:meth:`Rooms.touch`)
+  re-arms the deadline: the timeout bounds *silence*, not size — a sender also touches rooms
+  whose work waits in its local queue while the queue moves;
 * ``Success`` is not published while any chunk of the room is pending on this rank
   (:meth:`Rooms.add_pending` / :meth:`Rooms.done_pending`): it is held and published when the
-  last pending chunk completes.
+  last pending chunk completes;
+* :meth:`Rooms.fail_all` ends every room at once (the session's engine thread died).
 
 The table is thread-safe (one lock); a host thread polls while an engine thread advances.
 """
@@ -259,14 +262,15 @@ class Rooms:
             return r.status
 
     def fail(self, room: int, reason: str, generation: int | None = None) -> bool:
-        """Fail the room with ``reason``.
+        """Fail the room with ``reason`` (a room that ended ``Success`` stays ``Success``: a
+        room ends once).
 
-        :returns: True if this call moved the room to ``Failed`` (False if it already was, or
-            the event was ignored: a cleared room or another generation).
+        :returns: True if this call moved the room to ``Failed`` (False if it already ended,
+            or the event was ignored: a cleared room or another generation).
         """
         with self._lock:
             r = self._get(room, generation)
-            if r is None or r.status == KVPoll.Failed:
+            if r is None or r.status in (KVPoll.Failed, KVPoll.Success):
                 return False
             r.status = KVPoll.Failed
             r.reason = reason
@@ -274,6 +278,24 @@ class Rooms:
             r.success_held = False
             self._changed.notify_all()
             return True
+
+    def fail_all(self, reason: str) -> list[tuple[int, int]]:
+        """Fail every room that is not terminal yet with ``reason``.
+
+        :returns: ``(room, generation)`` of each room failed by this call.
+        """
+        out: list[tuple[int, int]] = []
+        with self._lock:
+            for room, r in self._rooms.items():
+                if r.status not in (KVPoll.Success, KVPoll.Failed):
+                    r.status = KVPoll.Failed
+                    r.reason = reason
+                    r.deadline = 0.0
+                    r.success_held = False
+                    out.append((room, r.generation))
+            if out:
+                self._changed.notify_all()
+        return out
 
     def touch(self, room: int, generation: int | None = None) -> None:
         """Record progress: re-arm the deadline of the current (non-terminal) state."""

@@ -116,7 +116,6 @@ def _main(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -> 
         _send(conn, event="error", error=f"{type(e).__name__}: {e}")
         raise
     conn.close()
-    os._exit(0)
 
 
 class DecodePeer:

@@ -9,7 +9,7 @@ import click
 
 __all__ = ["bench", "BENCHES"]
 
-BENCHES = ("consensus", "plan", "pack", "transfer", "e2e")
+BENCHES = ("consensus", "plan", "pack", "transfer", "e2e", "soak")
 
 
 class _Benches(click.Group):

@@ -306,6 +306,3 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
                 "region_tokens_per_rank": REGION_TOKENS,
             },
         )
-    from pdplug.transfer import hard_exit
-
-    hard_exit(0)  # sessions are closed; skip the engines' native destructors (see hard_exit)

@@ -335,6 +335,3 @@ def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
                 "layout": {"entries_bytes_per_token": list(BPT), "page_size": PAGE},
             },
         )
-    from pdplug.transfer import hard_exit
-
-    hard_exit(0)  # sessions are closed; skip the engines' native destructors (see hard_exit)

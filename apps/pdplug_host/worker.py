@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -180,14 +181,11 @@ def run_worker(spec_bytes: bytes, make: Callable[[WorkerSpec], _Rank]) -> None:
     """Body of a worker process: decode the spec, build the rank, serve, report, exit.
 
     A failure is printed to the worker log and reported to the driver as ``Fatal``; the
-    process always ends through :func:`pdplug.transfer.hard_exit` after the rank closed its
-    engines (exit code 0 or 1).
+    process exits with code 0 or 1 after the rank closed its engines.
     """
     import traceback
 
     import torch
-
-    from pdplug.transfer import hard_exit
 
     torch.set_num_threads(1)
     spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
@@ -205,4 +203,4 @@ def run_worker(spec_bytes: bytes, make: Callable[[WorkerSpec], _Rank]) -> None:
     finally:
         if rank is not None:
             rank.close()
-    hard_exit(code)  # engines are closed; skip their native destructors (see hard_exit)
+    sys.exit(code)

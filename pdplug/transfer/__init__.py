@@ -56,13 +56,15 @@ source for the decode ranks.
 
 ``poll`` never blocks; every other call is bounded (``bootstrap_timeout_s`` for connect, a few
 seconds for calls answered by the engine thread). Rooms end ``Success`` or ``Failed`` — a failed
-post, an abort on either side, a silent peer (``transfer_timeout_s``), or a stuck state
-(``bootstrap_timeout_s`` / ``waiting_timeout_s`` / ``transfer_timeout_s``) — never hang.
-The handshake compat check defaults to the process-wide plugin manager's
-:meth:`~pdplug.manager.PluginManager.check_compat` (layout checks + every plugin's
-``pdplug_check_compat`` veto); factories accept ``compat=`` to use another. Room outcomes
-(``transfer_done`` / ``transfer_failed``, once per room and rank) go to ``pdplug_on_event``
-observers the same way (factories accept ``emit=``).
+post, an abort on either side, a silent peer (``transfer_timeout_s``), a token count the two
+sides disagree on, or a stuck state (``bootstrap_timeout_s`` / ``waiting_timeout_s`` /
+``transfer_timeout_s``, which bound silence, not time queued behind other rooms) — never hang;
+see :class:`pdplug.protocols.KVSender` for how each end reaches the other side and what
+``drained`` promises. The handshake compat check and the room-outcome observer are whatever the
+builder passes (``compat=``, ``emit=``; :meth:`pdplug.manager.PluginManager.make_kv_sender`
+passes its own ``check_compat`` and ``emit``); without them a session checks layouts only
+(:func:`~pdplug.transfer.handshake.layout_compat`) and emits nothing. There is no process-wide
+default.
 
 Threads: each session runs one engine thread (the only caller of its engine and sockets) and,
 when it packs, one pack thread. Host calls are thread-safe.
@@ -71,9 +73,11 @@ when it packs, one pack thread. Host calls are thread-safe.
 from __future__ import annotations
 
 from pdplug.transfer.engine import TransferEngine, dedup_regions, hard_exit
+from pdplug.transfer.faults import FaultyEngine
+from pdplug.transfer.handshake import Compat, Emit, layout_compat
 from pdplug.transfer.messages import Abort, Done, Heartbeat, Hello, HelloAck, control_codec
 from pdplug.transfer.receiver import KVReceiverSession
-from pdplug.transfer.sender import Compat, Emit, KVSenderSession, default_compat, default_emit
+from pdplug.transfer.sender import KVSenderSession
 
 __all__ = [
     "TransferEngine",
@@ -81,10 +85,10 @@ __all__ = [
     "hard_exit",
     "KVSenderSession",
     "KVReceiverSession",
+    "FaultyEngine",
     "Compat",
     "Emit",
-    "default_compat",
-    "default_emit",
+    "layout_compat",
     "Hello",
     "HelloAck",
     "Abort",

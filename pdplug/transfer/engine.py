@@ -3,8 +3,9 @@
 A backend plugin (``nixl``, ``mooncake``, a third party's) implements only this thin verb set;
 :class:`~pdplug.transfer.sender.KVSenderSession` and
 :class:`~pdplug.transfer.receiver.KVReceiverSession` do everything else (control channel,
-rooms, planning, packing, double buffering, tags, timeouts). Shape from prior-art sglang.md §6
-item 2 (register / export / connect / write / poll / notify) with capability flags.
+rooms, planning, packing, double buffering, tags, timeouts). The verbs are the ones SGLang's
+and vLLM's transfer backends share (register / export / connect / write / poll / notify), with
+capability flags.
 
 Threading: a session calls its engine from **one thread only** (its engine thread), so engines
 need not be thread-safe (vLLM serialises NIXL on a single-thread executor for the same reason).
@@ -142,8 +143,8 @@ def engine_wakes(engine: object, waker: Callable[[], None]) -> bool:
 def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """Merge duplicate, overlapping and touching ``(address, nbytes)`` regions (sorted).
 
-    Engines reject re-registration of an overlapping range (Mooncake#3153, prior-art
-    vllm-nixl-mooncake.md §6 row 13), and a unified pool can report one buffer twice.
+    Engines reject re-registration of an overlapping range (Mooncake#3153), and a unified
+    pool can report one buffer twice.
     Zero-length regions are dropped.
 
     :raises ValueError: a negative address or size (named).
@@ -168,13 +169,12 @@ def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def hard_exit(code: int = 0) -> NoReturn:
-    """End a process that owned transfer engines without running native destructors.
+    """End the process now with ``code``, after flushing stdout/stderr and logging, without
+    running interpreter shutdown (``os._exit``).
 
-    The NIXL 1.5.1 wheel (UCX backend, CPU host) crashes with SIGSEGV in its native destructors
-    at interpreter exit, even for an idle agent; an exit code of 139 would hide the real result
-    of a worker or a benchmark. Close every session first (that releases handles and
-    deregisters memory), then call this: it flushes stdout/stderr and logging and ends the
-    process with ``code`` via ``os._exit``.
+    Not needed for clean exits any more: a process whose sessions were closed exits normally
+    (the NIXL 1.5.1 crash at interpreter exit is avoided by the ``nixl`` plugin, see
+    ``pdplug_nixl.engine``). Kept for scripts that want to end at once.
     """
     import logging
     import os

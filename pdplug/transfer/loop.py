@@ -7,6 +7,11 @@ submitted. While transfers are in flight the loop polls without blocking — hot
 then with sleeps of 2% of the elapsed time up to ``backoff_s`` — so completion is seen within a
 few percent of the transfer time without a polling thread eating the CPU a loopback copy needs;
 idle, it blocks in ``zmq_poll`` for up to ``idle_s``.
+
+A round that raises is logged and counted (``errors``) and the loop goes on; but if the thread
+itself dies — an exception that is not an ``Exception``, or ``max_errors`` rounds in a row that
+raise — ``on_death`` is called with the cause (the session fails every room with it, so no
+``wait`` hangs), and every later call raises :class:`~pdplug.errors.TransferError` naming it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class EngineLoop:
         polled, and most completions arrive within it.
     :param backoff_s: then sleep between rounds 2% of the time the work has been in flight,
         at most this long (seconds).
+    :param on_death: called on the dying thread with the exception that ended it.
+    :param max_errors: consecutive rounds whose ``step`` raised after which the thread gives
+        up (a data plane that cannot make progress must not pretend to be alive).
     """
 
     def __init__(
@@ -55,6 +63,8 @@ class EngineLoop:
         idle_s: float | Callable[[], float] = 0.005,
         spin_s: float = 0.0002,
         backoff_s: float = 0.001,
+        on_death: Callable[[BaseException], None] | None = None,
+        max_errors: int = 100,
     ) -> None:
         self.name = name
         self._step = step
@@ -64,9 +74,13 @@ class EngineLoop:
         self._backoff_s = backoff_s
         self._ctx: Any = zmq.Context.instance()
         addr = f"inproc://pdplug-wake-{uuid.uuid4().hex}"
+        # in-process wake-up pair: empty frames only, nothing lingers
         self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
+        for sock in (self._wake_rx, self._wake_tx):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, 64)
+        self._wake_rx.bind(addr)
         self._wake_tx.connect(addr)
         self._wake_lock = threading.Lock()
         self._poller = zmq.Poller()
@@ -76,7 +90,12 @@ class EngineLoop:
         self._todo_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._on_death = on_death
+        self._max_errors = max_errors
+        self._in_a_row = 0
         self.errors = 0
+        self._last_error = ""
+        self.died: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -121,6 +140,8 @@ class EngineLoop:
         :raises TransferError: the loop is stopped.
         """
         fut: Future[R] = Future()
+        if self.died is not None:
+            raise TransferError(f"{self.name}: {self.death()}")
         if self._stop.is_set():
             raise TransferError(f"{self.name}: closed")
         if self.on_thread():
@@ -147,6 +168,11 @@ class EngineLoop:
                 f"{self.name}: no answer from the engine thread in {timeout_s:g} s"
             ) from e
 
+    def death(self) -> str:
+        """Why the thread died (``""`` while it has not)."""
+        d = self.died
+        return "" if d is None else f"engine thread died ({type(d).__name__}: {d})"
+
     def wake(self) -> None:
         """Wake the loop now (thread-safe); engines whose writes complete on their own threads
         call it so the loop need not poll them."""
@@ -162,6 +188,26 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        try:
+            self._rounds()
+        except BaseException as e:  # the thread ends: say so, so nothing waits for it
+            self.died = e
+            log.critical("%s: %s", self.name, self.death(), exc_info=e)
+            if self._on_death is not None:
+                try:
+                    self._on_death(e)
+                except Exception:
+                    log.exception("%s: on_death failed", self.name)
+        finally:
+            # fail whatever is still queued so no caller waits forever
+            with self._todo_lock:
+                todo, self._todo = list(self._todo), deque()
+            why = self.death() or "closed"
+            for _fn, fut in todo:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(TransferError(f"{self.name}: {why}"))
+
+    def _rounds(self) -> None:
         busy_since = 0.0
         while not self._stop.is_set():
             busy = self._busy() or bool(self._todo)
@@ -194,7 +240,14 @@ class EngineLoop:
                     except BaseException as e:
                         fut.set_exception(e)
             now = time.monotonic()
-            self._guard(self._step, now)
+            if self._guard(self._step, now):
+                self._in_a_row = 0
+            else:
+                self._in_a_row += 1
+                if self._in_a_row >= self._max_errors:
+                    raise TransferError(
+                        f"{self._in_a_row} rounds in a row failed; last: {self._last_error}"
+                    )
             if not busy:
                 busy_since = 0.0
             elif not events:
@@ -206,16 +259,13 @@ class EngineLoop:
                 time.sleep(
                     20e-6 if busy_for < self._spin_s else min(self._backoff_s, busy_for / 50)
                 )
-        # fail whatever is still queued so no caller waits forever
-        with self._todo_lock:
-            todo, self._todo = list(self._todo), deque()
-        for _fn, fut in todo:
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(TransferError(f"{self.name}: closed"))
 
-    def _guard(self, fn: Callable[[Any], None], arg: Any) -> None:
+    def _guard(self, fn: Callable[[Any], None], arg: Any) -> bool:
         try:
             fn(arg)
-        except Exception:  # a bug in one round must not kill the rank's data plane
+        except Exception as e:  # a bug in one round must not kill the rank's data plane
             self.errors += 1
+            self._last_error = f"{type(e).__name__}: {e}"
             log.exception("%s: error in the engine loop", self.name)
+            return False
+        return True

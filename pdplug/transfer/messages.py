@@ -13,13 +13,25 @@ twin for all), :class:`Heartbeat`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from pdplug.config import WireConfig
 from pdplug.types import ChunkTag, DestInfo, PeerInfo
 from pdplug.wire import Codec
 
-__all__ = ["Hello", "HelloAck", "Abort", "Done", "Heartbeat", "CONTROL_TYPES", "control_codec"]
+__all__ = [
+    "Hello",
+    "HelloAck",
+    "Abort",
+    "Done",
+    "Heartbeat",
+    "CONTROL_TYPES",
+    "TAG_MAX_BYTES",
+    "control_codec",
+    "tag_codec",
+]
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
@@ -69,24 +81,34 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="hb"):
-    """Liveness, both directions; a peer silent for ``transfer_timeout_s`` is declared dead."""
+    """Liveness, both directions; a peer silent for ``transfer_timeout_s`` is declared dead.
+
+    :ivar live: (prefill -> decode) lease generations of the decode rank's rooms whose work is
+        moving on the prefill rank (queued behind other rooms, packing, or being written): the
+        decode rank re-arms their deadlines, so time spent queued is not taken for silence.
+    """
 
     seq: int
+    live: tuple[int, ...] = ()
 
 
 #: every type a control socket accepts
 CONTROL_TYPES: tuple[type, ...] = (Hello, HelloAck, DestInfo, Abort, Done, Heartbeat)
 
 
-def control_codec(wire: WireConfig, name: str = "control") -> Codec:
+#: largest engine notification (bytes): a ChunkTag with a 512-character reason and its HMAC
+TAG_MAX_BYTES = 4096
+
+
+def control_codec(wire: WireConfig, name: str = "control") -> Codec[Any]:
     """The codec of a control socket under ``wire``'s size limit and HMAC key."""
-    return Codec(
-        *CONTROL_TYPES, max_bytes=wire.max_message_bytes, hmac_key=wire.hmac_key, name=name
-    )
+    return Codec.from_config(wire, *CONTROL_TYPES, name=name)
 
 
-def tag_codec(wire: WireConfig, name: str = "tags") -> Codec:
-    """The codec of engine notifications: a bare :class:`~pdplug.types.ChunkTag`."""
-    return Codec(
-        ChunkTag, max_bytes=min(wire.max_message_bytes, 4096), hmac_key=wire.hmac_key, name=name
+def tag_codec(wire: WireConfig, name: str = "tags") -> Codec[Any]:
+    """The codec of engine notifications: a bare :class:`~pdplug.types.ChunkTag`, at most
+    :data:`TAG_MAX_BYTES` (or the wire's limit, if smaller)."""
+    limit = min(wire.max_message_bytes, TAG_MAX_BYTES)
+    return Codec.from_config(
+        msgspec.structs.replace(wire, max_message_bytes=limit), ChunkTag, name=name
     )

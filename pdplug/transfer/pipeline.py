@@ -1,20 +1,21 @@
 """The prefill data path: plan -> pack -> post -> reap, with double-buffered pack regions.
 
 Used by :class:`~pdplug.transfer.sender.KVSenderSession` on its engine thread. One *job* is
-one (segment, destination DCP rank). A job whose peer needs relayout takes a free pack region
-of its rank (``pack_depth`` per rank, :mod:`pdplug.packing`), is planned and packed on a
-dedicated **pack thread** (planners are pure), and posted by the engine thread once packed; the
-region stays busy until the engine reports the write done. So while the engine writes segment ``k``
-(asynchronously — RDMA; or synchronously inside the post call, as NIXL does over loopback
-shared memory, which is why packing cannot stay on the posting thread), the pack thread fills
-the other region with segment ``k + 1`` (SGLang #35762's double buffering; prior-art
-sglang.md §3.3-3.4). Jobs without relayout are planned and posted directly, at most
-``max_inflight`` at once. A plan with no run (a rank that owns no token of the chunk) becomes a
-notification-only chunk (SGLang #32837).
+one (segment, destination decode rank). Jobs wait in one FIFO per destination; destinations
+are served round-robin, so a peer that is slow, stuck or waiting for regions never holds up the
+others. A job whose peer needs relayout takes a pack region
+(:class:`~pdplug.transfer.regions.RegionPool`), is planned and packed on a dedicated **pack
+thread** (planners are pure) and posted by the engine thread once packed; the region stays busy
+until the engine reports the write done. So while the engine writes segment ``k``, the pack
+thread fills another region with segment ``k + 1`` (SGLang PR #35762's double buffering). Jobs
+without relayout are planned and posted directly, at most ``max_inflight`` per peer at once. A
+plan with no run (a rank that owns no token of the chunk) becomes a notification-only chunk
+(SGLang #32837).
 
-Every posted write is checked each round; ``ERR`` or an engine exception fails the room; a
-write pending longer than ``timeout_s`` fails the room and is abandoned after ``2 * timeout_s``
-(its region freed) so a stuck engine cannot pin memory forever.
+Every posted write is checked each round (:class:`~pdplug.transfer.writes.InFlight`); ``ERR``
+or an engine exception fails the room; a *stuck* write fails its room but keeps its region and
+handle until the engine reports it done or failed. Nothing is ever abandoned while the engine
+may still move its bytes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ import msgspec
 import numpy as np
 
 from pdplug.packing import run_addresses
-from pdplug.transfer.engine import XFER_DONE, XFER_PENDING, TransferEngine, engine_wakes
-from pdplug.types import ChunkTag, DestInfo, KVLayout, PackRegion, PeerInfo, TransferPlan
+from pdplug.transfer.engine import XFER_DONE, TransferEngine, engine_wakes
+from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
+from pdplug.transfer.regions import RegionPool
+from pdplug.transfer.writes import InFlight, Write
+from pdplug.types import ChunkTag, KVLayout, PackRegion, TransferPlan
 from pdplug.wire import Codec
 
 if TYPE_CHECKING:
@@ -39,57 +43,11 @@ if TYPE_CHECKING:
 
     from pdplug.protocols import Packer, PackPlanner
 
-__all__ = ["Peer", "Lease", "Job", "SendPipeline"]
+__all__ = ["SendPipeline"]
 
 log = logging.getLogger(__name__)
 
-
-class Peer(msgspec.Struct, kw_only=True):
-    """A decode rank connected to a sender (engine thread state).
-
-    :ivar key: ``(decode instance, dcp_rank)``; ``emap``: source -> destination entry;
-        ``dst_base``: int64 destination entry bases; ``relayout``: sends to it are packed.
-    """
-
-    ident: bytes
-    info: PeerInfo
-    key: tuple[str, int]
-    handle: Any
-    emap: np.ndarray
-    dst_base: np.ndarray
-    relayout: bool
-    last_seen: float
-    alive: bool = True
-
-
-class Lease(msgspec.Struct, kw_only=True):
-    """One room on a sender (engine thread state): its destinations, segments and writes.
-
-    :ivar segments: chunk_id -> jobs of that segment not yet completed.
-    :ivar inflight: writes posted (or packing) and not yet done.
-    :ivar notified: failure notices sent: 0 none, 1 failed, 2 failed and drained.
-    """
-
-    room: int
-    generation: int
-    instance: str = ""
-    expected: int = 0
-    dests: dict[int, DestInfo] = {}
-    peers: dict[int, Peer] = {}
-    segments: dict[int, int] = {}
-    inflight: int = 0
-    failed: bool = False
-    reason: str = ""
-    notified: int = 0
-    cleared: bool = False
-
-
-class Job(msgspec.Struct, kw_only=True):
-    """One (segment, destination DCP rank); ``chunk`` is the planner's SendChunk."""
-
-    lease: Lease
-    dst_rank: int
-    chunk: Any
+_BUDGET = 16  # jobs started per round, so completions are reaped in between
 
 
 class _Packing(msgspec.Struct, kw_only=True):
@@ -99,32 +57,21 @@ class _Packing(msgspec.Struct, kw_only=True):
     fut: Future[tuple[TransferPlan, float, float]]
 
 
-class _Xfer(msgspec.Struct, kw_only=True):
-    job: Job
-    handle: Any
-    region: int
-    t_post: float
-    nbytes: int
-    tag: ChunkTag
-    abandoned: bool = False
-    cancelled: bool = False
-
-
 class SendPipeline:
     """Plan/pack/post/reap for one sender; every method runs on the sender's engine thread.
 
-    :param engine: the backend adapter; ``planner``/``packer``: the Protocol objects.
+    :param engine: the backend adapter; ``planner``: the pack planner.
     :param layout: the source layout; ``rank``: the source rank id carried in tags.
     :param tags: codec of engine notifications (completion tags ride the write).
-    :param timeout_s: ``KVConfig.transfer_timeout_s``.
+    :param timeout_s: ``KVConfig.transfer_timeout_s``: when a pending write is stuck.
+    :param max_inflight: unpacked writes in flight per peer.
     :param on_done: ``(job)`` when a job's write completed (or it was notification-only).
-    :param on_fail: ``(lease, reason)`` on a plan, pack or post failure.
-    :param on_written: ``(peer, tag)`` after a completed write, for engines without
+    :param on_fail: ``(lease, reason)`` on a plan, pack or post failure or a stuck write.
+    :param on_written: ``(job, tag)`` after a completed write, for engines without
         notifications (the session sends the tag over the control channel).
     :param on_drained: ``(lease)`` when a failed lease has no write in flight any more.
-    :param waker: thread-safe "run a round now" (the engine loop's ``wake``): finished packs
-        and engines that complete writes on their own threads call it, so the loop sleeps
-        instead of polling them.
+    :param on_idle: ``(peer)`` when a gone peer has no write left (release its handle).
+    :param waker: thread-safe "run a round now" (the engine loop's ``wake``).
     """
 
     def __init__(
@@ -134,13 +81,14 @@ class SendPipeline:
         planner: PackPlanner,
         layout: KVLayout,
         rank: int,
-        tags: Codec,
+        tags: Codec[Any],
         timeout_s: float,
         max_inflight: int,
         on_done: Callable[[Job], None],
         on_fail: Callable[[Lease, str], None],
-        on_written: Callable[[Peer, ChunkTag], None],
+        on_written: Callable[[Job, ChunkTag], None],
         on_drained: Callable[[Lease], None],
+        on_idle: Callable[[Peer], None],
         waker: Callable[[], None] = lambda: None,
     ) -> None:
         self._waker = waker
@@ -157,18 +105,21 @@ class SendPipeline:
         self._on_fail = on_fail
         self._on_written = on_written
         self._on_drained = on_drained
-        self.depth = 1
+        self._on_idle = on_idle
         self.regions: list[PackRegion] = []
-        self._busy_region = np.zeros(0, dtype=bool)
+        self.pool = RegionPool(0, 1)
         self._entries: list[torch.Tensor] = []
         self._src_base = np.zeros(0, dtype=np.int64)
         self._pack: torch.Tensor | None = None
         self._pack_base = 0
-        self._queue: deque[Job] = deque()
+        self._queues: dict[PeerKey, deque[Job]] = {}
+        self._turn = 0
         self._packing: deque[_Packing] = deque()
-        self._xfers: list[_Xfer] = []
+        self._inflight = InFlight(timeout_s)
+        self._unpacked: Counter[PeerKey] = Counter()
         self._pool: ThreadPoolExecutor | None = None
         self._more = False  # dispatch stopped at its per-round budget
+        self.progress_at = 0.0  # last write completion (or work arriving at an idle pipeline)
         self.counts: Counter[str] = Counter()
         self.timings = dict.fromkeys(("plan_s", "pack_s", "post_s", "write_s"), 0.0)
 
@@ -197,112 +148,152 @@ class SendPipeline:
         self._pack = pack
         self._pack_base = 0 if pack is None else int(pack.data_ptr())
         self.regions = regions
-        self._busy_region = np.zeros(len(regions), dtype=bool)
-        self.depth = depth
+        self.pool = RegionPool(len(regions), depth)
         self.packer = packer
 
-    # ------------------------------------------------------------------ queue
+    # ------------------------------------------------------------------ state
+    @property
+    def _queue(self) -> list[Job]:
+        """Every queued job (all peers)."""
+        return [j for q in self._queues.values() for j in q]
+
+    @property
+    def _xfers(self) -> list[Write]:
+        """Every posted write not finished yet."""
+        return self._inflight.writes
+
+    @property
+    def _busy_region(self) -> np.ndarray:
+        """bool ``[regions]``: which pack regions are in use."""
+        return self.pool.busy
+
     def has_work(self) -> bool:
         """Work queued, packing or in flight (a round must look at it)."""
-        return bool(self._queue or self._packing or self._xfers)
+        return bool(self._queues or self._packing or self._inflight)
 
     def busy(self) -> bool:
         """Whether the loop must poll rather than sleep until woken: writes on an engine that
         cannot wake it, or dispatch work left over from the last round."""
-        return self._more or bool(self._xfers and not self.wakes)
+        return self._more or bool(self._inflight and not self.wakes)
 
-    def submit(self, jobs: list[Job]) -> None:
-        """Queue jobs (FIFO per destination rank)."""
-        self._queue.extend(jobs)
+    def gauges(self) -> dict[str, int]:
+        """What the pipeline holds now: queued jobs, packing, writes in flight, stuck writes,
+        busy pack regions."""
+        return {
+            "queued": sum(len(q) for q in self._queues.values()),
+            "packing": len(self._packing),
+            "xfers": len(self._inflight),
+            "stuck_writes": self._inflight.stuck(),
+            "busy_regions": int(self.pool.busy.sum()),
+        }
+
+    def active(self, now: float) -> set[int]:
+        """``id`` of every lease whose work is moving: queued behind other work while this
+        sender keeps completing writes (and its peer has no stuck write), packing, or a write
+        whose own time (module docstring) is under ``timeout_s``. Its room deadline is re-armed:
+        time spent queued locally is not silence."""
+        stuck = self._inflight.stuck_keys()
+        out = {id(p.job.lease) for p in self._packing}
+        out.update(self._inflight.moving(now))
+        if now - self.progress_at <= self.timeout_s:
+            for key, q in self._queues.items():
+                if key not in stuck:
+                    out.update(id(j.lease) for j in q)
+        return out
+
+    def submit(self, jobs: list[Job], now: float) -> None:
+        """Queue jobs (FIFO per destination)."""
+        if not self.has_work():
+            self.progress_at = now
+        for job in jobs:
+            self._queues.setdefault(job.key, deque()).append(job)
 
     def purge(self, lease: Lease) -> None:
         """Drop the lease's queued jobs and withdraw posts the engine has not started (a failed
-        room must not keep a single-threaded engine busy with doomed writes)."""
-        if self._queue:
-            self._queue = deque(j for j in self._queue if j.lease is not lease)
-        for x in self._xfers:
-            if x.job.lease is lease and not x.cancelled and self.engine.cancel(x.handle):
-                x.cancelled = True  # _reap drops it
-                self._free(x.region)
-                lease.inflight -= 1
-                self.counts["cancelled"] += 1
-
-    def drained(self, lease: Lease) -> bool:
-        """No write of ``lease`` is packing or in flight."""
-        return lease.inflight == 0
+        room must not keep the engine busy with doomed writes)."""
+        for key in list(self._queues):
+            q = self._queues[key]
+            if any(j.lease is lease for j in q):
+                q = deque(j for j in q if j.lease is not lease)
+                if q:
+                    self._queues[key] = q
+                else:
+                    del self._queues[key]
+        for w in self._inflight.withdraw(lease, self.engine):
+            self._settle(w.job, w.peer, w.region)
+            self.counts["cancelled"] += 1
 
     def step(self, now: float) -> None:
         """One round: reap writes, post what finished packing, dispatch queued jobs."""
-        if self._xfers:
+        if self._inflight:
             self._reap(now)
         posts = self.counts["posts"]
         if self._packing:
             self._post_packed(now)
-        if self._queue:
+        if self._queues:
             self._dispatch(now)
         if self.counts["posts"] != posts:
             self._reap(now)  # an engine that copies inside its post call is done already
 
     def close(self) -> None:
-        """Release in-flight handles and stop the pack thread."""
+        """Release in-flight handles (the engine is closing) and stop the pack thread."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        for x in self._xfers:
-            try:
-                self.engine.release(x.handle)
-            except Exception:
-                pass
-        self._xfers.clear()
+        self._inflight.release_all(self.engine)
 
     # ------------------------------------------------------------------ dispatch
-    def _free_region(self, peer: Peer, rank: int) -> int:
-        if not peer.relayout:
-            return -1
-        for i in range(rank * self.depth, rank * self.depth + self.depth):
-            if not self._busy_region[i]:
-                return i
-        return -2
-
-    def _free(self, region: int) -> None:
-        if region >= 0:
-            self._busy_region[region] = False
+    def _settle(self, job: Job, peer: Peer, region: int) -> None:
+        """A job's work ended (done, failed, cancelled or never posted)."""
+        self.pool.give_back(region, job.key, job.key[0])
+        if region < 0 and not peer.relayout:
+            self._unpacked[job.key] -= 1
+        job.lease.inflight -= 1
+        peer.inflight -= 1
+        if job.lease.failed and job.lease.inflight == 0:
+            self._on_drained(job.lease)
+        if peer.gone and peer.inflight == 0:
+            self._on_idle(peer)
 
     def _dispatch(self, now: float) -> None:
-        blocked: set[int] = set()
-        keep: deque[Job] = deque()
-        budget = 16  # jobs per round, so completions are reaped in between
+        budget = _BUDGET
         self._more = False
-        while self._queue:
-            job = self._queue.popleft()
-            lease = job.lease
-            if lease.failed or lease.cleared:
-                continue
-            peer = lease.peers[job.dst_rank]
-            if not peer.alive:
-                self._on_fail(lease, f"decode {peer.key[0]} dcp {peer.key[1]} is gone")
-                continue
-            region = self._free_region(peer, job.dst_rank)
-            if budget <= 0:
+        wanting = len(self.pool.groups() | {k[0] for k in self._queues})
+        keys = list(self._queues)
+        self._turn = (self._turn + 1) % len(keys)
+        for key in keys[self._turn :] + keys[: self._turn]:
+            q = self._queues[key]
+            while q and budget > 0:
+                job = q[0]
+                lease = job.lease
+                if lease.failed or lease.cleared:
+                    q.popleft()
+                    continue
+                peer = lease.peers.get(key)
+                if peer is None or not peer.alive:
+                    q.popleft()
+                    self._on_fail(lease, f"{describe(key)} is gone")
+                    continue
+                region = -1
+                if peer.relayout:
+                    region = self.pool.take(key, key[0], wanting)
+                    if region < 0:
+                        break  # this peer waits for a region; the others go on
+                elif self._unpacked[key] >= self.max_inflight:
+                    break
+                q.popleft()
+                budget -= 1
+                self._start(job, peer, region, now)
+            if not q:
+                del self._queues[key]
+            elif budget <= 0:
                 self._more = True
-            if (
-                budget <= 0
-                or job.dst_rank in blocked
-                or region == -2
-                or (region == -1 and len(self._xfers) >= self.max_inflight)
-            ):
-                blocked.add(job.dst_rank)  # keep each rank's jobs in order
-                keep.append(job)
-                continue
-            budget -= 1
-            self._start(job, peer, region, now)
-        keep.extend(self._queue)
-        self._queue = keep
 
     def _start(self, job: Job, peer: Peer, region: int, now: float) -> None:
         lease = job.lease
+        lease.posted = True
+        lease.inflight += 1
+        peer.inflight += 1
         if region >= 0:  # relayout: plan and pack on the pack thread, post when ready
-            self._busy_region[region] = True
-            lease.inflight += 1
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdplug-pack")
             fut = self._pool.submit(self._prepare, job, peer, region)
@@ -310,23 +301,25 @@ class SendPipeline:
             fut.add_done_callback(lambda _f: waker())
             self._packing.append(_Packing(job=job, peer=peer, region=region, fut=fut))
             return
+        if not peer.relayout:
+            self._unpacked[job.key] += 1
         t0 = time.perf_counter()
         try:
             plan = self.planner.plan(job.chunk, self.layout, peer.info.layout, job.dst_rank, None)
         except Exception as e:
+            self._settle(job, peer, region)
             self._on_fail(lease, f"plan of chunk {job.chunk.chunk_id} for dcp {job.dst_rank}: {e}")
             return
         self.timings["plan_s"] += time.perf_counter() - t0
-        tag = self._tag(job, plan)
         if plan.num_runs == 0:
-            self._notify_only(job, peer, tag)
+            self._settle(job, peer, region)
+            self._notify_only(job, peer, self._tag(job, plan))
             return
-        lease.inflight += 1
-        self._post(job, peer, -1, plan, tag, now)
+        self._post(job, peer, region, plan, now)
 
     def _tag(self, job: Job, plan: TransferPlan) -> ChunkTag:
         return ChunkTag(
-            generation=job.lease.dests[job.dst_rank].generation,
+            generation=job.lease.dests[job.key].generation,
             room=job.lease.room,
             chunk_id=plan.chunk_id,
             is_last=plan.is_last,
@@ -342,13 +335,12 @@ class SendPipeline:
                 self._on_fail(job.lease, f"notification of chunk {tag.chunk_id} failed: {e}")
                 return
         else:
-            self._on_written(peer, tag)
+            self._on_written(job, tag)
         self._on_done(job)
 
     def _prepare(self, job: Job, peer: Peer, region: int) -> tuple[TransferPlan, float, float]:
         """Pack thread: plan into the region and gather the rows; returns (plan, plan seconds,
-        pack seconds). Planners are pure, so planning here is safe and keeps it off the
-        thread that posts."""
+        pack seconds). Planners are pure, so planning here keeps it off the posting thread."""
         t0 = time.perf_counter()
         plan = self.planner.plan(
             job.chunk, self.layout, peer.info.layout, job.dst_rank, self.regions[region]
@@ -366,33 +358,36 @@ class SendPipeline:
     def _post_packed(self, now: float) -> None:
         while self._packing and self._packing[0].fut.done():
             p = self._packing.popleft()
-            lease = p.job.lease
+            job, lease = p.job, p.job.lease
             try:
                 plan, plan_s, pack_s = p.fut.result()
             except Exception as e:
-                self._free(p.region)
-                lease.inflight -= 1
-                self._on_fail(
-                    lease,
-                    f"plan/pack of chunk {p.job.chunk.chunk_id} for dcp {p.job.dst_rank}: {e}",
-                )
-                self._drain_check(lease)
+                self._settle(job, p.peer, p.region)
+                reason = f"plan/pack of chunk {job.chunk.chunk_id} for dcp {job.dst_rank}: {e}"
+                self._on_fail(lease, reason)
                 continue
             self.timings["plan_s"] += plan_s
             self.timings["pack_s"] += pack_s
-            if lease.failed or lease.cleared or not p.peer.alive or plan.num_runs == 0:
-                self._free(p.region)
-                lease.inflight -= 1
-                if plan.num_runs == 0 and not (lease.failed or lease.cleared):
-                    self._notify_only(p.job, p.peer, self._tag(p.job, plan))
-                self._drain_check(lease)
+            peer = lease.peers.get(job.key, p.peer)  # a re-handshake may have replaced it
+            if lease.failed or lease.cleared or not peer.alive or plan.num_runs == 0:
+                self._settle(job, p.peer, p.region)
+                if lease.failed or lease.cleared:
+                    continue
+                if not peer.alive:
+                    self._on_fail(lease, f"{describe(job.key)} is gone")
+                else:
+                    self._notify_only(job, peer, self._tag(job, plan))
                 continue
-            self._post(p.job, p.peer, p.region, plan, self._tag(p.job, plan), now)
+            if peer is not p.peer:  # the write uses the current connection's handle
+                peer.inflight += 1
+                p.peer.inflight -= 1
+                if p.peer.gone and p.peer.inflight == 0:
+                    self._on_idle(p.peer)
+            self._post(job, peer, p.region, plan, now)
 
-    def _post(
-        self, job: Job, peer: Peer, region: int, plan: TransferPlan, tag: ChunkTag, now: float
-    ) -> None:
+    def _post(self, job: Job, peer: Peer, region: int, plan: TransferPlan, now: float) -> None:
         lease = job.lease
+        tag = self._tag(job, plan)
         t0 = time.perf_counter()
         try:
             src, dst, ln = run_addresses(
@@ -401,71 +396,56 @@ class SendPipeline:
             wire_tag = self._tags.encode(tag) if self.engine.notifications else b""
             handle = self.engine.post(peer.handle, src, dst, ln, wire_tag)
         except Exception as e:
-            self._free(region)
-            lease.inflight -= 1
             self.counts["post_failed"] += 1
+            self._settle(job, peer, region)
             self._on_fail(
                 lease,
                 f"post of chunk {plan.chunk_id} to dcp {job.dst_rank} failed: "
                 f"{type(e).__name__}: {e}",
             )
-            self._drain_check(lease)
             return
         self.timings["post_s"] += time.perf_counter() - t0
-        self._xfers.append(
-            _Xfer(job=job, handle=handle, region=region, t_post=now, nbytes=plan.nbytes, tag=tag)
-        )
+        self._inflight.add(job, peer, handle, region, plan.nbytes, tag, now)
         self.counts["posts"] += 1
         self.counts["runs"] += plan.num_runs
 
-    def _drain_check(self, lease: Lease) -> None:
-        if lease.failed and lease.inflight == 0:
-            self._on_drained(lease)
-
     # ------------------------------------------------------------------ completion
     def _reap(self, now: float) -> None:
-        keep: list[_Xfer] = []
-        limit = self.timeout_s
-        for x in self._xfers:
-            if x.cancelled:
-                continue
-            try:
-                st = self.engine.check(x.handle)
-            except Exception as e:
-                st = "ERR"
-                log.debug("check raised %s", e)
-            lease = x.job.lease
-            if st == XFER_PENDING:
-                age = now - x.t_post
-                if not x.abandoned and age > limit:
-                    x.abandoned = True
-                    self._on_fail(
-                        lease,
-                        f"write of chunk {x.tag.chunk_id} to dcp {x.job.dst_rank} not done "
-                        f"after {limit:g} s (KVConfig.transfer_timeout_s)",
-                    )
-                if age <= 2 * limit:
-                    keep.append(x)
-                    continue
-                self.counts["abandoned"] += 1
-            self._free(x.region)
-            lease.inflight -= 1
-            if st == XFER_DONE and not lease.failed:
-                self.timings["write_s"] += now - x.t_post
-                self.counts["bytes"] += x.nbytes
-                if not self.engine.notifications:
-                    self._on_written(lease.peers[x.job.dst_rank], x.tag)
-                self._on_done(x.job)
-            elif st not in (XFER_DONE, XFER_PENDING):
-                self.counts["post_failed"] += 1
-                self._on_fail(
-                    lease,
-                    f"write of chunk {x.tag.chunk_id} to dcp {x.job.dst_rank} failed "
-                    f"(engine state {st})",
-                )
-            self._drain_check(lease)
-            try:  # after the room's outcome is published: releasing is not on its path
-                self.engine.release(x.handle)
-            except Exception:
-                pass
-        self._xfers = keep
+        done, stuck = self._inflight.poll(self.engine, now)
+        for w in stuck:  # its region and handle stay reserved until the engine answers
+            self.counts["writes_stuck"] += 1
+            self._on_fail(
+                w.job.lease,
+                f"write of chunk {w.tag.chunk_id} to {describe(w.job.key)} not done after "
+                f"{self.timeout_s:g} s (KVConfig.transfer_timeout_s); held until the engine "
+                "reports it",
+            )
+        for w, st in done:
+            self._finish(w, st, now)
+
+    def _finish(self, x: Write, st: str, now: float) -> None:
+        job, lease = x.job, x.job.lease
+        self.progress_at = now
+        if st == XFER_DONE:
+            self._inflight.completed(x, now)
+        if x.stuck:
+            self.counts["writes_stuck_ended"] += 1
+        ok = st == XFER_DONE and not lease.failed
+        if ok:
+            self.timings["write_s"] += now - x.t_post
+            self.counts["bytes"] += x.nbytes
+        elif st != XFER_DONE:
+            self.counts["post_failed"] += 1
+            reason = f"write of chunk {x.tag.chunk_id} to dcp {job.dst_rank} failed (engine {st})"
+            self._on_fail(lease, reason)
+        # the room's outcome first, then free the region: a drained notice must follow the
+        # last byte, and the completion must not wait for the release
+        if ok:
+            if not self.engine.notifications:
+                self._on_written(job, x.tag)
+            self._on_done(job)
+        self._settle(job, x.peer, x.region)
+        try:
+            self.engine.release(x.handle)
+        except Exception:
+            pass

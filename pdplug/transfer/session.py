@@ -1,31 +1,75 @@
-"""What the KV sender and receiver sessions share: the room-facing host calls (poll, wait,
-failure reason, drained, close) and the event queue that keeps observers off the data path.
+"""What the KV sender and receiver sessions share: room-facing host calls and session ends.
+
+The host calls on rooms (poll, wait, failure reason, drained), the end of a session (closed, or
+its engine thread died), the event queue that keeps observers off the data path, and the checks
+of registered KV entries.
 
 Subclasses set ``rooms`` (:class:`pdplug.rooms.Rooms`), ``engine``, ``_loop``
-(:class:`~pdplug.transfer.loop.EngineLoop`), ``_emit`` (observer or ``None``), ``_events`` and
-``_closed``, and implement ``_drained(room)`` and ``_shutdown()`` (both run on the engine
-thread).
+(:class:`~pdplug.transfer.loop.EngineLoop`, built with ``on_death=self._engine_died``),
+``_emit`` (observer or ``None``), ``_events``, ``counts`` and ``_closed``, and implement
+``_drained(room)``, ``_gauges()`` and ``_shutdown()`` (all run on the engine thread).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
 
 from pdplug.errors import TransferError
 from pdplug.types import KVPoll, PdplugEvent
 
 if TYPE_CHECKING:
+    import torch
+
     from pdplug.rooms import Rooms
     from pdplug.transfer.engine import TransferEngine
     from pdplug.transfer.loop import EngineLoop
 
-__all__ = ["RoomSession"]
+__all__ = ["RoomSession", "entries_geometry"]
 
 log = logging.getLogger(__name__)
 
 _S = TypeVar("_S", bound="RoomSession")
+
+
+def entries_geometry(
+    entries: Sequence[torch.Tensor], bytes_per_token: Sequence[int], page_tokens: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Check KV entry tensors and return ``(base addresses, nbytes, pages)``.
+
+    :param entries: one contiguous tensor per entry (any dtype).
+    :param bytes_per_token: bytes of one token row per entry.
+    :param page_tokens: tokens per page per entry (``page_size``, or ``page_size * dcp_size``
+        for a decode draft entry).
+    :returns: int64 ``[E]`` base addresses, int64 ``[E]`` sizes (bytes), and the number of
+        whole pages every entry holds (the minimum over entries).
+    :raises ValueError: wrong entry count, a non-contiguous tensor, or an entry smaller than
+        one page (each names the entry index and the value).
+    """
+    if len(entries) != len(bytes_per_token):
+        raise ValueError(
+            f"register_kv: got {len(entries)} entries, layout has {len(bytes_per_token)}"
+        )
+    base = np.zeros(len(entries), dtype=np.int64)
+    nbytes = np.zeros(len(entries), dtype=np.int64)
+    pages = None
+    for i, t in enumerate(entries):
+        if not t.is_contiguous():
+            raise ValueError(f"register_kv: entries[{i}] is not contiguous")
+        base[i] = t.data_ptr()
+        nbytes[i] = t.numel() * t.element_size()
+        n = int(nbytes[i]) // (bytes_per_token[i] * page_tokens[i])
+        if n <= 0:
+            raise ValueError(
+                f"register_kv: entries[{i}] has {int(nbytes[i])} bytes, below one page of "
+                f"{page_tokens[i]} tokens x {bytes_per_token[i]} bytes"
+            )
+        pages = n if pages is None else min(pages, n)
+    return base, nbytes, int(pages or 0)
 
 
 class RoomSession:
@@ -34,6 +78,7 @@ class RoomSession:
 
     rooms: Rooms
     engine: TransferEngine
+    counts: Counter[str]
     _loop: EngineLoop
     _emit: Callable[[PdplugEvent], None] | None
     _events: list[PdplugEvent]
@@ -69,20 +114,33 @@ class RoomSession:
 
     def drained(self, room: int) -> bool:
         """Whether nothing can still touch ``room``'s pages on this rank: a sender has no write
-        of it in flight; a receiver's room succeeded, or every source rank acknowledged the
-        failure (its ``ok=False`` tag), died, or ``transfer_timeout_s`` passed since it. Free or
-        reuse the pages only then."""
-        return self._loop.call(lambda: self._drained(room), 10.0)
+        of it in flight; a receiver's room succeeded, or every source rank that was sent the
+        room confirmed it stopped writing (its drained failure notice) or is known dead. Never
+        by a timer: a write the engine still reports in flight keeps the room undrained (and
+        counted in ``stats()``). Free or reuse the pages only then. ``False`` once the engine
+        thread died (nothing can be confirmed any more)."""
+        try:
+            return self._loop.call(lambda: self._drained(room), 10.0)
+        except TransferError:
+            if self._loop.died is None and not self._closed:
+                raise
+            return False
 
     def close(self) -> None:
         """Stop the engine thread, release the engine and sockets; idempotent."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self._loop.call(self._shutdown, 10.0)
-        except TransferError:
-            log.warning("%s: engine thread did not shut down cleanly", self._loop.name)
+        if self._loop.died is not None:  # nobody else touches the engine any more
+            try:
+                self._shutdown()
+            except Exception:
+                log.exception("%s: shutdown after the engine thread died", self._loop.name)
+        else:
+            try:
+                self._loop.call(self._shutdown, 10.0)
+            except TransferError:
+                log.warning("%s: engine thread did not shut down cleanly", self._loop.name)
         self._loop.stop()
 
     def __enter__(self: _S) -> _S:
@@ -98,9 +156,38 @@ class RoomSession:
     def _shutdown(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def _gauges(self) -> dict[str, int]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _engine_died(self, cause: BaseException) -> None:
+        """The engine thread died (called on it): every room fails with the cause, so every
+        ``wait`` returns and every ``poll`` says ``Failed``."""
+        why = f"engine thread died ({type(cause).__name__}: {cause})"
+        self.counts["rooms_failed_by_death"] += len(self.rooms.fail_all(why))
+
+    def _common_stats(self, codec: Any, tags: Any) -> dict[str, Any]:
+        """Counters every session reports: its own, the control codec's and the tag codec's
+        drops by reason, the engine's own counters (``engine_*``, e.g. NIXL notifications lost
+        to overflow), the engine loop's errors and death, and what the session holds now
+        (:meth:`_gauges`, read on the engine thread)."""
+        out: dict[str, Any] = dict(self.counts)
+        out.update({f"control_{k}": v for k, v in codec.stats().items()})
+        out.update({f"tags_{k}": v for k, v in tags.stats().items()})
+        out.update({f"engine_{k}": v for k, v in dict(getattr(self.engine, "counts", {})).items()})
+        out["loop_errors"] = self._loop.errors
+        out["engine_thread_died"] = self._loop.death()
+        if self._loop.running:
+            try:
+                out.update(self._loop.call(self._gauges, 10.0))
+            except TransferError:
+                pass
+        return out
+
     def _queue_event(self, kind: str, room: int, fields: dict[str, Any]) -> None:
         """Queue an event for the observers; they run at the next periodic round, off the
         completion path."""
+        if self._emit is None:
+            return
         self._events.append(
             PdplugEvent(kind=kind, source=self.engine.name, room=room, fields=fields)
         )

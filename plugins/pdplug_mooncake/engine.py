@@ -1,25 +1,29 @@
 """Mooncake adapter of :class:`pdplug.transfer.TransferEngine` (TransferEngine, P2P handshake).
 
-Mooncake's Python API (prior-art vllm-nixl-mooncake.md §4, sglang.md §4):
+Mooncake's Python API (SGLang's and vLLM's Mooncake connectors use the same calls):
 ``TransferEngine.initialize(host, "P2PHANDSHAKE", protocol, device)`` binds a random RPC port
 and names the engine ``host:port``, which is what a peer writes to (the session id). Memory is
 registered in one ``batch_register_memory`` call over de-duplicated regions (overlapping
-re-registration is rejected, Mooncake#3153). Writes are ``batch_transfer_sync_write`` on a
-single worker thread per engine, so the session's engine thread can pack the next segment while
-a write runs; a batch is cut into calls of at most ``max_batch`` descriptors because a TCP lane
-whose queue overflows rejects the batch and stays unusable (measured on mooncake 0.3.13). The
-engine has no completion notifications: the session reports completion and failure over the
-ZMQ control channel.
+re-registration is rejected, Mooncake#3153). Writes are ``batch_transfer_sync_write``, which
+blocks until the peer has the bytes, so each peer gets its own worker thread: the session's
+engine thread packs the next segment while a write runs, and a peer that stops answering blocks
+only its own writes, never another peer's. A batch is cut into calls of at most ``max_batch``
+descriptors because a TCP lane whose queue overflows rejects the batch and stays unusable
+(measured on mooncake 0.3.13). The engine has no completion notifications: the session reports
+completion and failure over the ZMQ control channel.
 """
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from pdplug import KVConfig, TransferError
@@ -28,6 +32,48 @@ from pdplug.types import PeerInfo
 __all__ = ["MooncakeEngine"]
 
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
+
+
+class _Worker:
+    """One daemon thread running one peer's writes in order (a write stuck on a peer that
+    stopped answering must neither delay other peers nor keep the process from exiting)."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], int], Future[int]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.running = False
+
+    def submit(self, fn: Callable[[], int]) -> Future[int]:
+        fut: Future[int] = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while queued: it never touched memory
+            self.running = True
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+            finally:
+                self.running = False
+
+
+class _Peer(msgspec.Struct, kw_only=True):
+    """A peer session (``host:port``) and its worker; ``refs``: connects not yet undone."""
+
+    session: str
+    worker: _Worker
+    refs: int = 0
 
 
 class MooncakeEngine:
@@ -63,7 +109,7 @@ class MooncakeEngine:
         self._max_batch = int(extra.get("max_batch", "1024"))
         if self._max_batch <= 0:
             raise ValueError(f"KVConfig.extra['max_batch'] must be > 0, got {self._max_batch}")
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdplug-mooncake-write")
+        self._peers: dict[str, _Peer] = {}
         self._regions: list[tuple[int, int]] = []
         self._waker: Callable[[], None] | None = None
         self.counts: Counter[str] = Counter()
@@ -88,8 +134,9 @@ class MooncakeEngine:
         """The session id (Mooncake has no notifications; kept for diagnostics)."""
         return self._session
 
-    def connect(self, peer: PeerInfo) -> str:
-        """The peer's session id.
+    def connect(self, peer: PeerInfo) -> _Peer:
+        """The peer's session id and its write worker (shared by every connect of the same
+        session, one reference each).
 
         :raises TransferError: ``peer.agent`` is not a ``host:port`` session id.
         """
@@ -99,10 +146,22 @@ class MooncakeEngine:
             raise TransferError("mooncake: peer agent is not a session id") from e
         if not _SESSION.match(session):
             raise TransferError(f"mooncake: peer agent {session[:64]!r} is not 'host:port'")
-        return session
+        p = self._peers.get(session)
+        if p is None:
+            worker = _Worker(f"pdplug-mooncake-write-{session}")
+            p = self._peers[session] = _Peer(session=session, worker=worker)
+        p.refs += 1
+        return p
 
     def disconnect(self, peer: Any) -> None:
-        """Nothing to release (P2P sessions are managed by the engine)."""
+        """Drop one reference; the last one stops the peer's worker (P2P sessions themselves
+        are managed by the engine)."""
+        if not isinstance(peer, _Peer) or self._peers.get(peer.session) is not peer:
+            return
+        peer.refs -= 1
+        if peer.refs <= 0:
+            del self._peers[peer.session]
+            peer.worker.stop()
 
     def set_waker(self, waker: Callable[[], None]) -> None:
         """Call ``waker`` (from the worker thread) whenever a write finishes."""
@@ -111,9 +170,10 @@ class MooncakeEngine:
     def post(
         self, peer: Any, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
     ) -> Future[int]:
-        """Queue the write on the worker thread; :meth:`check` reports it (and the waker, if
-        set, fires when it finishes)."""
-        fut = self._pool.submit(self._write, str(peer), src.tolist(), dst.tolist(), length.tolist())
+        """Queue the write on the peer's worker thread; :meth:`check` reports it (and the
+        waker, if set, fires when it finishes)."""
+        s, d, n = src.tolist(), dst.tolist(), length.tolist()
+        fut = peer.worker.submit(lambda: self._write(peer.session, s, d, n))
         if self._waker is not None:
             waker = self._waker
             fut.add_done_callback(lambda _f: waker())
@@ -160,9 +220,14 @@ class MooncakeEngine:
         return []
 
     def close(self) -> None:
-        """Stop the worker (queued writes are cancelled) and unregister memory; idempotent."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._regions:
+        """Stop the workers and unregister memory; idempotent. A worker still inside a write
+        (a peer that stopped answering) is left to finish on its daemon thread, and the memory
+        it reads stays registered."""
+        stuck = any(p.worker.running for p in self._peers.values())
+        for p in self._peers.values():
+            p.worker.stop()
+        self._peers.clear()
+        if self._regions and not stuck:
             try:
                 self._engine.batch_unregister_memory([a for a, _ in self._regions])
             except Exception:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pdplug import KVConfig
-from pdplug.transfer import Compat, Emit, KVReceiverSession, default_emit
+from pdplug.transfer import Compat, Emit, KVReceiverSession
 
 
 def make_receiver(
-    config: KVConfig, *, compat: Compat | None = None, emit: Emit | None = default_emit
+    config: KVConfig, *, compat: Compat | None = None, emit: Emit | None = None
 ) -> KVReceiverSession:
     """Build the ``mooncake`` receiver: :class:`pdplug.transfer.KVReceiverSession` over a
-    Mooncake TransferEngine; completion and failure arrive over the control channel.
+    Mooncake TransferEngine (``KVConfig.extra["protocol"]``: tcp or rdma); completion and
+    failure arrive over the control channel.
 
-    :param compat: handshake check; default: the process-wide manager's ``check_compat``.
-    :param emit: room-outcome observer; default: the process-wide manager's ``emit``
-        (``pdplug_on_event``); ``None`` disables.
+    :param config: the rank's KVConfig (``role="decode"``).
+    :param compat: handshake check (the plugin manager passes its ``check_compat``);
+        ``None``: layout checks only.
+    :param emit: room-outcome observer (the plugin manager passes its ``emit``); ``None``:
+        no events.
     :raises ImportError: mooncake is not installed.
     """
     from pdplug_mooncake.engine import MooncakeEngine

@@ -1,6 +1,6 @@
 """NIXL adapter of :class:`pdplug.transfer.TransferEngine` (UCX; DRAM on CPU, VRAM on GPU).
 
-NIXL's Python API (prior-art vllm-nixl-mooncake.md §3): one ``nixl_agent`` per rank, memory
+NIXL's Python API: one ``nixl_agent`` per rank, memory
 registered once, the peer's agent metadata loaded with ``add_remote_agent`` (exchanged through
 pdplug's handshake, never NIXL's pickle-based descriptor serialisation), WRITEs posted with a
 notification message that the target reads with ``get_new_notifs`` after the data landed,
@@ -11,6 +11,18 @@ descriptor set-up that dominates small descriptors; every other pattern goes thr
 ``initialize_xfer`` (with 128 KiB descriptors between two processes on this machine, prepared
 lists measured slower: ``pdplug bench transfer`` overhead 13-15% with them vs 6-8% without).
 The agent is used from the session's engine thread only.
+
+Clean exits. The NIXL 1.5.1 wheel bundles its own ``libnl-route-3``; UCX's EFA transport, which
+it loads when the first agent starts, links the *system* copy (through the system
+``libefa``/``libibverbs`` of hosts that have rdma-core installed, as Mooncake needs). With the
+bundled copy initialised first, the two copies' destructors crash at interpreter exit
+(SIGSEGV in ``rtnl_tc_unregister`` during ``_dl_fini``), whatever Python released before — even
+an agent that never registered memory. Loading the system copy before the first agent
+(:func:`load_system_libnl`) reverses the order and the process exits normally; a process that
+imported Mooncake first (which links the system copy) already had it that way. ``close``
+releases what the agent holds in vLLM's NixlConnector order (transfer handles — the session
+does that —, prepared descriptor lists, remote agents, registered memory) and then drops the
+agent, so its native teardown runs while the interpreter is alive.
 """
 
 from __future__ import annotations
@@ -28,7 +40,28 @@ import numpy as np
 from pdplug import KVConfig, TransferError
 from pdplug.types import PeerInfo
 
-__all__ = ["NixlEngine", "import_nixl"]
+__all__ = ["NixlEngine", "import_nixl", "load_system_libnl"]
+
+_LIBNL: list[Any] = []  # the system libnl-route, once loaded (kept so it stays loaded)
+
+
+def load_system_libnl() -> bool:
+    """Load the system ``libnl-route-3`` (if the host has one) before the first NIXL agent
+    starts, so it is initialised before NIXL's bundled copy and torn down after it (see the
+    module docstring); idempotent. Returns whether a system copy is loaded."""
+    if _LIBNL:
+        return True
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("nl-route-3")
+    if not name:
+        return False
+    try:
+        _LIBNL.append(ctypes.CDLL(name))
+    except OSError:
+        return False
+    return True
 
 
 def import_nixl() -> Any:
@@ -46,7 +79,11 @@ def import_nixl() -> Any:
 
 
 class _Peer(msgspec.Struct, kw_only=True):
+    """A loaded remote agent; ``refs``: handles :meth:`NixlEngine.connect` gave out for it
+    (a re-handshake of the same decode rank loads the same agent again)."""
+
     name: str
+    refs: int = 0
     seen: Counter[bytes] = msgspec.field(default_factory=Counter)
 
 
@@ -58,7 +95,8 @@ class NixlEngine:
         for NIXL's own progress thread; default off: the session's engine thread drives
         progress through its polls), ``prep_cache`` (prepared descriptor-list pairs kept,
         default 32; 0 disables preparing), ``prep_max_desc_bytes`` (prepare only lists whose
-        mean descriptor is at most this many bytes, default 4096).
+        mean descriptor is at most this many bytes, default 4096), ``max_notifs``
+        (notifications buffered between two polls, default 65,536; more are lost and counted).
     :raises ImportError: NIXL missing.
     :raises TransferError: the agent or backend could not be created.
     """
@@ -68,6 +106,7 @@ class NixlEngine:
 
     def __init__(self, config: KVConfig) -> None:
         api = import_nixl()
+        load_system_libnl()
         lay = config.layout
         role = "p" if config.role == "prefill" else "d"
         self._name = (
@@ -95,6 +134,7 @@ class NixlEngine:
         self._prep_max = int(extra.get("prep_cache", "32"))
         self._prep_bytes = int(extra.get("prep_max_desc_bytes", "4096"))
         self._notifs: list[tuple[str, bytes]] = []
+        self._max_notifs = int(extra.get("max_notifs", "65536"))
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ TransferEngine
@@ -119,7 +159,7 @@ class NixlEngine:
         return self._name
 
     def connect(self, peer: PeerInfo) -> _Peer:
-        """Load the peer's agent metadata.
+        """Load the peer's agent metadata; one reference per call (see :meth:`disconnect`).
 
         :raises TransferError: the metadata is unusable.
         """
@@ -131,12 +171,19 @@ class NixlEngine:
         p = self._peers.get(name)
         if p is None:
             p = self._peers[name] = _Peer(name=name)
+        p.refs += 1
         return p
 
     def disconnect(self, peer: Any) -> None:
-        """Forget a peer (its prepared lists are dropped)."""
-        if not isinstance(peer, _Peer) or self._peers.pop(peer.name, None) is None:
+        """Drop one reference to a peer; the remote agent (and its prepared lists) is removed
+        with the last one, so an older connection of a decode rank that handshook again never
+        removes the agent its newer connection uses."""
+        if not isinstance(peer, _Peer) or self._peers.get(peer.name) is not peer:
             return
+        peer.refs -= 1
+        if peer.refs > 0:
+            return
+        del self._peers[peer.name]
         for key in [k for k in self._prep if k.startswith(peer.name.encode() + b"\0")]:
             _l, r, _i = self._prep.pop(key)
             self._release_dlist(r)
@@ -238,25 +285,32 @@ class NixlEngine:
 
     def progress(self) -> None:
         """Progress UCX (``get_new_notifs`` drives the worker); notifications it returns are
-        kept for :meth:`poll_notifications` (at most 65,536, then counted and dropped)."""
-        self._take(self._agent.get_new_notifs())
+        kept for :meth:`poll_notifications` (at most ``max_notifs``; beyond that they are dropped
+        and counted as ``notifs_lost``, reported in the session's ``stats()``); nothing after
+        :meth:`close`."""
+        if self._agent is not None:
+            self._take(self._agent.get_new_notifs())
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as ``(agent name, message)``."""
-        self._take(self._agent.get_new_notifs())
+        if self._agent is not None:
+            self._take(self._agent.get_new_notifs())
         out, self._notifs = self._notifs, []
         return out
 
     def _take(self, notifs: dict[Any, list[bytes]]) -> None:
         for name, msgs in notifs.items():
             sender = name.decode() if isinstance(name, bytes) else str(name)
-            if len(self._notifs) + len(msgs) > 65536:
-                self.counts["notifs_overflow"] += len(msgs)
+            if len(self._notifs) + len(msgs) > self._max_notifs:
+                self.counts["notifs_lost"] += len(msgs)
                 continue
             self._notifs.extend((sender, bytes(m)) for m in msgs)
 
     def close(self) -> None:
-        """Release prepared lists, remote agents and registrations; idempotent."""
+        """Release prepared lists, remote agents and registrations, then drop the agent;
+        idempotent (the session released its transfer handles before)."""
+        if self._agent is None:
+            return
         for _k, (lh, rh, _i) in list(self._prep.items()):
             self._release_dlist(lh)
             self._release_dlist(rh)
@@ -273,3 +327,5 @@ class NixlEngine:
             except Exception:
                 pass
         self._reg.clear()
+        self._notifs.clear()
+        self._agent = None  # its native teardown runs now, not at interpreter exit

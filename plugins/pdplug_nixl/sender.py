@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdplug import KVConfig, PackPlanner
 from pdplug.protocols import Packer
-from pdplug.transfer import Compat, Emit, KVSenderSession, default_emit
+from pdplug.transfer import Compat, Emit, KVSenderSession
 
 
 def make_sender(
@@ -13,13 +13,17 @@ def make_sender(
     packer: Packer | None = None,
     *,
     compat: Compat | None = None,
-    emit: Emit | None = default_emit,
+    emit: Emit | None = None,
 ) -> KVSenderSession:
-    """Build the ``nixl`` sender: :class:`pdplug.transfer.KVSenderSession` over a NIXL agent.
+    """Build the ``nixl`` sender: :class:`pdplug.transfer.KVSenderSession` over a
+    NIXL agent (UCX).
 
-    :param compat: handshake check; default: the process-wide manager's ``check_compat``.
-    :param emit: room-outcome observer; default: the process-wide manager's ``emit``
-        (``pdplug_on_event``); ``None`` disables.
+    :param config: the rank's KVConfig (``role="prefill"``).
+    :param planner: the pack planner; ``packer``: the packer (``None``: the planner's).
+    :param compat: handshake check (the plugin manager passes its ``check_compat``);
+        ``None``: layout checks only.
+    :param emit: room-outcome observer (the plugin manager passes its ``emit``); ``None``:
+        no events.
     :raises ImportError: NIXL is not installed.
     """
     from pdplug_nixl.engine import NixlEngine

@@ -214,7 +214,6 @@ def prefill_main(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -
         send(conn, event="error", trace=traceback.format_exc())
         raise
     conn.close()
-    os._exit(0)  # sessions are closed; skip slow engine destructors at interpreter exit
 
 
 class Observer:
@@ -336,7 +335,6 @@ def decode_main(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) ->
         send(conn, event="error", trace=traceback.format_exc())
         raise
     conn.close()
-    os._exit(0)  # sessions are closed; skip slow engine destructors at interpreter exit
 
 
 def _decode(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> None:

@@ -25,14 +25,18 @@ def pair(backend: str, instances: list[str], **opts: Any) -> Iterator[tuple[Any,
     """A rendezvous (this process), a prefill process and a decode process, both ready."""
     server = RendezvousServer().start()
     pre = kh.Child(kh.prefill_main, server.endpoint, backend, opts)
-    dec = kh.Child(kh.decode_main, server.endpoint, backend, {**opts, "instances": instances})
+    dec = None
     try:
-        pre.info = pre.wait("ready", 60)
-        dec.info = dec.wait("ready", 60)
+        # the decode starts once the prefill registered: a loaded machine can take longer than
+        # the decode's resolve timeout to spawn and start a prefill process
+        pre.info = pre.wait("ready", 90)
+        dec = kh.Child(kh.decode_main, server.endpoint, backend, {**opts, "instances": instances})
+        dec.info = dec.wait("ready", 90)
         yield server, pre, dec
     finally:
         for c in (dec, pre):
-            c.stop()
+            if c is not None:
+                c.stop()
         server.stop()
 
 
@@ -155,7 +159,7 @@ def failures(backend: str) -> None:
                     [enc.encode({"type": "dest", "room": "x"})],
                     [enc.encode(dest)],  # well-formed, but no handshake: unknown rank
                     [b"a", b"b"],  # one frame too many
-                    [b"\x00" * (17 << 20)],  # over the 16 MiB limit
+                    [b"\x00" * (17 << 20)],  # over the 16 MiB limit: ZMQ refuses it
                 ],
             )
         dec.cmd(op="expect", rooms=[214])
@@ -169,7 +173,8 @@ def failures(backend: str) -> None:
             assert s["control_dropped_unknown_kind"] == 1, s
             assert s["control_dropped_wrong_type"] == 1, s
             assert s["control_dropped_unknown_rank"] == 1, s
-            assert s["control_dropped_oversize"] == 1, s
+            # ZMQ_MAXMSGSIZE: the oversized frame never reached the codec (never buffered)
+            assert s.get("control_dropped_oversize", 0) == 0, s
             assert s["refused"] == 1, s
             assert s["loop_errors"] == 0, s
         # -- a failed post (writes to an address outside the decode's registered memory)

@@ -4,6 +4,7 @@ bad input is refused with a message naming the field and the value."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import time
 from types import ModuleType
@@ -32,10 +33,68 @@ def test_sessions_match_the_protocols(proto: type, impl: type) -> None:
         assert got == want, (impl.__name__, name, got, want)
 
 
-@pytest.mark.parametrize("module", [pdplug.transfer, pdplug.rooms, pdplug.bootstrap])
+_MODULES = [
+    pdplug.transfer,
+    pdplug.rooms,
+    pdplug.bootstrap,
+    *(
+        importlib.import_module(f"pdplug.transfer.{m}")
+        for m in (
+            "arrivals",
+            "channel",
+            "engine",
+            "faults",
+            "handshake",
+            "leases",
+            "loop",
+            "messages",
+            "peers",
+            "pipeline",
+            "receiver",
+            "records",
+            "regions",
+            "sender",
+            "session",
+            "sources",
+            "writes",
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize("module", _MODULES, ids=lambda m: m.__name__)
 def test_public_names_are_documented(module: ModuleType) -> None:
     # each object's own __doc__: inspect.getdoc would inherit msgspec.Struct's docstring
+    assert (module.__doc__ or "").strip(), f"{module.__name__} has no docstring"
     assert undocumented(module) == []
+
+
+def test_transfer_modules_are_small_and_say_their_job() -> None:
+    for module in _MODULES[3:]:
+        path = module.__file__
+        assert path is not None
+        with open(path) as f:
+            lines = f.read().splitlines()
+        assert len(lines) <= 460, (path, len(lines))
+        first = (module.__doc__ or "").strip().splitlines()[0]
+        assert first.endswith(".") and len(first) > 20, (path, first)
+
+
+def test_the_receiver_imports_nothing_from_the_sender() -> None:
+    import ast
+
+    for name in ("receiver", "arrivals", "sources"):
+        path = importlib.import_module(f"pdplug.transfer.{name}").__file__
+        assert path is not None
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        imported = {
+            n.module
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module is not None
+        }
+        for side in ("sender", "leases", "peers", "pipeline", "regions", "writes", "records"):
+            assert f"pdplug.transfer.{side}" not in imported, (name, side)
 
 
 def _layout(**kw: int) -> KVLayout:
@@ -146,3 +205,41 @@ def test_nixl_engine_prepares_a_repeated_small_pattern_and_moves_the_bytes() -> 
     finally:
         a.close()
         b.close()
+
+
+def test_every_control_socket_bounds_frames_and_lingers_0() -> None:
+    import zmq
+
+    from pdplug import WireConfig
+    from pdplug.transfer.channel import control_socket, frame_sender
+    from pdplug.wire import MAC_BYTES
+
+    wire = WireConfig(max_message_bytes=4096)
+    for kind in (zmq.ROUTER, zmq.DEALER):
+        sock = control_socket(kind, wire)
+        try:
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096 + MAC_BYTES
+            assert sock.getsockopt(zmq.LINGER) == 0
+        finally:
+            sock.close()
+    # who sent a frame: the routing id on a ROUTER, the connection on a DEALER
+    assert frame_sender([b"id", b"payload"]) == (b"id", b"payload")
+    assert frame_sender([b"payload"], b"conn") == (b"conn", b"payload")
+    assert frame_sender([b"a", b"b", b"c"]) is None
+    assert frame_sender([b"a", b"b"], b"conn") is None
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_sessions_sockets_use_the_wire_limit(backend: str) -> None:
+    import zmq
+
+    require(backend)
+    pm = PluginManager()
+    cfg = KVConfig(instance="p", role="prefill", layout=_layout(), pack_region_tokens=16)
+    sender = pm.make_kv_sender(cfg, name=backend)
+    try:
+        sock = sender._channel.sock  # type: ignore[attr-defined]
+        assert sock.getsockopt(zmq.MAXMSGSIZE) >= cfg.wire.max_message_bytes
+        assert sock.getsockopt(zmq.LINGER) == 0
+    finally:
+        sender.close()

@@ -1,0 +1,146 @@
+"""Fault injection for KV sessions: a real engine whose writes arrive late, or not until told.
+
+:class:`FaultyEngine` wraps a real :class:`~pdplug.transfer.engine.TransferEngine` (NIXL,
+Mooncake) the way a congested network, a slow decode NIC or a stuck peer looks to a sender:
+``post`` returns at once, the real post is issued ``delay`` seconds later (or, for a held
+peer, only after :meth:`FaultyEngine.release_held`), and ``check`` reports ``"PROC"`` until the
+real write is done. Like NIXL it cannot withdraw a posted write (``cancel`` is False). Every
+call runs on the session's engine thread, as for any engine. Used by the tests and by
+``pdplug bench soak``; install it with ``session.engine = FaultyEngine(session.engine, ...)``
+before the first send.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pdplug.transfer.engine import XFER_ERROR, XFER_PENDING, TransferEngine
+
+__all__ = ["FaultyEngine"]
+
+
+class _Write:
+    __slots__ = ("args", "due", "err", "held", "inner", "peer")
+
+    def __init__(self, peer: Any, args: tuple[Any, ...], due: float, held: bool) -> None:
+        self.peer = peer
+        self.args = args
+        self.due = due
+        self.held = held
+        self.inner: Any = None
+        self.err: BaseException | None = None
+
+
+class FaultyEngine:
+    """A real engine with late or held writes (see the module docstring).
+
+    :param inner: the real engine.
+    :param delay: ``(lo, hi)`` seconds each write waits before its real post (uniform).
+    :param seed: seed of the delay draws.
+    :param hold: ``hold(peer handle) -> bool``: writes to such peers wait for
+        :meth:`release_held` (a peer that stopped answering); ``None`` holds nothing.
+    :param stall: ``(probability, seconds)``: each write is, with that probability, late by
+        that many more seconds (a write that gets stuck, then recovers).
+    """
+
+    def __init__(
+        self,
+        inner: TransferEngine,
+        delay: tuple[float, float] = (0.0, 0.0),
+        seed: int = 0,
+        hold: Callable[[Any], bool] | None = None,
+        stall: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.notifications = inner.notifications
+        self.delay = delay
+        self.hold = hold
+        self.stall = stall
+        self.stalled = 0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()  # release_held may come from a host thread
+        self._waiting: list[_Write] = []
+        self.inflight: set[_Write] = set()  # posted and not released
+        self.max_inflight = 0
+        self.posts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def post(
+        self, peer: Any, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
+    ) -> Any:
+        """Record the write; its real post happens later (:meth:`progress`)."""
+        lo, hi = self.delay
+        late = self._rng.uniform(lo, hi)
+        if self.stall[0] and self._rng.random() < self.stall[0]:
+            late += self.stall[1]
+            self.stalled += 1
+        held = self.hold is not None and self.hold(peer)
+        w = _Write(
+            peer,
+            (src.copy(), dst.copy(), length.copy(), tag),
+            time.monotonic() + late,
+            held,
+        )
+        with self._lock:
+            self._waiting.append(w)
+        self.inflight.add(w)
+        self.max_inflight = max(self.max_inflight, len(self.inflight))
+        self.posts += 1
+        return w
+
+    def release_held(self) -> int:
+        """Let every held write go (thread-safe); returns how many were held."""
+        with self._lock:
+            n = sum(w.held for w in self._waiting)
+            for w in self._waiting:
+                w.held = False
+        return n
+
+    def pending(self) -> int:
+        """Writes not yet given to the real engine."""
+        with self._lock:
+            return len(self._waiting)
+
+    def _issue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [w for w in self._waiting if not w.held and w.due <= now]
+            self._waiting = [w for w in self._waiting if w.held or w.due > now]
+        for w in due:
+            try:
+                w.inner = self.inner.post(w.peer, *w.args)
+            except Exception as e:  # the real post refused it: report ERR
+                w.err = e
+
+    def progress(self) -> None:
+        """Issue the writes that are due, then progress the real engine."""
+        self._issue()
+        self.inner.progress()
+
+    def check(self, xfer: Any) -> str:
+        """``"PROC"`` until the real write is done, then its state."""
+        self._issue()
+        if xfer.err is not None:
+            return XFER_ERROR
+        if xfer.inner is None:
+            return XFER_PENDING
+        return self.inner.check(xfer.inner)
+
+    def cancel(self, xfer: Any) -> bool:
+        """Always False: like NIXL, a posted write cannot be withdrawn."""
+        return False
+
+    def release(self, xfer: Any) -> None:
+        """Release the real handle (if the write was issued)."""
+        self.inflight.discard(xfer)
+        if xfer.inner is not None:
+            self.inner.release(xfer.inner)

@@ -1,0 +1,94 @@
+"""The engine-thread records of a prefill rank: a decode peer, a room lease, a job.
+
+Plain mutable msgspec Structs owned by the sender's engine thread (never shared with host
+threads). A decode peer is identified by its full position (:func:`peer_key`), so ranks of one
+decode instance that differ only in TP or PP rank never collide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pdplug.types import DestInfo, KVLayout, PeerInfo
+
+__all__ = ["PeerKey", "peer_key", "describe", "Peer", "Lease", "Job"]
+
+#: ``(decode instance, tp_rank, dcp_rank, pp_rank)``
+PeerKey = tuple[str, int, int, int]
+
+
+def peer_key(instance: str, layout: KVLayout) -> PeerKey:
+    """The full position of a decode rank: instance, TP rank, DCP rank, PP rank."""
+    return (instance, layout.tp_rank, layout.dcp_rank, layout.pp_rank)
+
+
+def describe(key: PeerKey) -> str:
+    """``"decode <instance> dcp <r>"`` (plus ``tp``/``pp`` when they are not 0), for reasons."""
+    inst, tp, dcp, pp = key
+    extra = (f" tp {tp}" if tp else "") + (f" pp {pp}" if pp else "")
+    return f"decode {inst} dcp {dcp}{extra}"
+
+
+class Peer(msgspec.Struct, kw_only=True):
+    """A decode rank connected to a sender.
+
+    :ivar ident: the sender id of its control frames; ``key``: its position (:func:`peer_key`).
+    :ivar handle: the engine's peer handle; ``emap``: source -> destination entry;
+        ``dst_base``: int64 destination entry bases; ``relayout``: sends to it are packed.
+    :ivar inflight: writes (packing or posted) that use ``handle``; the handle is released
+        only once it is 0 and the peer is gone.
+    :ivar gone: dropped or replaced by a new handshake; ``released``: handle released.
+    """
+
+    ident: bytes
+    info: PeerInfo
+    key: PeerKey
+    handle: Any
+    emap: np.ndarray
+    dst_base: np.ndarray
+    relayout: bool
+    last_seen: float
+    alive: bool = True
+    inflight: int = 0
+    gone: bool = False
+    released: bool = False
+
+
+class Lease(msgspec.Struct, kw_only=True):
+    """One room on a sender: its destinations, segments and writes.
+
+    :ivar dests/peers: by destination position (:data:`PeerKey`).
+    :ivar segments: chunk_id -> jobs of that segment not yet completed.
+    :ivar inflight: writes posted (or packing) and not yet done.
+    :ivar notified: failure notices sent: 0 none, 1 failed, 2 failed and drained.
+    :ivar posted: a job of the room was dispatched (bytes may have moved).
+    :ivar succeeded: the room ended ``Success`` here (it is never failed afterwards).
+    """
+
+    room: int
+    generation: int
+    instance: str = ""
+    expected: int = 0
+    dests: dict[PeerKey, DestInfo] = {}
+    peers: dict[PeerKey, Peer] = {}
+    segments: dict[int, int] = {}
+    inflight: int = 0
+    failed: bool = False
+    reason: str = ""
+    notified: int = 0
+    cleared: bool = False
+    posted: bool = False
+    succeeded: bool = False
+
+
+class Job(msgspec.Struct, kw_only=True):
+    """One (segment, destination) of a lease; ``chunk`` is the planner's SendChunk and
+    ``dst_rank`` the destination's DCP rank."""
+
+    lease: Lease
+    key: PeerKey
+    dst_rank: int
+    chunk: Any

@@ -1,0 +1,185 @@
+"""The decode side's table of prefill sources: connections, handshakes and liveness.
+
+A decode rank connects one DEALER (:class:`~pdplug.transfer.channel.DealerChannel`) to every
+rank of a prefill instance and sends each a :class:`~pdplug.transfer.messages.Hello`; a source
+is ``accepted`` or ``refused`` by its :class:`~pdplug.transfer.messages.HelloAck`. Completion
+tags are attributed to a source by its connection (control channel) or its engine agent name
+(engine notifications). A source silent for ``transfer_timeout_s`` is declared dead; the
+session's ``on_dead`` fails the rooms that wait for it. Connecting to an instance again replaces
+its sources; a rank served by the same process (same agent) keeps its rooms (``on_replace``).
+Runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+
+from pdplug.bootstrap import rank_of
+from pdplug.transfer.channel import DealerChannel, Liveness
+from pdplug.transfer.messages import Heartbeat, Hello, HelloAck
+from pdplug.types import PeerInfo
+from pdplug.wire import Codec
+
+__all__ = ["Source", "PrefillSources"]
+
+
+class Source(msgspec.Struct, kw_only=True):
+    """One prefill rank as seen by a decode rank (engine thread state).
+
+    :ivar cid: the control connection's id; ``rank``: the prefill rank id.
+    :ivar state: ``pending`` | ``accepted`` | ``refused`` (with ``mismatches``).
+    """
+
+    instance: str
+    rank: int
+    info: PeerInfo
+    cid: bytes
+    agent_name: str
+    nonce: int
+    last_seen: float
+    alive: bool = True
+    state: str = "pending"
+    mismatches: tuple[str, ...] = ()
+
+
+class PrefillSources:
+    """The prefill ranks one decode rank is connected to, by instance.
+
+    :param channel: the session's DEALER sockets.
+    :param codec: the control codec (drops of stale acks).
+    :param liveness: heartbeat pacing and silence bound.
+    :param on_dead: ``(source, reason)`` when a source is declared dead.
+    :param on_replace: ``(old, new)`` when a reconnect reaches the same prefill process.
+    :param counts: the session's counters (``sources_dead``).
+    """
+
+    def __init__(
+        self,
+        *,
+        channel: DealerChannel,
+        codec: Codec[Any],
+        liveness: Liveness,
+        on_dead: Callable[[Source, str], None],
+        on_replace: Callable[[Source, Source], None],
+        counts: Counter[str],
+    ) -> None:
+        self._channel = channel
+        self._codec = codec
+        self._live = liveness
+        self._on_dead = on_dead
+        self._on_replace = on_replace
+        self._counts = counts
+        self.by_instance: dict[str, dict[int, Source]] = {}
+        self.by_cid: dict[bytes, Source] = {}
+        self.by_agent: dict[str, Source] = {}
+        self._pending: list[tuple[list[Source], Future[list[Source]]]] = []
+
+    def table(self, instance: str) -> dict[int, Source]:
+        """Sources of ``instance`` by prefill rank (empty if not connected)."""
+        return self.by_instance.get(instance, {})
+
+    def connect(
+        self, instance: str, peers: list[PeerInfo], hello: PeerInfo
+    ) -> Future[list[Source]]:
+        """Open a connection to every rank in ``peers`` and send each a Hello; the future
+        resolves once every rank answered (replaces an earlier connection to ``instance``)."""
+        fut: Future[list[Source]] = Future()
+        old = self.by_instance.get(instance, {})
+        if old:
+            self.disconnect(instance)
+        now = time.monotonic()
+        group: list[Source] = []
+        for p in peers:
+            src = Source(
+                instance=instance,
+                rank=rank_of(p.layout),
+                info=p,
+                cid=self._channel.open(p.control_endpoint),
+                agent_name=p.extra.get("agent_name", ""),
+                nonce=random.getrandbits(62),
+                last_seen=now,
+            )
+            self.by_cid[src.cid] = src
+            self._channel.send(src.cid, Hello(peer=hello, nonce=src.nonce))
+            group.append(src)
+        self.by_instance[instance] = {s.rank: s for s in group}
+        self._pending.append((group, fut))
+        for src in group:
+            prev = old.get(src.rank)
+            if prev is not None and prev.agent_name and prev.agent_name == src.agent_name:
+                self._on_replace(prev, src)
+        return fut
+
+    def abandon(self, fut: Future[list[Source]]) -> list[int]:
+        """Give up a connect that timed out; returns the ranks that never answered."""
+        for group, f in self._pending:
+            if f is fut:
+                self._pending.remove((group, f))
+                missing = [s.rank for s in group if s.state == "pending"]
+                if group:
+                    self.disconnect(group[0].instance)
+                return missing
+        return []
+
+    def disconnect(self, instance: str) -> None:
+        """Close every connection to ``instance``."""
+        for src in self.by_instance.pop(instance, {}).values():
+            src.alive = False
+            self.by_cid.pop(src.cid, None)
+            if self.by_agent.get(src.agent_name) is src:
+                del self.by_agent[src.agent_name]
+            self._channel.close(src.cid)
+
+    def close(self) -> None:
+        """Close every connection."""
+        for inst in list(self.by_instance):
+            self.disconnect(inst)
+
+    def send(self, src: Source, msg: Any) -> None:
+        """Send ``msg`` to ``src``."""
+        self._channel.send(src.cid, msg)
+
+    def on_ack(self, src: Source, ack: HelloAck) -> None:
+        """A prefill rank answered our Hello."""
+        if ack.nonce != src.nonce or src.state != "pending":
+            self._codec.drop("stale")
+            return
+        if ack.rank != src.rank:
+            self._codec.drop("unknown_rank")
+            return
+        if ack.accepted:
+            src.state = "accepted"
+            if src.agent_name:
+                self.by_agent[src.agent_name] = src
+        else:
+            src.state = "refused"
+            src.mismatches = tuple(ack.mismatches) or ("refused without a reason",)
+        for group, fut in list(self._pending):
+            if all(s.state != "pending" for s in group):
+                self._pending.remove((group, fut))
+                fut.set_result(group)
+
+    def heartbeat(self, now: float) -> None:
+        """Heartbeat every accepted source; declare the silent ones dead."""
+        for inst, table in self.by_instance.items():
+            for src in table.values():
+                if not src.alive or src.state != "accepted":
+                    continue
+                silent = self._live.silent_for(src.last_seen, now)
+                if silent is None:
+                    self.send(src, Heartbeat(seq=self._live.seq))
+                    continue
+                src.alive = False
+                self._counts["sources_dead"] += 1
+                reason = (
+                    f"prefill {inst} rank {src.rank} silent for {silent:.1f} s "
+                    "(KVConfig.transfer_timeout_s)"
+                )
+                self._on_dead(src, reason)

@@ -1,0 +1,502 @@
+"""Data-plane integrity, one test per kind of field fault, over real engines in this process
+(NIXL over UCX, Mooncake over TCP; real sockets on 127.0.0.1), parametrized by backend.
+
+Each test is an instance of a kind: drained means drained; one peer's trouble stays with that
+peer; counts must agree; timeouts bound silence, not queueing, and every end reaches the other
+side within a round trip; room ids cannot cross requests; nothing dies quietly; the sessions use
+the compat and observers they are given; decode TP ranks do not collide.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _rig import (
+    BPT,
+    LAYERS,
+    Decode,
+    P,
+    Prefill,
+    agent_of,
+    dst_layout,
+    exact,
+    exact_kv,
+    expected,
+    expected_kv,
+    kv_config,
+    rendezvous,
+    rows,
+    send_room,
+    wait_all,
+    wait_true,
+    written,
+)
+
+import pdplug.transfer
+from pdplug import CompatError, KVPoll, PluginManager, get_plugin_manager, hookimpl
+from pdplug.transfer import KVReceiverSession
+from pdplug.transfer.faults import FaultyEngine
+from pdplug.types import PdplugEvent
+
+pytestmark = pytest.mark.timeout(180)
+
+FAILED, OK = KVPoll.Failed, KVPoll.Success
+
+
+def _pages(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+# ---------------------------------------------------------------- kind 1: drained means drained
+def test_drained_waits_for_a_write_the_engine_still_has(backend: str) -> None:
+    """B01: the decode aborts while a prefill write is held by the engine for 6 s (transfer
+    timeout 2 s). Neither side may say drained before the write landed; the prefill reports it
+    stuck; once it landed both drain, and pages reused then are never written again."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, transfer_timeout_s=2.0)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1, transfer_timeout_s=2.0)
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            eng = FaultyEngine(s.engine, delay=(6.0, 6.0))
+            s.engine = eng
+            room, sp, dp = 5, _pages(0, 4), _pages(10, 4)
+            s.start(room)
+            rc.expect(room, dp, num_tokens=64)
+            send_room(pre, room, sp)
+            t_post = time.monotonic()
+            time.sleep(0.1)
+            rc.abort(room, "client went away")
+            assert wait_all([s, rc], room, 5) == [FAILED, FAILED]
+            time.sleep(max(0.0, t_post + 3.0 - time.monotonic()))  # past transfer_timeout_s
+            assert eng.pending() == 1  # the engine still holds the write
+            assert not rc.drained(room) and not s.drained(room)
+            assert wait_true(lambda: s.stats()["stuck_writes"] >= 1, 2.5) is not None
+            assert rc.stats()["undrained"] == 1
+            assert wait_true(lambda: rc.drained(room), 10.0) is not None
+            assert eng.pending() == 0 and s.drained(room)
+            assert written(dec, [dp])  # the late write landed before "drained"
+            for t in dec.kv[0]:
+                t.numpy()[rows(dp)] = 0x33  # the next request's KV
+            rc.clear(room)
+            s.clear(room)
+            time.sleep(0.5)
+            assert all((t.numpy()[rows(dp)] == 0x33).all() for t in dec.kv[0])
+            st = s.stats()
+            assert st["writes_stuck"] == 1 and st["stuck_writes"] == 0, st
+            assert st["busy_regions"] == 0 and st["xfers"] == 0, st
+        finally:
+            pre.close()
+            dec.close()
+
+
+# ---------------------------------------------------------------- kind 2: one peer's trouble
+def test_rehandshake_keeps_rooms_and_the_agent(backend: str) -> None:
+    """B06: a decode rank handshakes again with the same prefill while a room is in flight; that
+    room and every later one complete byte-exact (the shared remote agent stays loaded)."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1)
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            s.engine = FaultyEngine(s.engine, delay=(0.0, 0.0))
+            for i, room in enumerate((1, 2, 3, 4)):
+                sp, dp = _pages(4 * i, 4), _pages(8 * i, 4)
+                s.start(room)
+                rc.expect(room, dp, num_tokens=64)
+                if room == 2:
+                    s.engine.delay = (1.0, 1.0)
+                send_room(pre, room, sp)
+                if room == 2:
+                    rc.connect(dec.peers)  # re-handshake while the write is in flight
+                    s.engine.delay = (0.0, 0.0)
+                st = wait_all([rc, s], room, 15)
+                assert st == [OK, OK], (room, st, rc.failure_reason(room), s.failure_reason(room))
+                assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp]), room
+            assert s.stats()["peers_rehandshake"] == 1
+        finally:
+            pre.close()
+            dec.close()
+
+
+def test_a_stuck_peer_does_not_hold_up_another(backend: str) -> None:
+    """Writes to decode instance A are held by the engine (a peer that stopped answering). The
+    rooms of decode instance B, sent after A's, complete at once (A's writes hold no more than
+    its share of the pack regions); A's room fails (stuck, not drained) and drains once its
+    writes are let go."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, transfer_timeout_s=5.0)
+        a = Decode(pm, backend, srv.endpoint, dcp=2, instance="dec-A", transfer_timeout_s=5.0)
+        b = Decode(pm, backend, srv.endpoint, dcp=2, instance="dec-B", transfer_timeout_s=5.0)
+        try:
+            s = pre.senders[0]
+            held = a.agents()
+            eng = FaultyEngine(s.engine, hold=lambda h: agent_of(h) in held)
+            s.engine = eng
+            dpa = [_pages(0, 8)] * 2
+            s.start(100)
+            for r, rc in enumerate(a.recvs):
+                rc.expect(100, dpa[r], num_tokens=256, instance="prefill-0")
+            send_room(pre, 100, _pages(0, 16))
+            t0 = time.monotonic()
+            rooms = {200 + i: [_pages(8 * i, 1)] * 2 for i in range(6)}
+            for room, dps in rooms.items():
+                s.start(room)
+                for r, rc in enumerate(b.recvs):
+                    rc.expect(room, dps[r], num_tokens=32)
+            for room in rooms:
+                send_room(pre, room, _pages(20, 2))
+            for room, dps in rooms.items():
+                st = wait_all(b.recvs, room, 10)
+                assert st == [OK, OK], (room, st, b.recvs[0].failure_reason(room))
+                assert exact(b, expected(pre, b, 32, 0, _pages(20, 2), dps), dps)
+            assert time.monotonic() - t0 < 4.0  # before A's writes are even stuck (5 s)
+            assert wait_all([*a.recvs, s], 100, 15) == [FAILED] * 3
+            assert "not done after 5 s" in (s.failure_reason(100) or "")
+            assert s.stats()["stuck_writes"] >= 1 and not any(rc.drained(100) for rc in a.recvs)
+            eng.release_held()
+            assert wait_true(lambda: all(rc.drained(100) for rc in a.recvs), 10) is not None
+            assert s.drained(100) and s.stats()["busy_regions"] == 0
+        finally:
+            pre.close()
+            a.close()
+            b.close()
+
+
+# ---------------------------------------------------------------- kind 3: counts must agree
+@pytest.mark.parametrize("sent", [90, 101])
+def test_a_token_count_disagreement_fails_both_sides(backend: str, sent: int) -> None:
+    """B09, C22: the decode declared 100 tokens; the prefill's last segment ends at 90 or 101.
+    Both sides fail, and both reasons name both numbers."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1)
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            s.start(1)
+            rc.expect(1, _pages(0, 7), num_tokens=100)
+            send_room(pre, 1, _pages(0, 7), token_end=sent)
+            assert wait_all([s, rc], 1, 10) == [FAILED, FAILED]
+            for why in (s.failure_reason(1), rc.failure_reason(1)):
+                assert why is not None and str(sent) in why and "num_tokens=100" in why, why
+        finally:
+            pre.close()
+            dec.close()
+
+
+# ---------------------------------------------------------------- kind 4: silence, not queueing
+def test_rooms_queued_behind_others_do_not_time_out(backend: str) -> None:
+    """C20: 24 rooms sent at once through an engine whose every write takes 200-300 ms; the last
+    rooms wait in the send queue for about two transfer timeouts (5 s), yet every room succeeds
+    byte-exact."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        kw = dict(transfer_timeout_s=5.0, bootstrap_timeout_s=60.0, waiting_timeout_s=60.0)
+        pre = Prefill(pm, backend, srv.endpoint, pp=2, pages=24 * 16, **kw)
+        dec = Decode(pm, backend, srv.endpoint, dcp=2, pages=24 * 8, **kw)
+        try:
+            for k, s in enumerate(pre.senders):
+                s.engine = FaultyEngine(s.engine, delay=(0.2, 0.3), seed=k)
+            rng = np.random.default_rng(3)
+            rooms = {}
+            for i in range(24):
+                total = int(rng.integers(129, 257))
+                rooms[300 + i] = (total, _pages(16 * i, 16), [_pages(8 * i, 8)] * 2)
+            t0 = time.monotonic()
+            for room, (total, _sp, dps) in rooms.items():
+                for s in pre.senders:
+                    s.start(room)
+                for r, rc in enumerate(dec.recvs):
+                    rc.expect(room, dps[r], num_tokens=total)
+            for room, (_total, sp, _dps) in rooms.items():
+                send_room(pre, room, sp)
+            for room, (total, sp, dps) in rooms.items():
+                st = wait_all(dec.recvs + pre.senders, room, 90)
+                assert st == [OK] * 4, (room, st, dec.recvs[0].failure_reason(room))
+                assert exact(dec, expected(pre, dec, total, 0, sp, dps), dps), room
+            assert time.monotonic() - t0 > 7.5  # the last rooms queued for over a timeout
+        finally:
+            pre.close()
+            dec.close()
+
+
+def test_an_abort_before_start_ends_the_room_at_once(backend: str) -> None:
+    """C13 (b, c): the decode aborts before (or while) the prefill starts the room; the prefill
+    fails and drains within a round trip, not after bootstrap_timeout_s (20 s here)."""
+    kw = dict(bootstrap_timeout_s=20.0, waiting_timeout_s=20.0)
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=2, **kw)
+        dec = Decode(pm, backend, srv.endpoint, dcp=2, **kw)
+        try:
+            dps = [_pages(0, 4), _pages(4, 4)]
+            for room, gap in ((1302, 0.3), (1303, 0.0)):
+                for r, rc in enumerate(dec.recvs):
+                    rc.expect(room, dps[r], num_tokens=100)
+                if gap:
+                    time.sleep(0.2)
+                    for rc in dec.recvs:
+                        rc.abort(room, "client went away")
+                    time.sleep(gap)
+                t0 = time.monotonic()
+                for s in pre.senders:
+                    s.start(room)
+                if not gap:
+                    for rc in dec.recvs:
+                        rc.abort(room, "client went away")
+
+                def freed(room: int = room) -> bool:
+                    return all(s.poll(room) == FAILED and s.drained(room) for s in pre.senders)
+
+                assert wait_true(freed, 10.0) is not None
+                assert time.monotonic() - t0 < 5.0, room
+                assert "client went away" in (pre.senders[0].failure_reason(room) or "")
+                assert wait_true(lambda room=room: all(rc.drained(room) for rc in dec.recvs), 5)
+        finally:
+            pre.close()
+            dec.close()
+
+
+def test_a_destination_after_the_prefill_gave_up_is_refused_at_once(backend: str) -> None:
+    """C13b: the prefill room failed (bootstrap timeout 1 s) before the decode sent its
+    destination; the decode learns it within a round trip, not after waiting_timeout_s (30 s)."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=2, bootstrap_timeout_s=1.0)
+        dec = Decode(pm, backend, srv.endpoint, dcp=2, waiting_timeout_s=30.0)
+        try:
+            for s in pre.senders:
+                s.start(1399)
+            assert wait_all(pre.senders, 1399, 10) == [FAILED, FAILED]
+            t0 = time.monotonic()
+            for rc in dec.recvs:
+                rc.expect(1399, _pages(0, 4), num_tokens=100)
+            assert wait_all(dec.recvs, 1399, 20) == [FAILED, FAILED]
+            assert time.monotonic() - t0 < 5.0
+            assert "Bootstrapping" in (dec.recvs[0].failure_reason(1399) or "")
+            assert all(rc.drained(1399) for rc in dec.recvs)
+        finally:
+            pre.close()
+            dec.close()
+
+
+# ---------------------------------------------------------------- kind 5: room ids
+@pytest.mark.parametrize("first", ["A", "B"])
+def test_two_decodes_claiming_one_room_are_told_at_once(backend: str, first: str) -> None:
+    """B05: decode instances A and B both claim room 777 while the prefill serves A's request.
+    Whoever is not served learns it within a round trip (timeouts 20 s), and B's pages are never
+    written; A is either served byte-exact or told as well."""
+    kw = dict(transfer_timeout_s=5.0, waiting_timeout_s=20.0, bootstrap_timeout_s=20.0)
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=2, **kw)
+        a = Decode(pm, backend, srv.endpoint, dcp=2, instance="dec-A", **kw)
+        b = Decode(pm, backend, srv.endpoint, dcp=2, instance="dec-B", **kw)
+        try:
+            room, total, sp = 777, 150, _pages(0, 10)
+            da, db = [_pages(0, 5)] * 2, [_pages(10, 5)] * 2
+            for s in pre.senders:
+                s.start(room)
+            t0 = time.monotonic()
+            order = ((a, da), (b, db)) if first == "A" else ((b, db), (a, da))
+            for d, dps in order:
+                for r, rc in enumerate(d.recvs):
+                    rc.expect(room, dps[r], num_tokens=total)
+                time.sleep(0.05)
+            st = wait_all(pre.senders, room, 5, until=(KVPoll.WaitingForInput, KVPoll.Failed))
+            if all(x == KVPoll.WaitingForInput for x in st):
+                send_room(pre, room, sp)
+            sa, sb = wait_all(a.recvs, room, 25), wait_all(b.recvs, room, 25)
+            assert time.monotonic() - t0 < 6.0, (sa, sb)
+            assert sb == [FAILED, FAILED], sb
+            assert "claimed by two decode instances" in (b.recvs[0].failure_reason(room) or "")
+            assert not written(b, db)
+            if sa == [OK, OK]:
+                assert exact(a, expected(pre, a, total, 0, sp, da), da)
+            else:
+                assert sa == [FAILED, FAILED] and not written(a, da), sa
+            assert all(s.stats()["room_conflicts"] >= 1 for s in pre.senders)
+        finally:
+            pre.close()
+            a.close()
+            b.close()
+
+
+# ---------------------------------------------------------------- kind 9: nothing dies quietly
+class _Fatal(BaseException):
+    """What kills an engine thread (not an ``Exception``: no round survives it)."""
+
+
+class _DyingEngine(FaultyEngine):
+    armed = False
+
+    def progress(self) -> None:
+        if self.armed:
+            raise _Fatal("engine driver crashed")
+        super().progress()
+
+
+def test_a_dead_engine_thread_fails_every_room(backend: str) -> None:
+    """When a session's engine thread dies, every room fails naming the cause and wait()
+    returns at once; stats() says so; close() still returns."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1)
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            eng = _DyingEngine(s.engine)
+            s.engine = eng
+            for room in (1, 2):
+                s.start(room)
+            rc.expect(1, _pages(0, 4), num_tokens=64)
+            eng.armed = True
+            t0 = time.monotonic()
+            for room in (1, 2):
+                assert s.wait(room, timeout_s=10) == FAILED
+                assert "engine thread died (_Fatal: engine driver crashed)" in (
+                    s.failure_reason(room) or ""
+                )
+            assert time.monotonic() - t0 < 5.0
+            assert "engine driver crashed" in s.stats()["engine_thread_died"]
+            assert s.drained(1) is False
+        finally:
+            pre.close()
+            dec.close()
+
+
+def test_lost_nixl_notifications_show_in_stats() -> None:
+    """A decode rank whose NIXL notifications are lost (a buffer of 0 here) fails the room by
+    its timeout (waiting_timeout_s 1 s) and says why in stats(): ``engine_notifs_lost``."""
+    from pdplug.testing import require
+
+    require("nixl")
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, "nixl", srv.endpoint, pp=1, transfer_timeout_s=1.0)
+        dec = Decode(
+            pm,
+            "nixl",
+            srv.endpoint,
+            dcp=1,
+            transfer_timeout_s=1.0,
+            waiting_timeout_s=1.0,
+            extra={"max_notifs": "0"},
+        )
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            s.start(1)
+            rc.expect(1, _pages(0, 4), num_tokens=64)
+            send_room(pre, 1, _pages(0, 4))
+            assert rc.wait(1, timeout_s=10) == FAILED
+            assert rc.stats()["engine_notifs_lost"] >= 1
+        finally:
+            pre.close()
+            dec.close()
+
+
+# ---------------------------------------------------------------- kind 7: the host's manager
+def _dst_kv() -> list[torch.Tensor]:
+    return [torch.zeros((32 * P, b), dtype=torch.uint8) for b in BPT * LAYERS]
+
+
+class _Veto:
+    @hookimpl
+    def pdplug_check_compat(self, local: Any, remote: Any) -> list[str]:
+        """Refuse every peer."""
+        return ["veto: refused by the test"]
+
+
+def test_sessions_use_the_compat_and_emit_they_are_given(backend: str) -> None:
+    """No process-wide default: a session built without ``compat`` checks layouts only (a veto
+    on the process-wide manager is not consulted) and emits nothing; one built with them uses
+    them; a host's PluginManager passes its own."""
+    assert not hasattr(pdplug.transfer, "default_compat")
+    assert not hasattr(pdplug.transfer, "default_emit")
+    glob = get_plugin_manager()
+    glob.pm.register(_Veto(), name="test-global-veto")
+    try:
+        with rendezvous() as srv:
+            pm = PluginManager(env={}, plugins=[])
+            pre = Prefill(pm, backend, srv.endpoint, pp=1)
+            factory = importlib.import_module(f"pdplug_{backend}.receiver").make_receiver
+            events: list[PdplugEvent] = []
+            memory: list[list[torch.Tensor]] = []  # registered KV must outlive the sessions
+
+            def recv(name: str, **kw: Any) -> KVReceiverSession:
+                cfg = kv_config("decode", dst_layout(1, 0), srv.endpoint, name)
+                rc: KVReceiverSession = factory(cfg, **kw)
+                memory.append(_dst_kv())
+                rc.register_kv(memory[-1])
+                return rc
+
+            plain = recv("plain")
+            vetoed = recv("vetoed", compat=lambda local, remote: ["veto: given"])
+            observed = recv("observed", emit=events.append)
+            try:
+                plain.connect([pre.senders[0].peer_info()])  # the global veto is not asked
+                with pytest.raises(CompatError, match="veto: given"):
+                    vetoed.connect([pre.senders[0].peer_info()])
+                observed.connect([pre.senders[0].peer_info()])
+                pre.senders[0].start(1)
+                observed.expect(1, _pages(0, 4), num_tokens=64)
+                send_room(pre, 1, _pages(0, 4))
+                assert observed.wait(1, timeout_s=10) == OK
+                assert wait_true(lambda: [e.kind for e in events] == ["transfer_done"], 5)
+            finally:
+                for rc in (plain, vetoed, observed):
+                    rc.close()
+            host = PluginManager(env={}, plugins=[("veto", _Veto())])
+            cfg = kv_config("decode", dst_layout(1, 0), srv.endpoint, "h")
+            rc = host.make_kv_receiver(cfg, name=backend)
+            try:
+                memory.append(_dst_kv())
+                rc.register_kv(memory[-1])
+                with pytest.raises(CompatError, match="veto: refused by the test"):
+                    rc.connect([pre.senders[0].peer_info()])
+            finally:
+                rc.close()
+                pre.close()
+    finally:
+        glob.pm.unregister(name="test-global-veto")
+
+
+# ---------------------------------------------------------------- peers keyed by position
+def test_decode_tp_ranks_each_get_their_own_prefill_tp_rank(backend: str) -> None:
+    """Prefill TP 2 -> decode TP 2 (peers keyed by instance, TP, DCP and PP rank): each decode TP
+    rank receives exactly its prefill TP rank's KV; TP 2 -> TP 1 is refused at the handshake."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, tp=2)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1, tp=2)
+        try:
+            sp, dp = _pages(0, 7), _pages(3, 7)
+            for s in pre.senders:
+                s.start(9)
+            for rc in dec.recvs:
+                rc.expect(9, dp, num_tokens=100)
+            send_room(pre, 9, sp)
+            for t, rc in enumerate(dec.recvs):
+                assert rc.wait(9, timeout_s=10) == OK, rc.failure_reason(9)
+                want = expected_kv([pre.kv[t]], [dec.kv[t]], 100, 0, sp, [dp])
+                assert exact_kv([dec.kv[t]], want, [dp]), t
+            cfg = kv_config("decode", dst_layout(1, 0), srv.endpoint, "dec-tp1")
+            tp1 = pm.make_kv_receiver(cfg, name=backend)
+            kv = _dst_kv()
+            try:
+                tp1.register_kv(kv)
+                with pytest.raises(CompatError, match="tp_size: prefill 2 vs decode 1"):
+                    tp1.connect(dec.peers)
+            finally:
+                tp1.close()
+        finally:
+            pre.close()
+            dec.close()
