@@ -184,6 +184,11 @@ class LaunchTables:
         self.hits = 0
         self.misses = 0
 
+    def clear(self) -> None:
+        """Forget every cached shape and entry table (and the objects they keep alive)."""
+        self._templates.clear()
+        self._entry_tables.clear()
+
     def build(
         self,
         plans: Sequence[TransferPlan],

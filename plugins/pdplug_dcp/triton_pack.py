@@ -144,13 +144,13 @@ class TritonPacker:
     stream (record an event before posting writes from the region); the launch table is built
     in a ring of ``STAGES`` pinned staging buffers and copied to a device buffer of the same
     slot with one non-blocking copy on the current stream, so the host can prepare the next
-    segment while the GPU packs this one (a slot is reused once the launch that read it has
-    completed). On CPU tensors it needs ``TRITON_INTERPRET=1`` (set before triton is
-    imported), as in tests.
+    segments while the GPU packs this one (a slot is reused once the launch that read it has
+    completed: the host runs at most ``STAGES`` launches ahead). On CPU tensors it needs
+    ``TRITON_INTERPRET=1`` (set before triton is imported), as in tests.
     """
 
     kind = "triton"
-    STAGES = 4
+    STAGES = 16
 
     def __init__(self) -> None:
         #: ``{"word_bytes", "vec", "grid", "rows", "cols", "tile", "gathers", "cached"}`` of
@@ -174,6 +174,12 @@ class TritonPacker:
         :raises ValueError: as :meth:`pack_all`.
         """
         return self.tables.build(plans, entries, pack_buffer)
+
+    def clear_cache(self) -> None:
+        """Forget the cached launch tables and the tensors they keep alive (call after
+        re-registering KV or the pack buffer; the next segment of each shape rebuilds)."""
+        self.tables.clear()
+        self._words = None
 
     def pack(
         self, plan: TransferPlan, entries: Sequence[torch.Tensor | int], pack_buffer: torch.Tensor
