@@ -21,6 +21,7 @@ moves about 16 KiB.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -179,6 +180,9 @@ class LaunchTables:
         self.max_templates = max(1, max_templates)
         self._templates: dict[tuple[Any, ...], _Template] = {}
         self._entry_tables: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        self._entry_tokens: dict[tuple[int, ...], int] = {}
+        self._next_token = 0
+        self._last_entries: tuple[Any, tuple[Any, ...], tuple[int, ...], int] | None = None
         self._buffer_id = 0
         #: cache statistics (tests, benchmarks)
         self.hits = 0
@@ -188,6 +192,8 @@ class LaunchTables:
         """Forget every cached shape and entry table (and the objects they keep alive)."""
         self._templates.clear()
         self._entry_tables.clear()
+        self._entry_tokens.clear()
+        self._last_entries = None
 
     def build(
         self,
@@ -233,8 +239,8 @@ class LaunchTables:
                 )  # fmt: skip
         if not groups:
             return None
-        ekey = tuple(-1 - t if isinstance(t, int) else id(t) for t in entries)
-        key = (id(pack_buffer), pack_buffer.data_ptr(), pack_buffer.numel(), ekey, *gkeys)
+        ekey, etok = self._entries_key(entries)
+        key = (id(pack_buffer), pack_buffer.data_ptr(), pack_buffer.numel(), etok, *gkeys)
         tpl = self._templates.get(key) if cacheable else None
         if tpl is None:
             self.misses += 1
@@ -271,6 +277,30 @@ class LaunchTables:
                     raise ValueError("pack: a token offset lies outside its KV entry")
         return Launch(table, tpl.grid, tpl.tile, tpl.word_bytes, tpl.dtype, tpl.gathers,
                       tpl.nbytes, not checked)  # fmt: skip
+
+    def _entries_key(self, entries: Sequence[torch.Tensor | int]) -> tuple[tuple[int, ...], int]:
+        """``(key, token)`` of an entry set: ids of its tensors (raw addresses by value) and a
+        small int standing for them. The same sequence holding the same objects (the
+        sender's registered entries, segment after segment) is recognised without building
+        the key (identity checked element by element in C)."""
+        last = self._last_entries
+        if (
+            last is not None
+            and last[0] is entries
+            and len(entries) == len(last[1])
+            and all(map(operator.is_, entries, last[1]))
+        ):
+            return last[2], last[3]
+        ekey = tuple(-1 - t if isinstance(t, int) else id(t) for t in entries)
+        tok = self._entry_tokens.get(ekey)
+        if tok is None:
+            if len(self._entry_tokens) >= 64:
+                self._entry_tokens.clear()
+                self._templates.clear()  # their keys hold tokens that may be given again
+            tok = self._entry_tokens[ekey] = self._next_token
+            self._next_token += 1
+        self._last_entries = (entries, tuple(entries), ekey, tok)
+        return ekey, tok
 
     def _entry_table(
         self, entries: Sequence[torch.Tensor | int], ekey: tuple[int, ...]
