@@ -8,6 +8,9 @@ every routed decode TP rank) is planned for every destination DCP rank and packe
 * **per rank** — ``packer.pack(plan)`` for each plan (the path before ``pack_all``);
 * **copy** — ``dst.copy_(src)`` of the same number of bytes, side by side in one run.
 
+A pair the planner sends directly (MLA at DCP 1) is packed as whole rows anyway, so that
+the kernel is measured at DCP 1 too (``forced_whole_rows``).
+
 Before timing, both pack paths' bytes are compared with a reference gather into a buffer
 filled alike (numpy on CPU, the torch packer on the device with ``--device cuda``); any
 difference exits non-zero. Ratios are the median over repeats of each pack paired with the

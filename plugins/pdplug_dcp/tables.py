@@ -171,7 +171,8 @@ class LaunchTables:
     regions and first in-page offsets. The template keeps those objects alive, so an id cannot
     be reused while its template is cached; the cache starts over when full, and when a
     different pack buffer is seen. A tensor's storage must not be swapped (``set_``) while
-    cached. Plans in the original form (no ``pack_groups``) are never cached.
+    cached. Plans in the original form (no ``pack_groups``), and groups whose block offsets
+    are a writeable array (or whose entries or columns are not tuples), are never cached.
 
     :param max_templates: shapes kept (>= 1).
     """
@@ -233,6 +234,13 @@ class LaunchTables:
                 refs.append(pl.pack_row_bytes)
             for g in gs:
                 groups.append(g)
+                if (
+                    type(g.entries) is not tuple
+                    or type(g.cols) is not tuple
+                    or getattr(g.offsets, "flags", None) is None
+                    or g.offsets.flags.writeable
+                ):
+                    cacheable = False  # mutable in place: an id would not name the content
                 gkeys.append(
                     (id(g.entries), id(g.offsets), id(g.cols), len(g.tokens), g.row_bytes,
                      g.unit, g.page_tokens, g.first_offset)

@@ -167,3 +167,22 @@ def test_launch_table_checks_like_check_pack() -> None:
     with pytest.raises(ValueError, match="pack_buffer must be uint8"):
         LaunchTables().build(plans, entries, buf.view(torch.int16))
     assert LaunchTables().build([], entries, buf) is None
+
+
+def test_groups_with_writeable_offsets_are_not_cached() -> None:
+    """An id names the content only for read-only offsets (the planner's): a caller moving a
+    block by writing its offsets array in place gets a fresh table every time."""
+    plans, raw, size = _segment(np.random.default_rng(4), "mla", 2, 24)
+    entries = [torch.from_numpy(r) for r in raw]
+    buf = torch.zeros(size + 64, dtype=torch.uint8)
+    g = plans[0].pack_groups[0]
+    offs = np.array(g.offsets)  # writeable copy
+    pl = msgspec.structs.replace(plans[0], pack_groups=(msgspec.structs.replace(g, offsets=offs),))
+    tables = LaunchTables()
+    a = tables.build([pl], entries, buf)
+    offs += 8  # the same array object, blocks 8 bytes further
+    b = tables.build([pl], entries, buf)
+    assert a is not None and b is not None and (tables.hits, tables.misses) == (0, 2)
+    e = a.gathers
+    assert (b.table[: META * e].reshape(e, META)[:, 2] * b.word_bytes
+            == a.table[: META * e].reshape(e, META)[:, 2] * a.word_bytes + 8).all()  # fmt: skip
