@@ -232,14 +232,16 @@ def _shape_report(args: dict[str, Any], device: str, pack_repeats: int, pl: dict
     )
     if device == "cuda":
         lt = pk.get("launch", {})
+        cov, cov_r = pk["spin_covered"], pk["spin_covered_per_rank"]
         click.echo(
-            f"  GPU time ({pk['gpu_time_method']}; spin covered the enqueue in "
-            f"{pk['spin_covered'][0]}/{pk['spin_covered'][1]} repeats); host included "
+            f"  GPU time ({pk['gpu_time_method']}; the spin outlasted the enqueue in "
+            f"{cov[0]}/{cov[1]} repeats, rank by rank {cov_r[0]}/{cov_r[1]}); host included "
             f"(prep + upload + launch + GPU, synchronised) {pk['packer_gbps_host_included']:.1f}"
             f" GB/s = {pk['host_included_vs_memcpy']:.0%} of copy (goal >= 50%); host enqueue "
             f"p50 {pk['enqueue_us_whole']:.0f} us whole segment vs "
-            f"{pk['enqueue_us_per_rank']:.0f} us rank by rank; prep {pk['prep_us_p50']:.0f} us; "
-            f"tile {lt.get('tile')}; torch packer on {device}: {pk['torch_packer_gbps']:.1f} GB/s"
+            f"{pk['enqueue_us_per_rank']:.0f} us rank by rank; prep "
+            f"{pk.get('prep_us_p50', float('nan')):.0f} us; tile {lt.get('tile')}; torch packer "
+            f"on {device} (host included): {pk['torch_packer_gbps']:.1f} GB/s"
         )
 
 

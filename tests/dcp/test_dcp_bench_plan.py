@@ -95,3 +95,30 @@ def test_bench_plan_names_a_bad_page_ratio() -> None:
     assert res.exit_code == 2 and "is not a whole decode page" in res.output
     res = CliRunner().invoke(cli, [*SMALL, "--dcp", "2,x"])
     assert res.exit_code == 2 and "--dcp must be integers separated by commas" in res.output
+
+
+def test_cuda_report_lines_format_every_cuda_field(capsys) -> None:
+    """No GPU here: the CUDA report and summary lines are formatted from a CPU run's result
+    plus the fields only ``--device cuda`` measures, so a misspelt field fails here rather
+    than on the GPU machine."""
+    from pdplug_bench.plan import _planner_bench, _shape_report, _summary
+    from pdplug_bench.plan_pack import CUDA_FIELDS, packer_bench
+
+    args = {"cached": 1024, "unique": 1000, "chunk_bound": 512, "layers": 2, "pack_layers": 2,
+            "kv_heads": 4, "head_bytes": 64, "page": 16, "planner": "dcp", "layout": "mla",
+            "tp": "1:1", "page_ratio": 1.0, "row_bytes": 96, "dcp": 2}  # fmt: skip
+    pl = _planner_bench(args, 2)
+    pk = packer_bench(args, "cpu", 2)
+    assert not set(CUDA_FIELDS) & set(pk)
+    import inspect
+
+    import pdplug_bench.plan_pack as pp
+
+    body = inspect.getsource(pp.packer_bench) + inspect.getsource(pp._CudaTimer.extra)
+    assert all(f'"{k}"' in body for k in CUDA_FIELDS)  # each is written by the CUDA path
+    pk.update({k: [2, 3] if k.startswith("spin") else 0.5 for k in CUDA_FIELDS})
+    pk["gpu_time_method"] = "cuda events"
+    _shape_report(args, "cuda", 2, pl, pk)
+    _summary("cuda", [{**pl, **pk, "sizes": args}])
+    out = capsys.readouterr().out
+    assert "in 2/3 repeats, rank by rank 2/3" in out and "host-incl/copy" in out
