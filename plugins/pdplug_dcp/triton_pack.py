@@ -230,6 +230,7 @@ class TritonPacker:
             assert stage.host is not None
             if stage.dev is None or stage.dev.numel() < size or stage.dev.device != dev:
                 stage.dev = torch.empty(stage.host.numel(), dtype=torch.int64, device=dev)
+                stage.event = None  # (the last one completed in table(); this device's next)
             t = stage.dev[:size]
             t.copy_(stage.host[:size], non_blocking=True)
         else:
@@ -240,8 +241,10 @@ class TritonPacker:
             REPS=tile.reps, MID=tile.mid, TAIL=tile.tail, ROW=tile.row, VEC=tile.vec,
         )  # fmt: skip
         if stage is not None:
-            stage.event = torch.cuda.Event()
-            stage.event.record()
+            if stage.event is None:
+                with torch.cuda.device(dev):
+                    stage.event = torch.cuda.Event()
+            stage.event.record()  # on the current stream, after the launch
         self.last_launch = {
             "word_bytes": launch.word_bytes,
             "vec": tile.vec,
