@@ -15,7 +15,7 @@ address; ``VEC`` consecutive words are hinted contiguous and aligned so compiled
 When every gather of a launch has the same row size (MLA latents, K|V heads of one size) the
 kernel is specialised on it: the row is copied as up to three power-of-two column pieces
 whose loads are all issued before the stores (one memory latency per program), with no idle
-lane outside the last, masked piece (:func:`pdplug_dcp.tables.tile_shape`).
+lane outside the last, masked piece (:func:`pdplug_dcp.tiles.tile_shape`).
 
 Imported only when the triton packer is selected (triton is an optional dependency).
 """
@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from pdplug.types import TransferPlan
-from pdplug_dcp.tables import META, Launch, LaunchTables, Tile, tile_shape
+from pdplug_dcp.tables import META, Launch, LaunchTables
+from pdplug_dcp.tiles import Tile, tile_shape
 
 __all__ = ["TritonPacker", "gather_rows_kernel", "tile_shape", "Tile", "META"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdplug_dcp.tables import MAX_PIECE_BYTES, MAX_ROWS, TILE_BYTES, Tile, tile_shape
+from pdplug_dcp.tiles import MAX_PIECE_BYTES, MAX_ROWS, TILE_BYTES, Tile, tile_shape
 
 #: row bytes -> (rows, cols, reps, mid, tail) in int64 words with 16-byte accesses
 EXPECTED = {
