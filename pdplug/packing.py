@@ -25,12 +25,12 @@ With ``depth >= 2`` regions per destination rank, segment ``k`` of a send uses s
     segments = scheduler.split_send(..., capacity_tokens=send_capacity_tokens(regions[0], D))
     for seg in segments:
         chunk = segment_to_chunk(room, seg, send_pages[seg.page_start:], dst_pages, prefix, P)
-        for r in range(D):
-            region = regions[region_index(r, seg.chunk_id, depth=2)]
-            wait_until_free(region)          # the write posted from it depth segments ago is done
-            plan = planner.plan(chunk, src_layout, dst_layout, r, region)
-            packer.pack(plan, kv_entries, pack_buffer)   # async on CUDA: record an event
-            post(run_addresses(plan, src_bases, dst_bases[r], emap, pack_base))  # after the event
+        slot = [regions[region_index(r, seg.chunk_id, depth=2)] for r in range(D)]
+        wait_until_free(slot)        # the writes posted from them depth segments ago are done
+        plans = plan_all_ranks(planner, chunk, src_layout, dst_layout, slot)
+        pack_segment(packer, plans, kv_entries, pack_buffer)  # one launch; async: record an event
+        for r, plan in enumerate(plans):                      # after the event
+            post(run_addresses(plan, src_bases, dst_bases[r], emap, pack_base))
 
 While segment ``k`` is in flight from slot ``k % 2``, segment ``k + 1`` is packed into the
 other slot; a sender must not repack a slot before the write that reads it has completed
@@ -40,10 +40,11 @@ other slot; a sender must not repack a slot before the write that reads it has c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from pdplug.protocols import PackPlanner
+from pdplug.protocols import Packer, PackPlanner
 from pdplug.types import KVLayout, PackGroup, PackRegion, Segment, SendChunk, TransferPlan
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "pack_groups",
     "group_rows",
     "plan_all_ranks",
+    "pack_segment",
 ]
 
 #: Default byte alignment of every region start (wide loads; RDMA-friendly).
@@ -403,3 +405,28 @@ def plan_all_ranks(
         planner.plan(chunk, src, dst, r, regions[r] if regions is not None else None)
         for r in range(d)
     ]
+
+
+def pack_segment(
+    packer: Packer,
+    plans: Sequence[TransferPlan],
+    entries: Sequence[Any],
+    pack_buffer: Any,
+) -> None:
+    """Pack one segment's plans (one per destination DCP rank, each into its own region).
+
+    Uses the packer's ``pack_all(plans, entries, pack_buffer)`` when it has one (the ``dcp``
+    packers: one launch table, one upload and one kernel launch for the whole segment on
+    CUDA), else calls ``pack`` per plan. On CUDA the work is enqueued on the current stream:
+    record an event before posting writes that read the regions.
+
+    :param entries: the source KV entries (tensors, as ``Packer.pack`` takes them).
+    :param pack_buffer: uint8 ``[nbytes]`` tensor.
+    :raises ValueError: as ``Packer.pack``; plans writing overlapping pack-buffer bytes.
+    """
+    batched = getattr(packer, "pack_all", None)
+    if batched is not None:
+        batched(plans, entries, pack_buffer)
+        return
+    for plan in plans:
+        packer.pack(plan, entries, pack_buffer)

@@ -69,7 +69,7 @@ __all__ = [
 REQUIRE_ENV = "PDPLUG_REQUIRE"
 #: short name -> modules tried in order (the first that imports wins)
 BACKEND_MODULES: dict[str, tuple[str, ...]] = {
-    "nixl": ("nixl._api", "nixl_cu12._api"),
+    "nixl": ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"),
     "mooncake": ("mooncake.engine",),
     "triton": ("triton",),
 }

@@ -15,15 +15,18 @@ Next to the runs per send: the runs of the same send in NHD at equal TP (1:1) an
 (one run per head range per destination page). Every plan is checked (runs inside a page, no
 byte written twice, bytes = tokens x bytes per token); a failure exits non-zero.
 
-Packer: one full segment (8,192 tokens; per rank ``8,192 / dcp`` rows per entry, every routed
-decode TP rank) gathered by the packer into the pack buffer, against ``dst.copy_(src)`` of
-the same number of bytes, side by side in one run; the ratio is the median over repeats of
-each pack paired with the copy right after it. Before timing, the packed bytes are compared
-with a numpy reference gather (CPU) or with the torch packer (``--device cuda``, Triton), both
-buffers filled alike; a mismatch exits non-zero. The CPU packer uses
-``PlannerConfig().pack_threads`` threads (all of torch's), like the copy. On CUDA, GPU time
-comes from CUDA events recorded behind a spin kernel (the host's launch overhead hidden),
-plus the host-inclusive figure a sender sees.
+Packer (:mod:`pdplug_bench.plan_pack`): one full segment (8,192 tokens; per rank ``8,192 /
+dcp`` rows per entry, every routed decode TP rank) planned for every DCP rank and packed in
+one ``pack_all`` call (on CUDA: one launch table, one upload, one Triton launch) and rank by
+rank, against ``dst.copy_(src)`` of the same bytes, side by side in one run; both paths'
+bytes are compared with a reference filled alike (numpy on CPU, the torch packer on CUDA) and
+any difference exits non-zero. On CUDA, GPU time excludes host gaps (a spin kernel sized from
+the measured host enqueue time), with the host-included time beside it. The Triton packer's
+host preparation per segment (checks + launch table) is timed at the full ``--layers`` count
+on every device (goal <= 100 us at 61 entries x 8,192 rows).
+
+``--row-bytes`` and ``--dcp`` take comma-separated lists: every combination is measured and
+a summary table printed (``--json`` then holds ``{"shapes": [...]}``).
 
 Heavy imports (torch, the planner plugin) happen inside the command.
 """
@@ -159,143 +162,109 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
     return res
 
 
-def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, Any]:
-    import numpy as np
-    import torch
+def _ints(text: str, name: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``.
 
-    from pdplug import PlannerConfig, get_plugin_manager
-    from pdplug.packing import pack_regions
-    from pdplug.types import SendChunk
-    from pdplug_bench.plan_layouts import bench_layouts, reference_pack
+    :raises click.BadParameter: not positive integers separated by commas.
+    """
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError as e:
+        raise click.BadParameter(
+            f"{name} must be integers separated by commas, got {text!r}"
+        ) from e
+    if not vals or min(vals) <= 0:
+        raise click.BadParameter(f"{name} must be positive integers, got {text!r}")
+    return vals
 
-    d = args["dcp"]
-    layers = args["pack_layers"] or (args["layers"] if device.startswith("cuda") else 16)
-    seg_tokens = args["chunk_bound"]
-    planner = get_plugin_manager().make_pack_planner(PlannerConfig(), name=args["planner"])
-    src, dsts = bench_layouts({**args, "layers": layers})
-    dsts = [dst for dst in dsts if planner.needs_relayout(src, dst)]
-    if not dsts:
-        return {"packer": None, "why": "no decode rank of this layout pair needs packing"}
-    p = src.page_size
-    vp = dsts[0].page_size * d
-    regions = pack_regions(src, dst_dcp_size=d * len(dsts), depth=1,
-                           region_tokens=-(-seg_tokens // d))  # fmt: skip
-    pool_pages = 4 * seg_tokens // p  # source KV 4x the segment: rows come from everywhere
-    rng = np.random.default_rng(1)
-    chunk = SendChunk(
-        room=1,
-        src_pages=rng.permutation(pool_pages)[: seg_tokens // p].astype(np.int64),
-        dst_pages=np.arange(-(-seg_tokens // vp), dtype=np.int64),
-        num_tokens=seg_tokens,
-        is_last=False,
+
+def _shape_report(args: dict[str, Any], device: str, pack_repeats: int, pl: dict[str, Any],
+                  pk: dict[str, Any]) -> None:  # fmt: skip
+    """Print one shape's planner and packer lines."""
+    total = pl["send_tokens"]
+    row = (
+        f"{args['row_bytes']} B"
+        if args["layout"] == "mla"
+        else (f"{args['kv_heads']} heads x {args['head_bytes']} B")
     )
-    plans = [
-        planner.plan(chunk, src, dst, r, regions[i * d + r])
-        for i, dst in enumerate(dsts)
-        for r in range(d)
-    ]
-    dev = torch.device(device)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    entries = [
-        torch.randint(0, 256, (pool_pages * src.entry(e).page_stride,), dtype=torch.uint8,
-                      device=dev, generator=gen)
-        for e in range(src.num_entries)
-    ]  # fmt: skip
-    buf = torch.empty(regions[-1].offset + regions[-1].nbytes, dtype=torch.uint8, device=dev)
-    nbytes = sum(pl.nbytes for pl in plans)
-    copy_src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev, generator=gen)
-    copy_dst = torch.empty_like(copy_src)
-    packer = planner.packer(device)
-    cuda = dev.type == "cuda"
-
-    spin = getattr(torch.cuda, "_sleep", None)
-
-    def once(fn: Any, gpu_only: bool) -> float:
-        if cuda:
-            if gpu_only and spin is not None:
-                spin(4_000_000)  # ~2 ms busy GPU: the host enqueues everything before it starts
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    pairs: list[float] = []
-
-    def timed(*fns: Any, gpu_only: bool = True) -> list[float]:
-        """p50 seconds of each fn, interleaved per repeat so drift hits all alike (with two
-        fns, ``pairs`` gets each repeat's time ratio fns[1]/fns[0]). On CUDA, ``gpu_only`` times
-        GPU work only (host launch overhead hidden behind a spin kernel)."""
-        for fn in fns:
-            fn()  # warm-up (Triton JIT, first touch of the output pages)
-        ts: list[list[float]] = [[] for _ in fns]
-        for _ in range(repeats):
-            for i, fn in enumerate(fns):
-                ts[i].append(once(fn, gpu_only))
-        if len(fns) == 2:
-            pairs[:] = [b / a for a, b in zip(*ts)]
-        return [_p50(t) for t in ts]
-
-    def pack() -> None:
-        for pl in plans:
-            packer.pack(pl, entries, buf)
-
-    res: dict[str, Any] = {"packer": getattr(packer, "kind", type(packer).__name__)}
-    # correctness before timing: both buffers filled alike, every byte compared
-    ref = torch.full_like(buf, 0xA5)
-    buf.fill_(0xA5)
-    if cuda:  # Triton vs the torch packer on the device
-        torch_packer = planner.packer(device, "torch")
-        for pl in plans:
-            torch_packer.pack(pl, entries, ref)
-        pack()
-        torch.cuda.synchronize()
-        res["reference"] = "torch packer on the device"
-    else:  # the packer vs a numpy gather
-        ref_np = ref.numpy()
-        src_np = [t.numpy() for t in entries]
-        for pl in plans:
-            reference_pack(pl, src_np, ref_np)
-        pack()
-        res["reference"] = "numpy sub-row gather"
-    res["mismatched_bytes"] = int((ref != buf).sum().item())
-    res["bit_exact"] = res["mismatched_bytes"] == 0
-    if cuda:
-
-        def pack_torch() -> None:
-            for pl in plans:
-                torch_packer.pack(pl, entries, ref)
-
-        (t_torch,) = timed(pack_torch)
-        res["torch_packer_gbps"] = nbytes / t_torch / 1e9
-    t_pack, t_copy = timed(pack, lambda: copy_dst.copy_(copy_src))
-    if cuda:  # what a sender sees: host preparation and launches included
-        (t_host,) = timed(pack, gpu_only=False)
-        res["packer_gbps_host_included"] = nbytes / t_host / 1e9
-        res["gpu_time_method"] = "cuda events after a spin kernel" if spin else "cuda events"
-    res.update(
-        packer_gbps=nbytes / t_pack / 1e9,
-        memcpy_gbps=nbytes / t_copy / 1e9,
-        pack_ms_p50=t_pack * 1e3,
-        memcpy_ms_p50=t_copy * 1e3,
-        packed_bytes=nbytes,
-        pack_layers=layers,
-        pack_rows_per_entry=sum(pl.num_tokens for pl in plans) // len(dsts),
-        pack_subrows=sum(len(g.tokens) * len(g.cols) for pl in plans for g in pl.pack_groups),
-        source_slots_per_entry=pool_pages * p,
-        device=device,
+    click.echo(
+        f"pdplug bench plan: send of {args['cached']:,} cached + {args['unique']:,} new = "
+        f"{total:,} tokens, {args['layout'].upper()} TP {args['tp']}, DCP {args['dcp']}, page "
+        f"{args['page']} -> {pl['decode_page']}, {args['layers']} layers x {row}, regions "
+        f"{pl['capacity_tokens_per_region']:,} tokens/rank (send capacity "
+        f"{pl['send_capacity_tokens']:,})"
     )
-    # the headline ratio pairs each pack with the copy right after it (the machine's memory
-    # bandwidth drifts between repeats); the ratio of the two medians is kept alongside
-    res["packer_vs_memcpy"] = _p50(pairs)
-    res["packer_vs_memcpy_of_medians"] = res["packer_gbps"] / res["memcpy_gbps"]
-    res["packer_vs_memcpy_range"] = [min(pairs), max(pairs)]
-    res["pack_threads"] = getattr(packer, "threads", None)
-    return res
+    nhd = pl.get("nhd_equal_tp_runs_per_send")
+    click.echo(
+        f"  planner ({args['planner']}): {pl['segments']} segments x "
+        f"{len(pl['decode_tp_ranks'])} decode TP ranks x {args['dcp']} DCP ranks = "
+        f"{pl['plans']} plans, {pl['runs_per_send']:,} runs per send (ideal, one per head range "
+        f"per page: {pl['ideal_runs_per_send']:,}; {pl['runs_over_ideal']:.3f}x, goal <= 1.1x"
+        + (f"; NHD at TP 1:1: {nhd:,}" if nhd is not None else "")
+        + f"); per send p50 {pl['planner_ms_p50']:.3f} ms (the sender's path: plan() per rank, "
+        f"2 segments of plans alive; goal < 1 ms), {pl['planner_ms_p50_keep_all']:.3f} ms with "
+        f"all plans alive, {pl['planner_ms_p50_plan_all']:.3f} ms batched (plan_all)"
+    )
+    if pk.get("prep_us_p50") is not None and device != "cuda":
+        click.echo(
+            f"  triton host prep per segment (checks + launch table, no device): "
+            f"{pk['prep_entries']} entries x {pk['prep_rows']:,} rows, {pk['prep_plans']} plans "
+            f"({pk['prep_gathers']} gathers): p50 {pk['prep_us_p50']:.1f} us for a cached "
+            f"shape (goal <= 100 us), {pk['prep_new_shape_us_p50']:.0f} us for a new shape"
+        )
+    if pk.get("packer") is None:
+        click.echo(f"  packer: not run ({pk['why']})")
+        return
+    same = "identical" if pk["bit_exact"] else f"{pk['mismatched_bytes']:,} DIFFER"
+    if pk.get("forced_whole_rows"):
+        click.echo("  packer: the planner sends this pair directly; whole rows packed anyway")
+    click.echo(
+        f"  packer ({pk['packer']}, {device}): {pk['packed_bytes'] / 2**20:.1f} MiB "
+        f"({pk['pack_layers']} entries, {pk['pack_plans']} plans, {pk['pack_subrows']:,} "
+        f"sub-rows from {pk['source_slots_per_entry']:,} slots per entry); whole segment in "
+        f"one pack_all {pk['packer_gbps']:.2f} GB/s, rank by rank {pk['per_rank_gbps']:.2f} "
+        f"GB/s, copy {pk['memcpy_gbps']:.2f} GB/s: pack_all/copy p50 of {pack_repeats} paired "
+        f"repeats {pk['packer_vs_memcpy']:.0%} (range {pk['packer_vs_memcpy_range'][0]:.0%}-"
+        f"{pk['packer_vs_memcpy_range'][1]:.0%}; goal >= "
+        f"{'85' if device == 'cuda' else '50'}%), per-rank/copy {pk['per_rank_vs_memcpy']:.0%}"
+        f", pack_all {pk['whole_vs_per_rank']:.2f}x per-rank; {pk['pack_threads'] or '-'} pack "
+        f"threads; bytes (pack_all and per rank) vs {pk['reference']}: {same}"
+    )
+    if device == "cuda":
+        lt = pk.get("launch", {})
+        cov, cov_r = pk["spin_covered"], pk["spin_covered_per_rank"]
+        click.echo(
+            f"  GPU time ({pk['gpu_time_method']}; the spin outlasted the enqueue in "
+            f"{cov[0]}/{cov[1]} repeats, rank by rank {cov_r[0]}/{cov_r[1]}); host included "
+            f"(prep + upload + launch + GPU, synchronised) {pk['packer_gbps_host_included']:.1f}"
+            f" GB/s = {pk['host_included_vs_memcpy']:.0%} of copy (goal >= 50%); host enqueue "
+            f"p50 {pk['enqueue_us_whole']:.0f} us whole segment vs "
+            f"{pk['enqueue_us_per_rank']:.0f} us rank by rank; prep "
+            f"{pk.get('prep_us_p50', float('nan')):.0f} us; tile {lt.get('tile')}; torch packer "
+            f"on {device} (host included): {pk['torch_packer_gbps']:.1f} GB/s"
+        )
+
+
+def _summary(device: str, shapes: list[dict[str, Any]]) -> None:
+    """One row per shape: the whole-segment pack against the copy, prep, planner."""
+    gpu = device == "cuda"
+    click.echo(
+        "summary: row B | DCP | pack_all/copy | per-rank/copy | "
+        + ("host-incl/copy | " if gpu else "")
+        + "prep us (cached) | planner ms | bytes"
+    )
+    for r in shapes:
+        a, pk = r["sizes"], r
+        if pk.get("packer") is None:
+            click.echo(f"  {a['row_bytes']:>5} | {a['dcp']:>3} | not packed")
+            continue
+        click.echo(
+            f"  {a['row_bytes']:>5} | {a['dcp']:>3} | {pk['packer_vs_memcpy']:>12.0%} | "
+            f"{pk['per_rank_vs_memcpy']:>12.0%} | "
+            + (f"{pk['host_included_vs_memcpy']:>13.0%} | " if gpu else "")
+            + f"{pk.get('prep_us_p50', float('nan')):>15.1f} | {r['planner_ms_p50']:>10.3f} | "
+            + ("ok" if pk["bit_exact"] else "DIFFER")
+        )
 
 
 @click.command()
@@ -311,10 +280,15 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
 @click.option("--pack-repeats", default=31, show_default=True, help="Timed packs/copies.")
 @click.option("--cached", default=83_264, show_default=True, help="Cached-prefix tokens.")
 @click.option("--unique", default=6_720, show_default=True, help="New tokens.")
-@click.option("--dcp", default=4, show_default=True, help="Decode DCP size.")
+@click.option("--dcp", default="4", show_default=True, help="Decode DCP size(s), e.g. 1,2,4,8.")
 @click.option("--page", default=64, show_default=True, help="Page size (tokens).")
 @click.option("--layers", default=61, show_default=True, help="KV entries (MLA: one per layer).")
-@click.option("--row-bytes", default=576, show_default=True, help="Bytes per token per entry.")
+@click.option(
+    "--row-bytes",
+    default="576",
+    show_default=True,
+    help="Bytes per token per entry (MLA), or a list, e.g. 128,256,576,656,1152,4096.",
+)
 @click.option(
     "--chunk-bound",
     default=8192,
@@ -345,9 +319,21 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
 )
 @click.option("--kv-heads", default=8, show_default=True, help="KV heads (nhd/hnd).")
 @click.option("--head-bytes", default=512, show_default=True, help="Bytes of one K|V head sub-row.")
-def cli(json_path: str | None, device: str, repeats: int, pack_repeats: int, **args: Any) -> None:
-    """Planner time per send (p50) and packer GB/s vs a plain copy of the same bytes."""
+@click.option(
+    "--prep-repeats", default=200, show_default=True, help="Timed host preparations (triton)."
+)
+def cli(
+    json_path: str | None,
+    device: str,
+    repeats: int,
+    pack_repeats: int,
+    prep_repeats: int,
+    **args: Any,
+) -> None:
+    """Planner time per send (p50) and the whole-segment pack's GB/s vs a plain copy of the
+    same bytes (and vs packing rank by rank), for one shape or a sweep of row sizes x DCP."""
     from pdplug_bench.machine import machine_line, write_json
+    from pdplug_bench.plan_pack import packer_bench, prep_bench
 
     if device == "cuda":
         import torch
@@ -356,61 +342,36 @@ def cli(json_path: str | None, device: str, repeats: int, pack_repeats: int, **a
             raise click.UsageError("--device cuda: no CUDA device is available here")
     from pdplug_bench.plan_layouts import bench_layouts
 
+    combos = [
+        {**args, "row_bytes": rb, "dcp": d}
+        for rb in _ints(args["row_bytes"], "--row-bytes")
+        for d in _ints(args["dcp"], "--dcp")
+    ]
     try:
-        bench_layouts(args)
+        for a in combos:
+            bench_layouts(a)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    pl = _planner_bench(args, repeats)
-    pk = _packer_bench(args, device, pack_repeats)
-    total = pl["send_tokens"]
-    row = (
-        f"{args['row_bytes']} B"
-        if args["layout"] == "mla"
-        else (f"{args['kv_heads']} heads x {args['head_bytes']} B")
-    )
-    click.echo(
-        f"pdplug bench plan: send of {args['cached']:,} cached + {args['unique']:,} new = "
-        f"{total:,} tokens, {args['layout'].upper()} TP {args['tp']}, DCP {args['dcp']}, page "
-        f"{args['page']} -> {pl['decode_page']}, {args['layers']} layers x {row}, regions "
-        f"{pl['capacity_tokens_per_region']:,} tokens/rank (send capacity "
-        f"{pl['send_capacity_tokens']:,})"
-    )
-    nhd = pl.get("nhd_equal_tp_runs_per_send")
-    click.echo(
-        f"  planner ({args['planner']}): {pl['segments']} segments x "
-        f"{len(pl['decode_tp_ranks'])} decode TP ranks x {args['dcp']} DCP ranks = "
-        f"{pl['plans']} plans, {pl['runs_per_send']:,} runs per send (ideal, one per head range "
-        f"per page: {pl['ideal_runs_per_send']:,}; {pl['runs_over_ideal']:.3f}x, goal <= 1.1x"
-        + (f"; NHD at TP 1:1: {nhd:,}" if nhd is not None else "")
-        + f"); per send p50 {pl['planner_ms_p50']:.3f} ms (the sender's path: plan() per rank, "
-        f"2 segments of plans alive; goal < 1 ms), {pl['planner_ms_p50_keep_all']:.3f} ms with "
-        f"all plans alive, {pl['planner_ms_p50_plan_all']:.3f} ms batched (plan_all)"
-    )
-    if pk.get("packer") is None:
-        click.echo(f"  packer: not run ({pk['why']})")
-    else:
-        click.echo(
-            f"  packer ({pk['packer']}, {device}): {pk['packed_bytes'] / 2**20:.1f} MiB "
-            f"({pk['pack_layers']} entries, {pk['pack_subrows']:,} sub-rows from "
-            f"{pk['source_slots_per_entry']:,} slots per entry) {pk['packer_gbps']:.2f} GB/s vs "
-            f"copy {pk['memcpy_gbps']:.2f} GB/s: p50 of {pack_repeats} paired repeats "
-            f"{pk['packer_vs_memcpy']:.0%} (range {pk['packer_vs_memcpy_range'][0]:.0%}-"
-            f"{pk['packer_vs_memcpy_range'][1]:.0%}; goal >= "
-            f"{'80' if device == 'cuda' else '50'}%), {pk['pack_threads'] or '-'} pack threads; "
-            f"bytes vs {pk['reference']}: "
-            + ("identical" if pk["bit_exact"] else f"{pk['mismatched_bytes']:,} DIFFER")
-        )
-        if device == "cuda":
-            click.echo(
-                f"  GPU time only ({pk['gpu_time_method']}); with host launch overhead "
-                f"{pk['packer_gbps_host_included']:.1f} GB/s; torch packer on {device}: "
-                f"{pk['torch_packer_gbps']:.1f} GB/s"
+    shapes: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for a in combos:
+        pl = _planner_bench(a, repeats)
+        pk = packer_bench(a, device, pack_repeats)
+        if device != "cuda":
+            pk.update(prep_bench(a, prep_repeats))
+        _shape_report(a, device, pack_repeats, pl, pk)
+        shapes.append({**pl, **pk, "sizes": a})
+        tag = f"{a['row_bytes']} B, DCP {a['dcp']}: " if len(combos) > 1 else ""
+        failed += [tag + f for f in pl["check_failures"]]
+        if pk.get("packer") is not None and not pk["bit_exact"]:
+            failed.append(
+                f"{tag}packed bytes differ from the {pk['reference']}: "
+                f"{pk['mismatched_bytes_by_path']}"
             )
+    if len(combos) > 1:
+        _summary(device, shapes)
     click.echo(machine_line())
     if json_path:
-        write_json(json_path, {**pl, **pk, "sizes": args})
-    failed = list(pl["check_failures"])
-    if pk.get("packer") is not None and not pk["bit_exact"]:
-        failed.append(f"packed bytes differ from the {pk['reference']}: {pk['mismatched_bytes']}")
+        write_json(json_path, shapes[0] if len(shapes) == 1 else {"shapes": shapes})
     if failed:
         raise click.ClickException("check failed: " + "; ".join(failed[:5]))

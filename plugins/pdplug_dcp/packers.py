@@ -9,6 +9,10 @@
   SGLang ``copy_mla_rows_into_pack``, PR #35762). Default on CUDA; runs on CPU tensors only
   under ``TRITON_INTERPRET=1`` (tests).
 
+Both have ``pack(plan, ...)`` (one destination rank's plan) and ``pack_all(plans, ...)``: a
+whole segment, every destination DCP rank's plan into its own region, in one call (one launch
+on the Triton packer); :func:`pdplug.packing.pack_segment` picks it when a packer has it.
+
 A KV entry may be a tensor of any dtype and strides (a vLLM per-layer view into a shared
 storage included) or, on CPU, a raw address (``int``): the packer reads the bytes the plan's
 :class:`~pdplug.kvtypes.PackGroup` offsets name from the entry's page 0. On CUDA both packers
@@ -24,6 +28,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -40,6 +45,7 @@ __all__ = [
     "entry_bytes",
     "entry_extent",
     "check_pack",
+    "check_disjoint",
     "Gather",
     "widest",
 ]
@@ -182,6 +188,21 @@ def check_pack(
     return out, need
 
 
+def check_disjoint(spans: Sequence[tuple[int, int, int]]) -> None:
+    """Check that the plans of one segment write disjoint bytes of the pack buffer.
+
+    :param spans: ``(first byte, end byte, plan index)`` each plan writes.
+    :raises ValueError: two spans overlap (names both plans and their byte ranges).
+    """
+    s = sorted(spans)
+    for a, b in pairwise(s):
+        if b[0] < a[1]:
+            raise ValueError(
+                f"plans {a[2]} and {b[2]} of one segment write overlapping pack-buffer bytes "
+                f"[{a[0]}, {a[1]}) and [{b[0]}, {b[1]}): give each plan its own region"
+            )
+
+
 class TorchPacker:
     """Gather into preallocated region views (CPU default): ``numpy.take`` on CPU memory's
     zero-copy strided views, ``torch.index_select`` elsewhere.
@@ -247,29 +268,54 @@ class TorchPacker:
         :param pack_buffer: uint8 ``[nbytes]`` on the entries' device.
         :raises ValueError: see :func:`check_pack`.
         """
-        if not plan.packed:
-            return
-        gathers, need = check_pack(plan, entries, pack_buffer, self._extents)
-        if need == 0:
-            return
+        self.pack_all((plan,), entries, pack_buffer)
+
+    def pack_all(
+        self,
+        plans: Sequence[TransferPlan],
+        entries: Sequence[torch.Tensor | int],
+        pack_buffer: torch.Tensor,
+    ) -> None:
+        """Gather a whole segment: every plan of ``plans`` (one per destination DCP rank,
+        each into its own region) in one call, the same bytes as :meth:`pack` plan by plan.
+        On CPU all plans' gathers are dealt to the gather threads together.
+
+        :param plans: the segment's plans (plans that are not packed are skipped).
+        :param entries: as :meth:`pack`.
+        :param pack_buffer: uint8 ``[nbytes]`` on the entries' device.
+        :raises ValueError: see :func:`check_pack`; plans writing overlapping bytes.
+        """
         pb = pack_buffer.data_ptr()
-        rows_of: dict[int, np.ndarray] = {}
         views: list[tuple[Any, Any, Any, Any]] = []
-        for ga in gathers:
-            g = ga.group
-            rb, unit = g.row_bytes, g.unit
-            m = len(g.tokens) * len(g.cols)
-            if m == 0:
+        spans: list[tuple[int, int, int]] = []
+        for i, plan in enumerate(plans):
+            if not plan.packed:
                 continue
-            rows = rows_of.get(id(g))
-            if rows is None:
-                rows = rows_of[id(g)] = group_rows(g) // unit
-            w, dt = widest(rb, unit, ga.addr, pb + ga.offset)
-            out = pack_buffer[ga.offset : ga.offset + m * rb].view(dt).view(m, rb // w)
-            src = self._bytes(entries[ga.entry], ga.span)
-            k = (src.numel() - rb) // unit + 1  # rows starting every unit bytes that fit
-            words = src[: src.numel() // w * w].view(dt)
-            views.append((words, (k, rb // w, unit // w), out, rows))
+            gathers, need = check_pack(plan, entries, pack_buffer, self._extents)
+            if need == 0:
+                continue
+            lo = hi = -1
+            rows_of: dict[int, np.ndarray] = {}
+            for ga in gathers:
+                g = ga.group
+                rb, unit = g.row_bytes, g.unit
+                m = len(g.tokens) * len(g.cols)
+                if m == 0:
+                    continue
+                lo = ga.offset if lo < 0 else min(lo, ga.offset)
+                hi = max(hi, ga.offset + m * rb)
+                rows = rows_of.get(id(g))
+                if rows is None:
+                    rows = rows_of[id(g)] = group_rows(g) // unit
+                w, dt = widest(rb, unit, ga.addr, pb + ga.offset)
+                out = pack_buffer[ga.offset : ga.offset + m * rb].view(dt).view(m, rb // w)
+                src = self._bytes(entries[ga.entry], ga.span)
+                k = (src.numel() - rb) // unit + 1  # rows starting every unit bytes that fit
+                words = src[: src.numel() // w * w].view(dt)
+                views.append((words, (k, rb // w, unit // w), out, rows))
+            if hi > lo:
+                spans.append((lo, hi, i))
+        check_disjoint(spans)
         if pack_buffer.device.type != "cpu":
             for words, (k, cols, stride), out, idx in views:
                 rows_v = torch.as_strided(words, (k, cols), (stride, 1))

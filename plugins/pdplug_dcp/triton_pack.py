@@ -1,15 +1,21 @@
-"""Triton sub-row gather kernel: every pack entry of a plan in one launch, bit-exact.
+"""Triton sub-row gather kernel: a whole segment (every rank's plan) in one launch, bit-exact.
 
 Design (after SGLang ``copy_mla_rows_into_pack``, PR #35762, and its word-copy revision; own
-code): a metadata table holds, per pack entry, the source entry and region addresses as *word
+code): a launch table (:mod:`pdplug_dcp.tables`) holds, per gather (one pack entry of one
+group of one destination rank's plan), the source entry and region addresses as *word
 deltas* from one base pointer (the pack buffer), the sub-row length in words, and where its
-group's token offsets and column offsets sit in the index table. Program ``(b, e, c)`` copies
-sub-row ``c`` of tokens ``[b*ROWS, (b+1)*ROWS)`` of entry ``e`` in ``COLS``-word column tiles and
-computes each sub-row's place in the region (token-major, or head-major per destination page,
+group's token offsets and column offsets sit in the table. Program ``(b, e, c)`` copies
+sub-row ``c`` of tokens ``[b*ROWS, (b+1)*ROWS)`` of gather ``e`` and computes each sub-row's
+place in the region (token-major, or head-major per destination page,
 :class:`pdplug.kvtypes.PackGroup`) on the device, so the host never expands a per-sub-row
 index. Words are the widest of int64/int32/int16/uint8 dividing every row size, offset and
 address; ``VEC`` consecutive words are hinted contiguous and aligned so compiled code issues
 16-byte accesses. Integer words never convert, so the copy is bit-exact for any KV dtype.
+
+When every gather of a launch has the same row size (MLA latents, K|V heads of one size) the
+kernel is specialised on it: the row is copied as up to three power-of-two column pieces
+whose loads are all issued before the stores (one memory latency per program), with no idle
+lane outside the last, masked piece (:func:`pdplug_dcp.tiles.tile_shape`).
 
 Imported only when the triton packer is selected (triton is an optional dependency).
 """
@@ -24,31 +30,40 @@ import torch
 import triton
 import triton.language as tl
 
-from pdplug.packing import pack_groups
 from pdplug.types import TransferPlan
-from pdplug_dcp.packers import check_pack, widest
+from pdplug_dcp.tables import META, Launch, LaunchTables
+from pdplug_dcp.tiles import Tile, tile_shape
 
-__all__ = ["TritonPacker", "gather_rows_kernel", "tile_shape", "META"]
-
-#: int64 fields per entry in the launch table.
-META = 10
+__all__ = ["TritonPacker", "gather_rows_kernel", "tile_shape", "Tile", "META"]
 
 
 @triton.jit
 def gather_rows_kernel(
-    base_ptr, meta_ptr, idx_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, VEC: tl.constexpr
+    base_ptr,
+    meta_ptr,
+    idx_ptr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    REPS: tl.constexpr,
+    MID: tl.constexpr,
+    TAIL: tl.constexpr,
+    ROW: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    """Program ``(b, e, c)``: sub-row ``c`` of tokens ``[b*ROWS, (b+1)*ROWS)`` of entry ``e``.
+    """Program ``(b, e, c)``: sub-row ``c`` of tokens ``[b*ROWS, (b+1)*ROWS)`` of gather ``e``.
     ``meta`` int64 ``[E, 10]`` = (source delta, row words, region delta, unit words, token
     start, n, columns, page tokens, first offset, column start) in words from ``base_ptr`` /
-    indices into ``idx``; ``idx`` int64 = token offsets (units) and column offsets (words)."""
+    indices into ``idx``; ``idx`` int64 = token offsets (units) and column offsets (words).
+    ``ROW > 0``: every row has ``ROW`` words, copied as ``REPS`` pieces of ``COLS`` words, one
+    of ``MID`` and a masked one of ``TAIL``; ``ROW == 0``: ``COLS``-word pieces up to the
+    gather's row size."""
     rb = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2).to(tl.int64)
     m = meta_ptr + e * 10
     ncols = tl.load(m + 6)
     n = tl.load(m + 5)
-    if c < ncols:
+    if (c < ncols) & (rb * ROWS < n):  # gathers of a launch differ in tokens and columns
         src_delta = tl.multiple_of(tl.load(m), VEC)
         row_words = tl.multiple_of(tl.load(m + 1), VEC)
         dst_delta = tl.multiple_of(tl.load(m + 2), VEC)
@@ -68,63 +83,104 @@ def gather_rows_kernel(
         cnt = tl.minimum((k + 1) * p - o0, n) - s
         r = tl.where(pt > 0, s * ncols + c * cnt + (j - s), j * ncols + c)
         src_row = base_ptr + src_delta + col + tl.multiple_of(tok * unit, VEC)
-        dst_row = base_ptr + dst_delta + tl.multiple_of(r * row_words, VEC)
-        for c0 in range(0, row_words, COLS):
-            w = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, COLS), VEC), VEC)
-            mk = jm[:, None] & (w < row_words)[None, :]
-            v = tl.load(src_row[:, None] + w[None, :], mask=mk)
-            tl.store(dst_row[:, None] + w[None, :], v, mask=mk)
+        if ROW > 0:
+            dst_row = base_ptr + dst_delta + r * ROW
+            rm = jm[:, None]
+            for q in range(REPS - 1):  # rows over MAX_PIECE_BYTES: one phase per piece
+                wq = tl.max_contiguous(tl.multiple_of(q * COLS + tl.arange(0, COLS), VEC), VEC)
+                vq = tl.load(src_row[:, None] + wq[None, :], mask=rm)
+                tl.store(dst_row[:, None] + wq[None, :], vq, mask=rm)
+            # last phase: every load issued before the first store
+            wa = (REPS - 1) * COLS + tl.arange(0, COLS)
+            wa = tl.max_contiguous(tl.multiple_of(wa, VEC), VEC)
+            va = tl.load(src_row[:, None] + wa[None, :], mask=rm)
+            if MID > 0:
+                wb = tl.max_contiguous(tl.multiple_of(REPS * COLS + tl.arange(0, MID), VEC), VEC)
+                vb = tl.load(src_row[:, None] + wb[None, :], mask=rm)
+            if TAIL > 0:
+                wt = REPS * COLS + MID + tl.arange(0, TAIL)
+                wt = tl.max_contiguous(tl.multiple_of(wt, VEC), VEC)
+                tm = rm & (wt < ROW)[None, :]
+                vt = tl.load(src_row[:, None] + wt[None, :], mask=tm)
+            tl.store(dst_row[:, None] + wa[None, :], va, mask=rm)
+            if MID > 0:
+                tl.store(dst_row[:, None] + wb[None, :], vb, mask=rm)
+            if TAIL > 0:
+                tl.store(dst_row[:, None] + wt[None, :], vt, mask=tm)
+        else:
+            dst_row = base_ptr + dst_delta + tl.multiple_of(r * row_words, VEC)
+            for c0 in range(0, row_words, COLS):
+                w = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, COLS), VEC), VEC)
+                mk = jm[:, None] & (w < row_words)[None, :]
+                v = tl.load(src_row[:, None] + w[None, :], mask=mk)
+                tl.store(dst_row[:, None] + w[None, :], v, mask=mk)
 
 
-def tile_shape(row_words: int, tile_words: int = 1024) -> tuple[int, int]:
-    """``(ROWS, COLS)``: the widest power-of-two column tile (<= 128 words) wasting at most
-    1/8 of a row in its last iteration, and rows filling ``tile_words`` words."""
-    cols = 1
-    for c in (128, 64, 32, 16, 8, 4, 2, 1):
-        if (-(-row_words // c) * c - row_words) * 8 <= row_words:
-            cols = c
-            break
-    return max(1, tile_words // cols), cols
+class _Stage:
+    """One slot of the upload ring: a pinned host table, its device copy, and the event
+    recorded after the launch that read them."""
+
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None
+        self.host_np: np.ndarray | None = None
+        self.dev: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+
+    def table(self, size: int) -> np.ndarray:
+        """The pinned host table (grown to ``size`` int64), after its last launch is done."""
+        if self.event is not None:
+            self.event.synchronize()  # the copy (and launch) that last read this slot
+        if self.host is None or self.host.numel() < size:
+            self.host = torch.empty(max(size, 1 << 14) * 5 // 4, dtype=torch.int64, pin_memory=True)
+            self.host_np = self.host.numpy()
+        assert self.host_np is not None
+        return self.host_np
 
 
 class TritonPacker:
-    """One Triton launch per plan for all pack entries (CUDA default).
+    """One Triton launch per segment (:meth:`pack_all`) or per plan (:meth:`pack`) (CUDA
+    default).
 
     Satisfies :class:`pdplug.protocols.Packer`. On CUDA the launch is enqueued on the current
-    stream (record an event before posting writes from the region); the launch table (int64
-    metadata, token and column offsets) goes up through a ring of pinned staging buffers with a
-    non-blocking copy, so the host can prepare the next plan while the GPU packs this one. On
-    CPU tensors it needs ``TRITON_INTERPRET=1`` (set before triton is imported), as in tests.
+    stream (record an event before posting writes from the region); the launch table is built
+    in a ring of ``STAGES`` pinned staging buffers and copied to a device buffer of the same
+    slot with one non-blocking copy on the current stream, so the host can prepare the next
+    segments while the GPU packs this one (a slot is reused once the launch that read it has
+    completed: the host runs at most ``STAGES`` launches ahead). On CPU tensors it needs
+    ``TRITON_INTERPRET=1`` (set before triton is imported), as in tests.
     """
 
     kind = "triton"
-    STAGES = 4
+    STAGES = 16
 
     def __init__(self) -> None:
-        #: ``{"word_bytes", "vec", "grid", "rows", "cols"}`` of the last launch (tests, benches)
+        #: ``{"word_bytes", "vec", "grid", "rows", "cols", "tile", "gathers", "cached"}`` of
+        #: the last launch (tests, benches)
         self.last_launch: dict[str, object] = {}
-        self._stages: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * self.STAGES
+        #: launch tables and their per-shape cache
+        self.tables = LaunchTables()
+        self._stages = [_Stage() for _ in range(self.STAGES)]
         self._next = 0
-        self._extents: dict[int, tuple[object, int, int]] = {}
+        self._words: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None
 
-    def _upload(self, table: np.ndarray, dev: torch.device) -> torch.Tensor:
-        """Launch table to ``dev``: zero-copy on CPU; pinned ring + non-blocking copy on CUDA."""
-        if dev.type != "cuda":
-            return torch.from_numpy(table)
-        i = self._next
-        self._next = (i + 1) % self.STAGES
-        stage = self._stages[i]
-        if stage is not None:
-            stage[1].synchronize()  # the copy that last read this staging buffer is done
-        host = stage[0] if stage is not None and stage[0].numel() >= table.size else None
-        if host is None:
-            host = torch.empty(max(table.size, 1 << 14), dtype=torch.int64, pin_memory=True)
-        host.numpy()[: table.size] = table
-        out = host[: table.size].to(dev, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._stages[i] = (host, ev)
-        return out
+    def prepare(
+        self,
+        plans: Sequence[TransferPlan],
+        entries: Sequence[torch.Tensor | int],
+        pack_buffer: torch.Tensor,
+    ) -> Launch | None:
+        """The host work of :meth:`pack_all` alone (checks and launch table, in a new
+        array): what a segment costs the host before its upload and launch (benchmarks).
+
+        :raises ValueError: as :meth:`pack_all`.
+        """
+        return self.tables.build(plans, entries, pack_buffer)
+
+    def clear_cache(self) -> None:
+        """Forget the cached launch tables and the tensors they keep alive (call after
+        re-registering KV or the pack buffer; the next segment of each shape rebuilds)."""
+        self.tables.clear()
+        self._words = None
 
     def pack(
         self, plan: TransferPlan, entries: Sequence[torch.Tensor | int], pack_buffer: torch.Tensor
@@ -137,63 +193,76 @@ class TritonPacker:
         :raises ValueError: see :func:`pdplug_dcp.packers.check_pack`.
         :raises RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
         """
-        if not plan.packed:
-            return
-        gathers, need = check_pack(plan, entries, pack_buffer, self._extents)
-        if need == 0:
-            return
+        self.pack_all((plan,), entries, pack_buffer)
+
+    def pack_all(
+        self,
+        plans: Sequence[TransferPlan],
+        entries: Sequence[torch.Tensor | int],
+        pack_buffer: torch.Tensor,
+    ) -> None:
+        """Gather a whole segment — every plan of ``plans`` (one per destination DCP rank,
+        each into its own region; every pack group, rows and head sub-rows) — with one launch
+        table, one upload and one kernel launch. The bytes equal :meth:`pack` plan by plan.
+
+        :param plans: the segment's plans (plans that are not packed are skipped).
+        :param entries: one tensor (any dtype and strides) per source KV entry, on
+            ``pack_buffer``'s device.
+        :param pack_buffer: uint8 ``[nbytes]``.
+        :raises ValueError: see :func:`pdplug_dcp.packers.check_pack`; plans writing
+            overlapping bytes.
+        :raises RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+        """
         dev = pack_buffer.device
-        if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        cuda = dev.type == "cuda"
+        if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 f"triton packer on {dev} needs CUDA tensors, or TRITON_INTERPRET=1 (CPU tests)"
             )
-        groups = pack_groups(plan)
-        base = pack_buffer.data_ptr()
-        src_addr = [g.addr for g in gathers]
-        vals = [base, *src_addr, *(base + g.offset for g in gathers)]
-        for grp in groups:
-            vals += [grp.row_bytes, grp.unit, *grp.cols]
-        w, dt = widest(*vals)
-        # index table: per group its token offsets (units) then its columns (words)
-        pieces: list[np.ndarray] = []
-        where: dict[int, tuple[int, int]] = {}
-        pos = 0
-        for grp in groups:
-            tok = np.asarray(grp.tokens, dtype=np.int64)
-            cols = np.asarray(grp.cols, dtype=np.int64) // w
-            where[id(grp)] = (pos, pos + tok.shape[0])
-            pieces += [tok, cols]
-            pos += tok.shape[0] + cols.shape[0]
-        e = len(gathers)
-        table = np.empty(META * e + pos, dtype=np.int64)
-        meta = table[: META * e].reshape(e, META)
-        # gathers come group by group, entry by entry: per-group columns are broadcast
-        meta[:, 0] = (np.asarray(src_addr, dtype=np.int64) - base) // w
-        meta[:, 2] = np.fromiter((g.offset for g in gathers), dtype=np.int64, count=e) // w
-        i = 0
-        for grp in groups:
-            t0, c0 = where[id(grp)]
-            k = len(grp.entries)
-            meta[i : i + k, 1] = grp.row_bytes // w
-            meta[i : i + k, 3:] = (grp.unit // w, t0, len(grp.tokens), len(grp.cols),
-                                   grp.page_tokens, grp.first_offset, c0)  # fmt: skip
-            i += k
-        table[META * e :] = np.concatenate(pieces) if pieces else table[:0]
-        meta[:, 4] += META * e
-        meta[:, 9] += META * e
-        vec = 16 // w
-        cols_w = np.concatenate([np.asarray(g.cols, dtype=np.int64) // w for g in groups])
-        if base % 16 or (meta[:, :4] % vec).any() or (cols_w % vec).any():
-            vec = 1
-        t = self._upload(table, dev)
-        words = pack_buffer[: pack_buffer.numel() // w * w].view(dt)
-        rows_t, cols_t = tile_shape(int(meta[:, 1].max()))
-        grid = (triton.cdiv(int(meta[:, 5].max()), rows_t), e, int(meta[:, 6].max()))
-        gather_rows_kernel[grid](words, t, t, ROWS=rows_t, COLS=cols_t, VEC=vec)
+        stage = self._stages[self._next] if cuda else None
+        launch = self.tables.build(
+            plans, entries, pack_buffer, stage.table if stage is not None else None
+        )
+        if launch is None:
+            return
+        size = launch.table.shape[0]
+        if stage is not None:
+            self._next = (self._next + 1) % self.STAGES
+            assert stage.host is not None
+            if stage.dev is None or stage.dev.numel() < size or stage.dev.device != dev:
+                stage.dev = torch.empty(stage.host.numel(), dtype=torch.int64, device=dev)
+                stage.event = None  # (the last one completed in table(); this device's next)
+            t = stage.dev[:size]
+            t.copy_(stage.host[:size], non_blocking=True)
+        else:
+            t = torch.from_numpy(launch.table)
+        tile = launch.tile
+        gather_rows_kernel[launch.grid](
+            self._word_view(pack_buffer, launch.dtype), t, t, ROWS=tile.rows, COLS=tile.cols,
+            REPS=tile.reps, MID=tile.mid, TAIL=tile.tail, ROW=tile.row, VEC=tile.vec,
+        )  # fmt: skip
+        if stage is not None:
+            if stage.event is None:
+                with torch.cuda.device(dev):
+                    stage.event = torch.cuda.Event()
+            stage.event.record()  # on the current stream, after the launch
         self.last_launch = {
-            "word_bytes": w,
-            "vec": vec,
-            "grid": grid,
-            "rows": rows_t,
-            "cols": cols_t,
+            "word_bytes": launch.word_bytes,
+            "vec": tile.vec,
+            "grid": launch.grid,
+            "rows": tile.rows,
+            "cols": tile.cols,
+            "tile": tile,
+            "gathers": launch.gathers,
+            "cached": launch.cached,
         }
+
+    def _word_view(self, buf: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        """``buf`` viewed as ``dt`` words (cached for the last buffer and word)."""
+        w = self._words
+        if w is not None and w[0] is buf and w[1] == dt:
+            return w[2]
+        es = torch.empty(0, dtype=dt).element_size()
+        view = buf[: buf.numel() // es * es].view(dt)
+        self._words = (buf, dt, view)
+        return view

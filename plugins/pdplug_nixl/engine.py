@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import sys
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -40,7 +41,10 @@ import numpy as np
 from pdplug import KVConfig, TransferError
 from pdplug.types import PeerInfo
 
-__all__ = ["NixlEngine", "import_nixl", "load_system_libnl"]
+__all__ = ["NixlEngine", "import_nixl", "load_system_libnl", "NIXL_MODULES"]
+
+#: NIXL's Python API modules: the ``nixl`` meta package, then the CUDA 12 and CUDA 13 wheels
+NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
 _LIBNL: list[Any] = []  # the system libnl-route, once loaded (kept so it stays loaded)
 
@@ -65,12 +69,21 @@ def load_system_libnl() -> bool:
 
 
 def import_nixl() -> Any:
-    """The NIXL Python API module: ``nixl._api`` (meta package) or ``nixl_cu12._api``.
+    """The NIXL Python API module: ``nixl._api`` (meta package), else ``nixl_cu12._api`` or
+    ``nixl_cu13._api`` (the ``nixl-cu12`` / ``nixl-cu13`` wheels), the one matching torch's
+    CUDA major version first when torch is already imported.
 
-    :raises ImportError: neither is installed (``pip install 'pdplug[nixl]'``).
+    :raises ImportError: none is installed (``pip install 'pdplug[nixl]'``, or ``nixl-cu13``
+        with a CUDA 13 torch); the message lists each module's import error.
     """
+    names = list(NIXL_MODULES)
+    torch = sys.modules.get("torch")
+    cuda = str(getattr(getattr(torch, "version", None), "cuda", None) or "")
+    if cuda.startswith("13"):
+        names.remove("nixl_cu13._api")
+        names.insert(1, "nixl_cu13._api")
     errors = []
-    for mod in ("nixl._api", "nixl_cu12._api"):
+    for mod in names:
         try:
             return importlib.import_module(mod)
         except ImportError as e:

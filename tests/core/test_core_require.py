@@ -28,7 +28,7 @@ def test_missing_required_module_fails() -> None:
 
 
 def test_backend_names_map_to_their_modules() -> None:
-    assert BACKEND_MODULES["nixl"] == ("nixl._api", "nixl_cu12._api")
+    assert BACKEND_MODULES["nixl"] == ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
     assert BACKEND_MODULES["mooncake"] == ("mooncake.engine",)
     mod, why = probe_module(MISSING)
     assert mod is None and MISSING in why

@@ -172,9 +172,10 @@ def test_packer_errors_name_the_values() -> None:
 @pytest.mark.triton
 def test_triton_interpreted_matches_torch_and_reference() -> None:
     """Triton under TRITON_INTERPRET=1 (a fresh process: the flag is read at import): random
-    whole-row cases vs torch and numpy, and planned sends over HND/NHD/MLA layouts (head
+    whole-row cases vs torch and numpy, planned sends over HND/NHD/MLA layouts (head
     sub-rows, head-major regions, strided views of shared storages) vs the per-token
-    reference."""
+    reference, and whole random segments (every DCP rank's plan) in one launch vs the torch
+    packer's ``pack_all``, per-rank packs and a numpy reference, cached or not."""
     require("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
@@ -186,7 +187,14 @@ def test_triton_interpreted_matches_torch_and_reference() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["cases"] >= 12 and res["layouts"] >= 5 and res["mismatches"] == []
+    assert res["cases"] >= 12 and res["layouts"] >= 5 and res["segments"] >= 8
+    assert res["mismatches"] == []
+    # whole segments: (word bytes, rows, cols, reps, mid, tail, vec, row words) per case
+    tiles = {name: tuple(t) for name, *t in res["tiles"]}
+    assert tiles["mla-fp8-656-dcp4"] == (8, 32, 64, 1, 16, 2, 2, 82)  # specialised, 16-B
+    assert tiles["mla-656-misaligned-dcp2"][-2] == 1  # pack buffer 8 bytes off: 8-B accesses
+    assert tiles["mixed-rows-dcp3"][-1] == 0  # row sizes differ: the generic loop
+    assert tiles["odd-rows-misaligned-dcp2"][0] == 1  # byte words
     # (word bytes, words per vector) of the fixed cases: every word width was exercised
     assert [tuple(w) for w in res["words"][:7]] == [
         (8, 2),
@@ -201,8 +209,11 @@ def test_triton_interpreted_matches_torch_and_reference() -> None:
 
 @pytest.mark.triton
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-def test_triton_kernel_compiles_for_h200_with_16_byte_accesses() -> None:
-    """Compile (no GPU needed) for sm_90: aligned int64 rows use 16-byte vector loads/stores."""
+@pytest.mark.parametrize("row_bytes", [576, 656])
+def test_triton_kernel_compiles_for_h200_with_16_byte_accesses(row_bytes: int) -> None:
+    """Compile (no GPU needed) for sm_90: aligned int64 rows use 16-byte vector loads/stores,
+    and every load of the row's pieces is issued before the first store (one memory latency
+    per program)."""
     require("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted, not compiled")
@@ -212,15 +223,19 @@ def test_triton_kernel_compiles_for_h200_with_16_byte_accesses() -> None:
 
     from pdplug_dcp.triton_pack import gather_rows_kernel, tile_shape
 
-    rows, cols = tile_shape(72)  # 576-byte rows in int64 words
-    assert (rows, cols) == (64, 16)
+    t = tile_shape(row_bytes // 8, vec=2)  # int64 words, 16-byte accesses
+    consts = {"ROWS": t.rows, "COLS": t.cols, "REPS": t.reps, "MID": t.mid, "TAIL": t.tail,
+              "ROW": t.row, "VEC": t.vec}  # fmt: skip
     src = ASTSource(
         fn=gather_rows_kernel,
         signature={"base_ptr": "*i64", "meta_ptr": "*i64", "idx_ptr": "*i64",
-                   "ROWS": "constexpr", "COLS": "constexpr", "VEC": "constexpr"},
-        constexprs={"ROWS": rows, "COLS": cols, "VEC": 2},
+                   **dict.fromkeys(consts, "constexpr")},
+        constexprs=consts,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(3)},
     )  # fmt: skip
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    assert re.search(r"ld\.global(\.\w+)*\.v2\.b64", ptx), "no 16-byte loads"
-    assert re.search(r"st\.global(\.\w+)*\.v2\.b64", ptx), "no 16-byte stores"
+    loads = [m.start() for m in re.finditer(r"ld\.global(\.\w+)*\.v2\.b64", ptx)]
+    stores = [m.start() for m in re.finditer(r"st\.global(\.\w+)*\.v2\.b64", ptx)]
+    assert loads, "no 16-byte loads"
+    assert stores, "no 16-byte stores"
+    assert max(loads) < min(stores), "a row piece is loaded after another one is stored"

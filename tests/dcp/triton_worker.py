@@ -4,9 +4,15 @@ then run whole planned sends over real layouts (strided views into shared storag
 sub-rows, head-major regions) with the Triton packer and compare every destination byte with
 the per-token-per-head reference.
 
+Whole segments: every destination DCP rank's plan of random segments (MLA fp8/bf16 rows,
+HND head sub-rows in head-major regions, NHD head slices, mixed row sizes, odd rows, misaligned
+regions) packed with ``TritonPacker.pack_all`` in exactly one launch, compared byte for byte
+with ``TorchPacker.pack_all``, per-rank ``pack`` and a numpy reference; a second pack of the
+same shape reuses the cached launch table and still range-checks every token offset.
+
 Usage: ``TRITON_INTERPRET=1 python triton_worker.py SEED`` -> prints one JSON line
-``{"cases": N, "layouts": M, "mismatches": [...], "words": [...]}``; exit code 1 on any
-mismatch.
+``{"cases": N, "layouts": M, "segments": S, "mismatches": [...], "words": [...], "tiles":
+[...]}``; exit code 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
@@ -24,8 +31,13 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pdplug.types import PackRegion, TransferPlan  # noqa: E402
+import pdplug_dcp.triton_pack as tp  # noqa: E402
+from pdplug import KVLayout  # noqa: E402
+from pdplug.geometry import make_layout  # noqa: E402
+from pdplug.packing import group_rows, pack_groups, pack_regions  # noqa: E402
+from pdplug.types import PackRegion, SendChunk, TransferPlan  # noqa: E402
 from pdplug_dcp.packers import TorchPacker, make_packer  # noqa: E402
+from pdplug_dcp.planner import make_dcp_planner  # noqa: E402
 from pdplug_dcp.triton_pack import TritonPacker, gather_rows_kernel  # noqa: E402
 
 POISON = 0xA5
@@ -89,6 +101,7 @@ def main(seed: int) -> int:
     rng = np.random.default_rng(seed)
     assert isinstance(make_packer("cpu", "triton"), TritonPacker)
     assert type(gather_rows_kernel).__name__ == "InterpretedFunction"
+    assert tp.gather_rows_kernel is gather_rows_kernel
     mismatches = []
     words = []
     fp8 = getattr(torch, "float8_e4m3fn", torch.uint8)
@@ -121,12 +134,141 @@ def main(seed: int) -> int:
     for kind, tps, ratio, dcp, inter in LAYOUTS:
         for bad in layout_send(kind, tps, ratio, dcp, inter, rng):
             mismatches.append(f"{kind} tp {tps} ratio {ratio} dcp {dcp}: {bad}")
+    tiles = []
+    for name, src, dst, shift, dtype in SEGMENTS:
+        t0 = time.perf_counter()
+        bad, tile = segment_case(rng, src, dst, shift, dtype)
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        mismatches += [f"segment {name}: {b}" for b in bad]
+        tiles.append([name, *tile])
     print(
         json.dumps(
-            {"cases": len(cases), "layouts": len(LAYOUTS), "mismatches": mismatches, "words": words}
+            {"cases": len(cases), "layouts": len(LAYOUTS), "segments": len(SEGMENTS),
+             "mismatches": mismatches, "words": words, "tiles": tiles}
         )
-    )
+    )  # fmt: skip
     return 1 if mismatches else 0
+
+
+def _mla(rb: int, layers: int, page: int, dcp: int = 1) -> KVLayout:
+    return make_layout(kind="mla", page_size=page, num_layers=layers, head_bytes=rb,
+                       dcp_size=dcp)  # fmt: skip
+
+
+def _heads(kind: str, hb: int, tp: int, dcp: int, split: bool = False) -> KVLayout:
+    return make_layout(kind=kind, page_size=8, num_layers=2, head_bytes=hb, num_kv_heads=4,
+                       split_kv=split, tp_size=tp, tp_rank=0, dcp_size=dcp)  # fmt: skip
+
+
+FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
+#: (name, prefill layout, decode layout, pack-buffer misalignment (bytes), entry dtype)
+SEGMENTS = [
+    ("mla-fp8-656-dcp4", _mla(656, 20, 8), _mla(656, 20, 8, 4), 0, FP8),
+    ("mla-bf16-576-dcp8", _mla(576, 6, 8), _mla(576, 6, 8, 8), 0, torch.bfloat16),
+    ("hnd-subrows-tp1:2-dcp2", _heads("hnd", 64, 1, 1), _heads("hnd", 64, 2, 2), 0,
+     torch.float16),
+    ("nhd-slice-tp1:2-dcp1", _heads("nhd", 32, 1, 1), _heads("nhd", 32, 2, 1), 0,
+     torch.float32),
+    ("hnd-split-dcp4", _heads("hnd", 48, 1, 1, True), _heads("hnd", 48, 1, 4, True), 0,
+     torch.bfloat16),
+    ("mixed-rows-dcp3", KVLayout(page_size=4, entry_bytes_per_token=(8, 24, 40)),
+     KVLayout(page_size=4, entry_bytes_per_token=(8, 24, 40), dcp_size=3), 0, torch.int64),
+    ("odd-rows-misaligned-dcp2", KVLayout(page_size=4, entry_bytes_per_token=(7, 3)),
+     KVLayout(page_size=4, entry_bytes_per_token=(7, 3), dcp_size=2), 3, torch.uint8),
+    ("mla-656-misaligned-dcp2", _mla(656, 3, 8), _mla(656, 3, 8, 2), 8, FP8),
+]  # fmt: skip
+
+
+class _Count:
+    """Counts launches of the kernel (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _reference(plans, entries, size) -> np.ndarray:
+    out = np.full(size, POISON, dtype=np.uint8)
+    for pl in plans:
+        for g in pack_groups(pl):
+            rows = group_rows(g)
+            idx = rows[:, None] + np.arange(g.row_bytes)
+            for e, off in zip(g.entries, np.asarray(g.offsets).tolist()):
+                out[off : off + idx.size] = entries[e][idx].reshape(-1)
+    return out
+
+
+def segment_case(rng, src, dst, shift, dtype) -> tuple[list[str], list[int]]:
+    """One random segment for every destination DCP rank, packed four ways into a pack
+    buffer starting ``shift`` bytes past an aligned address."""
+    d, p = dst.dcp_size, src.page_size
+    seg = int(rng.integers(2, 5)) * dst.page_size * d + int(rng.integers(0, d * 3))  # ragged
+    pool = 3 * -(-seg // p)
+    regions = pack_regions(src, dst_dcp_size=d, depth=2, region_tokens=-(-seg // d) + p,
+                           align=8 if shift else 256)  # fmt: skip
+    slot = int(rng.integers(0, 2))
+    chunk = SendChunk(
+        room=1, src_pages=rng.permutation(pool)[: -(-seg // p)].astype(np.int64),
+        dst_pages=rng.permutation(4 * seg)[: -(-seg // (dst.page_size * d))].astype(np.int64),
+        num_tokens=seg, chunk_id=slot,
+    )  # fmt: skip
+    plans = make_dcp_planner().plan_all(chunk, src, dst, [regions[r * 2 + slot] for r in range(d)])
+    raw = [rng.integers(0, 256, pool * src.entry(e).page_stride, dtype=np.uint8)
+           for e in range(src.num_entries)]  # fmt: skip
+    es = torch.empty(0, dtype=dtype).element_size()
+    ents = [torch.from_numpy(r).view(dtype) if r.size % es == 0 else torch.from_numpy(r)
+            for r in raw]  # fmt: skip
+    size = regions[-1].offset + regions[-1].nbytes + 16
+    want = _reference(plans, raw, size)
+    buf = torch.empty(size + 64, dtype=torch.uint8)
+    buf = buf[(-buf.data_ptr()) % 64 + shift :][:size]
+    tri = TritonPacker()
+    count = _Count(tp.gather_rows_kernel)
+    tp.gather_rows_kernel = count
+    bad = []
+    try:
+        runs = [
+            ("torch pack_all", lambda: TorchPacker(2).pack_all(plans, ents, buf)),
+            ("triton pack_all", lambda: tri.pack_all(plans, ents, buf)),
+            ("triton pack_all cached", lambda: tri.pack_all(plans, ents, buf)),
+            ("triton per rank", lambda: [tri.pack(pl, ents, buf) for pl in plans]),
+        ]
+        for name, fn in runs:
+            buf.fill_(POISON)
+            before = count.launches
+            fn()
+            got = buf.numpy()
+            if not np.array_equal(got, want):
+                diff = np.flatnonzero(got != want)
+                bad.append(f"{name}: {diff.size} bytes differ, first at {diff[0]}")
+            launches = count.launches - before
+            if name.startswith("triton pack_all") and launches != 1:
+                bad.append(f"{name}: {launches} kernel launches, expected 1")
+        if tri.tables.hits < 1:
+            bad.append("the second pack_all of one shape did not reuse its launch table")
+        # the cached table still range-checks token offsets: same shape, one token too far
+        pl = next(x for x in plans if x.num_tokens)
+        g = pl.pack_groups[0]
+        tok = np.array(g.tokens)
+        tok[-1] = pool * src.entry(g.entries[0]).page_stride // g.unit  # past the entry
+        far = msgspec.structs.replace(g, tokens=tok)
+        bad_plan = msgspec.structs.replace(pl, pack_groups=(far, *pl.pack_groups[1:]))
+        hits = tri.tables.hits
+        try:
+            tri.pack_all([bad_plan if x is pl else x for x in plans], ents, buf)
+            bad.append("an out-of-range token offset on a cached shape was accepted")
+        except ValueError as e:
+            if "holds only" not in str(e):
+                bad.append(f"range error does not name the rows: {e}")
+        if tri.tables.hits != hits + 1:
+            bad.append("the out-of-range check did not run on the cached path")
+    finally:
+        tp.gather_rows_kernel = count.kernel
+    t = tri.last_launch.get("tile")
+    return bad, [int(tri.last_launch.get("word_bytes", 0)), *(list(t) if t else [])]
 
 
 def layout_send(kind, tps, ratio, dcp, interleave, rng) -> list[str]:
