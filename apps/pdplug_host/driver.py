@@ -4,8 +4,10 @@ checks every request's tokens against a single-process reference run, and report
 TTFT of a request = arrival at the driver → its transfer decision applied on decode DCP rank 0
 (the first token is then ready to stream). The breakdown (milliseconds):
 
-* ``queue``: arrival → every prefill rank locally ready (decode ranks agreed on preallocation
-  and sent their destinations), plus bootstrap decision → first chunk scheduled on PP0;
+* ``queue``: arrival → every prefill rank locally ready (decode ranks found pages, agreed on
+  preallocation and sent their destinations; the driver routes a request to the prefill ranks
+  only then), plus bootstrap decision → first chunk scheduled on PP0 (waiting for prefill
+  pages included);
 * ``consensus``: last prefill rank ready → bootstrap decision applied on PP0, plus last decode
   rank's KV complete → transfer decision applied on decode rank 0;
 * ``prefill``: forward compute of the request's chunks, summed over PP ranks;
@@ -21,9 +23,12 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -35,55 +40,42 @@ from pdplug.bootstrap import RendezvousServer
 from pdplug.config import WireConfig
 from pdplug.ports import free_ports
 from pdplug.types import pages_to_bytes
+from pdplug_host.config import ModelConfig, layer_split
 from pdplug_host.messages import (
     Fatal,
     Finished,
     FirstToken,
+    Leased,
     NewRequest,
     Ready,
     RequestFailed,
+    Route,
     Shutdown,
     Timing,
     WorkerStats,
     to_driver_codec,
     to_worker_codec,
 )
-from pdplug_host.model import ModelConfig
+from pdplug_host.options import (
+    DEFAULT_REQUESTS,
+    DemoError,
+    DemoOptions,
+    check_schedule,
+    refusals,
+)
+from pdplug_host.options import check_options as check_sizes
 from pdplug_host.trace import TraceRequest, block_hash_chain, load_trace, prompt_tokens
 from pdplug_host.worker import WorkerSpec
 
-__all__ = ["DemoOptions", "DemoError", "run_demo", "check_options"]
+__all__ = ["DemoOptions", "DemoError", "Progress", "run_demo", "check_options"]
 
 log = logging.getLogger(__name__)
 
-
-class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Options of ``pdplug demo`` / ``pdplug bench e2e`` (see ``pdplug demo --help``)."""
-
-    prefill_pp: int = 2
-    decode_dcp: int = 2
-    requests: int = 32
-    trace: str | None = None
-    scale: int = 32
-    max_output: int = 16
-    time_scale: float = 1.0  # arrival times x this; 0 = as fast as admitted (--no-arrivals)
-    consensus: str | None = None
-    kv_sender: str | None = None
-    pack_planner: str | None = None
-    scheduler: str | None = None
-    page_size: int = 16
-    chunk_size: int = 128
-    pack_region_tokens: int = 64
-    num_pages: int = 4096
-    timeout_s: float = 30.0
-    run_timeout_s: float = 600.0
-    reference: bool = True
-    profile: bool = True
-    log_dir: str | None = None  # worker logs; None: a fresh temp dir; "": inherit the terminal
-
-
-class DemoError(RuntimeError):
-    """The run could not complete (a worker died or reported a fatal error, or a timeout)."""
+#: ``progress(phase, done, total, note)``: phases ``"load"`` (once; ``note`` names the trace),
+#: ``"reference"`` (requests computed by the single-process reference), ``"start"`` (workers
+#: ready), ``"replay"`` (requests finished or failed); ``note`` says what the phase waits for
+#: (e.g. the next arrival)
+Progress = Callable[[str, int, int, str], None]
 
 
 def _names(opts: DemoOptions) -> dict[str, str]:
@@ -101,29 +93,18 @@ def _names(opts: DemoOptions) -> dict[str, str]:
 def check_options(opts: DemoOptions) -> None:
     """Refuse a configuration before any worker starts (seconds, not a timeout later).
 
-    Resolves every selected name through the plugin manager and dry-runs the pack planner on
+    Checks every size and wait against its bound (:func:`pdplug_host.options.check_options`),
+    resolves every selected name through the plugin manager and dry-runs the pack planner on
     the demo's prefill and decode layouts, so e.g. the identity ``tp`` planner with a DCP
     decode is refused with the planner's own message.
 
-    :raises DemoError: an invalid size, an unknown/blocked/failed component, or a planner that
-        cannot plan for this prefill PP / decode DCP geometry.
+    :raises DemoError: a size or wait out of bounds, an unknown/blocked/failed component, or a
+        planner that cannot plan for this prefill PP / decode DCP geometry.
     """
     from pdplug import KVLayout, PdplugError, PlannerConfig, SendChunk
     from pdplug.manager import get_plugin_manager
-    from pdplug_host.model import layer_split
 
-    for field in ("prefill_pp", "decode_dcp", "page_size", "chunk_size", "pack_region_tokens"):
-        if getattr(opts, field) < 1:
-            raise DemoError(f"{field} must be >= 1, got {getattr(opts, field)}")
-    if opts.timeout_s <= 0:
-        raise DemoError(f"timeout must be > 0 seconds, got {opts.timeout_s}")
-    block = 512 // max(1, opts.scale)  # trace hash blocks are 512 tokens before scaling
-    if block < opts.page_size or block % opts.page_size:
-        raise DemoError(
-            f"--scale {opts.scale} makes a trace block {block} tokens, not a multiple of the "
-            f"{opts.page_size}-token page (prefix-cache blocks are whole pages); use a scale "
-            f"with 512 / scale a multiple of {opts.page_size}, e.g. 32 or 16"
-        )
+    check_sizes(opts)
     pm = get_plugin_manager()
     names = _names(opts)
     try:
@@ -179,6 +160,7 @@ class _Run:
         self.tx = to_worker_codec(self.wire)
         self.server = RendezvousServer(wire=self.wire).start()
         self.log_dir = opts.log_dir
+        self.temp_logs = self.log_dir is None  # ours to remove after a clean run
         if self.log_dir is None:
             self.log_dir = tempfile.mkdtemp(prefix="pdplug-demo-")
         self.procs: dict[tuple[str, int], mp.process.BaseProcess] = {}
@@ -189,6 +171,14 @@ class _Run:
         self.timings: dict[int, list[Timing]] = {}
         self.stats: dict[tuple[str, int], dict[str, Any]] = {}
         self.sent_at: dict[int, float] = {}
+        # A request goes to the decode ranks at arrival and waits there for pages (Leased);
+        # then here for a prefill slot (at most prefill_pp + 1 at the prefill, a router's
+        # admission control); then to the prefill ranks (and Route to decode).
+        self.waiting_pages: dict[int, NewRequest] = {}
+        self.waiting_slot: dict[int, NewRequest] = {}  # insertion order = arrival order
+        self.routed: set[int] = set()
+        self.prefilled: set[int] = set()  # first token seen: the prefill is done with it
+        self.prefill_slots = opts.prefill_pp + 1
 
     def spawn(self) -> None:
         o = self.opts
@@ -256,6 +246,19 @@ class _Run:
             if role is None or key[0] == role:
                 self.send(key, msg)
 
+    def at_prefill(self) -> set[int]:
+        """Requests routed to the prefill whose prompt is not computed yet."""
+        return self.routed - self.prefilled - set(self.failed) - set(self.finished)
+
+    def route(self) -> None:
+        """Send waiting requests (arrival order) to the prefill while it has a free slot."""
+        while self.waiting_slot and len(self.at_prefill()) < self.prefill_slots:
+            rid = next(iter(self.waiting_slot))
+            req = self.waiting_slot.pop(rid)
+            self.routed.add(rid)
+            self.broadcast(Route(rid=rid), role="decode")
+            self.broadcast(req, role="prefill")
+
     def logs_hint(self) -> str:
         return f" (worker logs: {self.log_dir})" if self.log_dir else ""
 
@@ -284,7 +287,12 @@ class _Run:
             msg = self.rx.decode(frame)
             if isinstance(msg, Ready):
                 self.ready[(msg.role, msg.rank)] = msg
+            elif isinstance(msg, Leased):
+                req = self.waiting_pages.pop(msg.rid, None)
+                if req is not None:
+                    self.waiting_slot[msg.rid] = req
             elif isinstance(msg, FirstToken):
+                self.prefilled.add(msg.rid)
                 self.broadcast(msg, role="decode")
             elif isinstance(msg, Finished):
                 self.finished[msg.rid] = list(msg.tokens)
@@ -292,6 +300,8 @@ class _Run:
                 self.timings.setdefault(msg.rid, []).append(msg)
             elif isinstance(msg, RequestFailed):
                 self.failed.setdefault(msg.rid, f"{msg.role} rank {msg.rank}: {msg.reason}")
+                self.waiting_pages.pop(msg.rid, None)
+                self.waiting_slot.pop(msg.rid, None)
             elif isinstance(msg, WorkerStats):
                 self.stats[(msg.role, msg.rank)] = msg.stats
             elif isinstance(msg, Fatal):
@@ -332,63 +342,170 @@ class _Run:
         self.server.stop()
 
 
+def _need_torch() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise DemoError("the demo needs torch: pip install 'pdplug[torch]' (or torch itself)")
+
+
+def _load(opts: DemoOptions) -> list[TraceRequest]:
+    path = Path(opts.trace) if opts.trace else None
+    limit = opts.requests if opts.requests is not None else DEFAULT_REQUESTS
+    try:
+        requests = load_trace(path, limit=limit, scale=opts.scale, max_output=opts.max_output)
+    except (OSError, ValueError) as e:  # TraceFormatError is a ValueError
+        raise DemoError(f"cannot load the trace: {e}") from e
+    if not requests:
+        raise DemoError(f"the trace {opts.trace or '(bundled sample)'} has no requests")
+    if opts.requests is not None and len(requests) < opts.requests:
+        log.warning(
+            "the trace has %d requests; replaying all of them (--requests %d)",
+            len(requests),
+            opts.requests,
+        )
+    return requests
+
+
+def _refuse(opts: DemoOptions, requests: list[TraceRequest]) -> dict[int, str]:
+    refused = refusals(opts, requests)
+    if refused and len(refused) == len(requests):
+        rid, why = next(iter(refused.items()))
+        raise DemoError(f"no request fits the KV cache: request {rid}: {why}")
+    if refused:
+        rid, why = next(iter(refused.items()))
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        log.warning(
+            "request %d is refused: %s%s; the other %d run",
+            rid,
+            why,
+            more,
+            len(requests) - len(refused),
+        )
+    return refused
+
+
+def _start_reference(
+    opts: DemoOptions, requests: list[TraceRequest], progress: Progress | None
+) -> Future[dict[int, list[int]]] | None:
+    """The single-process reference run, on a thread while the workers start up."""
+    if not opts.reference:
+        return None
+    from pdplug_host.reference import reference_run
+
+    fut: Future[dict[int, list[int]]] = Future()
+    total = len(requests)
+    done = [0]
+
+    def tick(_rid: int) -> None:
+        done[0] += 1
+        if progress:
+            progress("reference", done[0], total, "")
+
+    def body() -> None:
+        try:
+            fut.set_result(reference_run(requests, page_size=opts.page_size, progress=tick))
+        except BaseException as e:  # surfaced by fut.result() in run_demo
+            fut.set_exception(e)
+
+    if progress:
+        progress("reference", 0, total, "")
+    threading.Thread(target=body, name="pdplug-reference", daemon=True).start()
+    return fut
+
+
+def _open_requests(
+    run: _Run, order: list[TraceRequest], i: int, t0: float, opts: DemoOptions
+) -> str:
+    """Where the unfinished requests are, for the run-timeout message."""
+    done = set(run.finished) | set(run.failed)
+    parts = []
+    for what, rids in (
+        ("waiting for decode pages", run.waiting_pages),
+        ("waiting for a prefill slot", run.waiting_slot),
+        ("in prefill", run.at_prefill()),
+        ("in transfer or decode", run.prefilled - done),
+    ):
+        if rids:
+            parts.append(f"{what}: {sorted(rids)}")
+    if i < len(order):
+        due = (order[i].arrival_ms - order[0].arrival_ms) * opts.time_scale / 1000.0
+        parts.append(
+            f"{len(order) - i} not yet arrived (next due at {due:.0f} s, {time.time() - t0:.0f} s "
+            f"into the replay; --time-scale {opts.time_scale:g})"
+        )
+    return "; ".join(parts) or "none open"
+
+
 def run_demo(
     opts: DemoOptions,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
     on_ready: Callable[[dict[tuple[str, int], int]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the reference host once; returns the report (see ``pdplug demo --json``).
 
-    :param progress: called as ``progress(phase, done, total)``.
+    Every option is checked first (:func:`check_options`, :func:`pdplug_host.options.
+    check_schedule`); requests that can never fit the KV cache are refused alone (reported as
+    failed, never sent) with a ``warning`` log line. The reference run computes on a thread
+    while the workers start. A request goes to the decode ranks at its arrival and to the
+    prefill ranks once every decode rank holds pages for it and the prefill has a free slot (at
+    most ``prefill_pp + 1`` requests not yet prefilled there): requests queue before their KV
+    sessions start, so transfer timeouts bound silence, not queueing.
+
+    :param progress: called as ``progress(phase, done, total, note)`` (see :data:`Progress`).
     :param on_ready: called once every worker is up, with ``{(role, rank): pid}`` (fault
         injection in tests, external monitoring).
-    :raises DemoError: a worker died, reported a fatal error, or the run timed out; the message
-        names the role, rank and the rooms that were in flight.
+    :raises DemoError: a refused option or trace, a worker that died or reported a fatal
+        error, or a run past ``run_timeout_s``; the message names the role, rank and the rooms
+        in flight, or where each open request waits.
     """
     check_options(opts)
-    path = Path(opts.trace) if opts.trace else None
-    try:
-        requests = load_trace(
-            path, limit=opts.requests, scale=opts.scale, max_output=opts.max_output
-        )
-    except (OSError, ValueError) as e:  # TraceFormatError is a ValueError; so is bad UTF-8
-        raise DemoError(f"cannot load the trace: {e}") from e
-    if not requests:
-        raise DemoError(f"the trace {opts.trace or '(bundled sample)'} has no requests")
-    if opts.requests < 1:
-        raise DemoError(f"requests must be >= 1, got {opts.requests}")
-    if len(requests) < opts.requests:
-        log.warning("the trace has %d requests; replaying all of them", len(requests))
+    _need_torch()
+    requests = _load(opts)
+    if progress:
+        name = os.path.basename(opts.trace) if opts.trace else "the bundled trace sample"
+        progress("load", len(requests), len(requests), name)
+    check_schedule(opts, requests)
+    refused = _refuse(opts, requests)
     run = _Run(opts, requests)
     t_start = time.time()
     report: dict[str, Any] = {}
+    clean = False
     try:
         run.spawn()
-        reference: dict[int, list[int]] | None = None
-        if opts.reference:
-            from pdplug_host.reference import reference_run
-
-            reference = reference_run(requests, page_size=opts.page_size)
-        deadline = time.monotonic() + max(120.0, opts.timeout_s * 4)
-        while len(run.ready) < len(run.procs):
+        ref_future = _start_reference(opts, [r for r in requests if r.rid not in refused], progress)
+        startup_s = max(120.0, opts.timeout_s * 4)
+        deadline = time.monotonic() + startup_s
+        n_procs = len(run.procs)
+        if progress:
+            progress("start", 0, n_procs, "")
+        while len(run.ready) < n_procs:
             run.pump(20)
             run.check_alive()
             if progress:
-                progress("start", len(run.ready), len(run.procs))
+                progress("start", len(run.ready), n_procs, "")
             if time.monotonic() > deadline:
                 missing = sorted(set(run.procs) - set(run.ready))
-                raise DemoError(f"workers not ready after start-up timeout: {missing}")
+                raise DemoError(
+                    f"workers not ready {startup_s:.0f} s after start (4 x --timeout, at least "
+                    f"120 s): {missing}{run.logs_hint()}"
+                )
+        reference: dict[int, list[int]] | None = None
+        if ref_future is not None:
+            reference = ref_future.result()  # the thread reports every request to progress
         if on_ready:
             on_ready({k: p.pid for k, p in run.procs.items() if p.pid is not None})
+        for rid, why in refused.items():
+            run.failed[rid] = f"refused: {why}"
         t0 = time.time()
-        order = sorted(requests, key=lambda r: r.arrival_ms)
+        order = sorted((r for r in requests if r.rid not in refused), key=lambda r: r.arrival_ms)
         base_ms = order[0].arrival_ms if order else 0.0
         i = 0
         deadline = time.monotonic() + opts.run_timeout_s
         total = len(requests)
         while len(run.finished) + len(run.failed) < total:
             now = time.time()
-            while i < total and (
+            while i < len(order) and (
                 opts.time_scale <= 0
                 or (order[i].arrival_ms - base_ms) * opts.time_scale / 1000.0 <= now - t0
             ):
@@ -401,16 +518,28 @@ def run_demo(
                     arrival=time.time(),
                 )
                 run.sent_at[r.rid] = msg.arrival
-                run.broadcast(msg)
+                run.waiting_pages[r.rid] = msg
+                run.broadcast(msg, role="decode")
                 i += 1
             run.pump(5)
+            run.route()
             run.check_alive()
             if progress:
-                progress("run", len(run.finished) + len(run.failed), total)
+                ended = len(run.finished) + len(run.failed)
+                note = ""
+                if i < len(order) and len(run.sent_at) + len(refused) == ended:
+                    due = (order[i].arrival_ms - base_ms) * opts.time_scale / 1000.0
+                    note = f"next arrival in {max(0.0, due - (time.time() - t0)):.0f} s"
+                elif run.waiting_pages:
+                    note = f"{len(run.waiting_pages)} waiting for decode pages"
+                elif run.waiting_slot:
+                    note = f"{len(run.waiting_slot)} waiting for a prefill slot"
+                progress("replay", ended, total, note)
             if time.monotonic() > deadline:
                 raise DemoError(
-                    f"run timed out after {opts.run_timeout_s} s; rooms in flight: "
-                    f"{run.in_flight()}"
+                    f"the replay did not finish within --run-timeout {opts.run_timeout_s:g} s: "
+                    f"{len(run.finished)} of {total} requests finished, {len(run.failed)} failed; "
+                    f"{_open_requests(run, order, i, t0, opts)}{run.logs_hint()}"
                 )
         t_end = time.time()
         run.stopping = True
@@ -419,8 +548,13 @@ def run_demo(
         while len(run.stats) < len(run.procs) and time.monotonic() < deadline:
             run.pump(20)
         report = _report(opts, requests, run, reference, t_end - t0, t_end - t_start)
+        report["refused"] = sorted(refused)
+        clean = all(m["rid"] in refused for m in report["mismatches"])
     finally:
         run.close()
+        if run.temp_logs and clean and not opts.keep_logs and run.log_dir:
+            shutil.rmtree(run.log_dir, ignore_errors=True)
+            report["worker_logs"] = None
     return report
 
 
