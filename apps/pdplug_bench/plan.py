@@ -248,31 +248,42 @@ def _packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, 
     show_default=True,
     help="Where KV and the pack buffer live for the packer benchmark.",
 )
-@click.option("--repeats", default=200, show_default=True, help="Timed planner sends.")
-@click.option("--pack-repeats", default=31, show_default=True, help="Timed packs/copies.")
-@click.option("--cached", default=83_264, show_default=True, help="Cached-prefix tokens.")
-@click.option("--unique", default=6_720, show_default=True, help="New tokens.")
-@click.option("--dcp", default=4, show_default=True, help="Decode DCP size.")
-@click.option("--page", default=64, show_default=True, help="Page size (tokens).")
-@click.option("--layers", default=61, show_default=True, help="KV entries (MLA: one per layer).")
-@click.option("--row-bytes", default=576, show_default=True, help="Bytes per token per entry.")
+@click.option("--repeats", default=200, show_default=True, type=click.IntRange(1, 100_000),
+              help="Timed planner sends.")  # fmt: skip
+@click.option("--pack-repeats", default=31, show_default=True, type=click.IntRange(1, 10_000),
+              help="Timed packs/copies.")  # fmt: skip
+@click.option("--cached", default=83_264, show_default=True, type=click.IntRange(0, 1 << 22),
+              help="Cached-prefix tokens.")  # fmt: skip
+@click.option("--unique", default=6_720, show_default=True, type=click.IntRange(1, 1 << 22),
+              help="New tokens.")  # fmt: skip
+@click.option("--dcp", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Decode DCP size.")  # fmt: skip
+@click.option("--page", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="Page size (tokens).")  # fmt: skip
+@click.option("--layers", default=61, show_default=True, type=click.IntRange(1, 1024),
+              help="KV entries (MLA: one per layer).")  # fmt: skip
+@click.option("--row-bytes", default=576, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Bytes per token per entry.")  # fmt: skip
 @click.option(
     "--chunk-bound",
     default=8192,
     show_default=True,
+    type=click.IntRange(1, 1 << 22),
     help="Chunk bound (tokens) sizing the regions: chunk_bound/dcp per rank.",
 )
 @click.option(
     "--pack-layers",
     default=None,
-    type=int,
+    type=click.IntRange(1, 1024),
     help="Entries in the packer benchmark [default: 16 on cpu, --layers on cuda].",
 )
 @click.option("--planner", default="dcp", show_default=True, help="Pack planner name.")
 def cli(json_path: str | None, device: str, repeats: int, pack_repeats: int, **args: Any) -> None:
     """Planner time per send (p50) and packer GB/s vs a plain copy of the same bytes."""
     from pdplug_bench.machine import machine_line, write_json
+    from pdplug_bench.options import component_names
 
+    (args["planner"],) = component_names(args["planner"], "pack_planner", "--planner")
     if device == "cuda":
         import torch
 

@@ -137,6 +137,7 @@ class DecodeRank:
         self.draining: list[tuple[_Req, float]] = []
         self.page_wait: deque[tuple[NewRequest, float]] = deque()  # (request, since)
         self.last_free = time.monotonic()  # a page wait is bounded from the later of the two
+        self.waited_for_pages: set[int] = set()  # requests that found no pages at first
 
     def poll_control(self) -> None:
         """Driver messages, transfer votes and decisions (non-blocking)."""
@@ -202,6 +203,7 @@ class DecodeRank:
             try:
                 pages = self.cache.alloc(pages_needed(n + msg.output_len, vpage))
             except OutOfPagesError:
+                self.waited_for_pages.add(msg.rid)
                 waited = time.monotonic() - max(since, self.last_free)
                 if waited <= self.spec.timeout_s:
                     return
@@ -336,7 +338,10 @@ class DecodeRank:
         self.link.send(Ready(role="decode", rank=self.rank, served_by=self.served_by))
         while self.step():
             pass
-        stats: dict[str, Any] = {"decode_steps": self.steps}
+        stats: dict[str, Any] = {
+            "decode_steps": self.steps,
+            "page_waits": len(self.waited_for_pages),
+        }
         stats.update({f"receiver_{k}": v for k, v in self.receiver.stats().items()})
         stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
         self.link.send(WorkerStats(role="decode", rank=self.rank, stats=stats))

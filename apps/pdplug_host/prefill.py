@@ -191,6 +191,7 @@ class PrefillRank:
         self.split_sends = 0  # sends the scheduler cut into more than one segment
         self.tokens_sent = 0
         self.chunk_sizes: list[int] = []
+        self.waited_for_pages: set[int] = set()  # PP0: requests that found no pages at first
         self.pending_work: list[Any] = []
         self.draining: list[tuple[_Req, float]] = []
         self._next_dump = 0.0
@@ -444,6 +445,7 @@ class PrefillRank:
         if req.pages is None:
             got = self._admit_pages(req)
             if got is None:  # waits for pages that finished requests give back
+                self.waited_for_pages.add(req.rid)
                 time.sleep(0.001)
                 return True
             evicted = got
@@ -557,6 +559,8 @@ class PrefillRank:
             "chunk_max": max(self.chunk_sizes, default=0),
             "tokens_sent": self.tokens_sent,
             "hit_tokens": self.pcache.hit_tokens,
+            "page_waits": len(self.waited_for_pages),
+            "evicted_blocks": self.pcache.evicted_blocks,
         }
         stats.update({f"sender_{k}": v for k, v in self.sender.stats().items()})
         stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
