@@ -10,11 +10,10 @@ __all__ = ["component_names", "number_list", "variant_pairs"]
 
 def _resolve(point: str, name: str, option: str) -> None:
     """Refuse ``name`` unless the plugin manager can build it for ``point``."""
-    from pdplug import PdplugError
-    from pdplug.manager import get_plugin_manager
+    from pdplug import PdplugError, PluginManager
 
-    try:
-        get_plugin_manager().resolve(point, name)
+    try:  # a fresh manager: this environment's PDPLUG_* switches apply
+        PluginManager().resolve(point, name)
     except PdplugError as e:
         raise click.BadParameter(str(e), param_hint=f"'{option}'") from None
 

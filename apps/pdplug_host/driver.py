@@ -101,11 +101,13 @@ def check_options(opts: DemoOptions) -> None:
     :raises DemoError: a size or wait out of bounds, an unknown/blocked/failed component, or a
         planner that cannot plan for this prefill PP / decode DCP geometry.
     """
-    from pdplug import KVLayout, PdplugError, PlannerConfig, SendChunk
-    from pdplug.manager import get_plugin_manager
+    from pdplug import KVLayout, PdplugError, PlannerConfig, PluginManager, SendChunk
 
     check_sizes(opts)
-    pm = get_plugin_manager()
+    try:  # a manager of its own, as every worker builds: this environment's switches apply
+        pm = PluginManager()
+    except PdplugError as e:
+        raise DemoError(str(e)) from e
     names = _names(opts)
     try:
         for point in ("consensus", "kv_sender", "pack_planner", "scheduler"):
@@ -460,13 +462,13 @@ def run_demo(
         in flight, or where each open request waits.
     """
     check_options(opts)
-    _need_torch()
     requests = _load(opts)
     if progress:
         name = os.path.basename(opts.trace) if opts.trace else "the bundled trace sample"
         progress("load", len(requests), len(requests), name)
     check_schedule(opts, requests)
     refused = _refuse(opts, requests)
+    _need_torch()
     run = _Run(opts, requests)
     t_start = time.time()
     report: dict[str, Any] = {}

@@ -11,8 +11,8 @@ import msgspec
 import zmq
 
 from pdplug.config import WireConfig
+from pdplug_host.config import ModelConfig
 from pdplug_host.messages import Fatal, to_driver_codec, to_worker_codec
-from pdplug_host.model import ModelConfig
 
 __all__ = [
     "POINTS",
