@@ -1,21 +1,7 @@
-"""The reference host's driver: spawns PP prefill and DCP decode workers, replays a trace,
-checks every request's tokens against a single-process reference run, and reports TTFT.
-
-TTFT of a request = arrival at the driver → its transfer decision applied on decode DCP rank 0
-(the first token is then ready to stream). The breakdown (milliseconds):
-
-* ``queue``: arrival → every prefill rank locally ready (decode ranks found pages, agreed on
-  preallocation and sent their destinations; the driver routes a request to the prefill ranks
-  only then), plus bootstrap decision → first chunk scheduled on PP0 (waiting for prefill
-  pages included);
-* ``consensus``: last prefill rank ready → bootstrap decision applied on PP0, plus last decode
-  rank's KV complete → transfer decision applied on decode rank 0;
-* ``prefill``: forward compute of the request's chunks, summed over PP ranks;
-* ``send``: the host's time inside the KV sender's ``send`` calls (the hand-off to the sender's
-  engine thread), max over PP ranks. Planning, packing and posting run on the sender's threads:
-  for segments sent while prefill goes on they overlap it and appear in no part; for the final
-  segment they are inside ``transfer``;
-* ``transfer``: last prefill rank's final ``send`` → KV complete on the last decode rank.
+"""The reference host's driver: spawns PP prefill and DCP decode workers, replays a trace
+(routing each request to decode, then to prefill once its pages and a prefill slot are there),
+checks every request's tokens against a single-process reference run, and reports TTFT (see
+:mod:`pdplug_host.report`).
 """
 
 from __future__ import annotations
@@ -29,18 +15,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from pdplug.bootstrap import RendezvousServer
 from pdplug.config import WireConfig
 from pdplug.ports import free_ports
 from pdplug.types import pages_to_bytes
-from pdplug_host.config import ModelConfig, layer_split
+from pdplug_host.config import ModelConfig
 from pdplug_host.messages import (
     Fatal,
     Finished,
@@ -57,14 +41,17 @@ from pdplug_host.messages import (
     to_worker_codec,
 )
 from pdplug_host.options import (
-    DEFAULT_REQUESTS,
     DemoError,
     DemoOptions,
+    check_options,
     check_schedule,
-    refusals,
+    load_requests,
+    need_torch,
+    refuse,
+    selected_names,
 )
-from pdplug_host.options import check_options as check_sizes
-from pdplug_host.trace import TraceRequest, block_hash_chain, load_trace, prompt_tokens
+from pdplug_host.report import RunRecord, build_report
+from pdplug_host.trace import TraceRequest, block_hash_chain, prompt_tokens
 from pdplug_host.worker import WorkerSpec
 
 __all__ = ["DemoOptions", "DemoError", "Progress", "run_demo", "check_options"]
@@ -76,75 +63,6 @@ log = logging.getLogger(__name__)
 #: ready), ``"replay"`` (requests finished or failed); ``note`` says what the phase waits for
 #: (e.g. the next arrival)
 Progress = Callable[[str, int, int, str], None]
-
-
-def _names(opts: DemoOptions) -> dict[str, str]:
-    """Explicit selections only (``None`` options fall back to ``PDPLUG_*`` / the defaults in
-    every worker, exactly as in this process)."""
-    chosen = {
-        "consensus": opts.consensus,
-        "kv_sender": opts.kv_sender,
-        "pack_planner": opts.pack_planner,
-        "scheduler": opts.scheduler,
-    }
-    return {k: v for k, v in chosen.items() if v}
-
-
-def check_options(opts: DemoOptions) -> None:
-    """Refuse a configuration before any worker starts (seconds, not a timeout later).
-
-    Checks every size and wait against its bound (:func:`pdplug_host.options.check_options`),
-    resolves every selected name through the plugin manager and dry-runs the pack planner on
-    the demo's prefill and decode layouts, so e.g. the identity ``tp`` planner with a DCP
-    decode is refused with the planner's own message.
-
-    :raises DemoError: a size or wait out of bounds, an unknown/blocked/failed component, or a
-        planner that cannot plan for this prefill PP / decode DCP geometry.
-    """
-    from pdplug import KVLayout, PdplugError, PlannerConfig, PluginManager, SendChunk
-
-    check_sizes(opts)
-    try:  # a manager of its own, as every worker builds: this environment's switches apply
-        pm = PluginManager()
-    except PdplugError as e:
-        raise DemoError(str(e)) from e
-    names = _names(opts)
-    try:
-        for point in ("consensus", "kv_sender", "pack_planner", "scheduler"):
-            pm.resolve(point, names.get(point))
-        planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
-        cfg = ModelConfig()
-        lo, hi = layer_split(cfg.num_layers, opts.prefill_pp)[0]
-        bpt = (cfg.kv_bytes_per_token,)
-        src = KVLayout(
-            page_size=opts.page_size,
-            entry_bytes_per_token=bpt * 2 * (hi - lo),
-            dtype=cfg.dtype,
-            pp_size=opts.prefill_pp,
-            first_layer=lo,
-            num_layers=hi - lo,
-        )
-        n = opts.page_size * opts.decode_dcp
-        pages = np.arange(1, dtype=np.int64)
-        for r in range(opts.decode_dcp):
-            dst = KVLayout(
-                page_size=opts.page_size,
-                entry_bytes_per_token=bpt * 2 * cfg.num_layers,
-                dtype=cfg.dtype,
-                dcp_size=opts.decode_dcp,
-                dcp_rank=r,
-                num_layers=cfg.num_layers,
-            )
-            chunk = SendChunk(
-                room=0, src_pages=np.arange(opts.decode_dcp), dst_pages=pages, num_tokens=n
-            )
-            planner.plan(chunk, src, dst, r, None)
-    except PdplugError as e:
-        raise DemoError(str(e)) from e
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
 class _Run:
@@ -184,7 +102,7 @@ class _Run:
 
     def spawn(self) -> None:
         o = self.opts
-        names = _names(o)
+        names = selected_names(o)
         model = ModelConfig()
         block_tokens = self.requests[0].block_tokens if self.requests else 16
         ports = free_ports(o.prefill_pp + o.decode_dcp + 2)
@@ -344,49 +262,6 @@ class _Run:
         self.server.stop()
 
 
-def _need_torch() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        raise DemoError("the demo needs torch: pip install 'pdplug[torch]' (or torch itself)")
-
-
-def _load(opts: DemoOptions) -> list[TraceRequest]:
-    path = Path(opts.trace) if opts.trace else None
-    limit = opts.requests if opts.requests is not None else DEFAULT_REQUESTS
-    try:
-        requests = load_trace(path, limit=limit, scale=opts.scale, max_output=opts.max_output)
-    except (OSError, ValueError) as e:  # TraceFormatError is a ValueError
-        raise DemoError(f"cannot load the trace: {e}") from e
-    if not requests:
-        raise DemoError(f"the trace {opts.trace or '(bundled sample)'} has no requests")
-    if opts.requests is not None and len(requests) < opts.requests:
-        log.warning(
-            "the trace has %d requests; replaying all of them (--requests %d)",
-            len(requests),
-            opts.requests,
-        )
-    return requests
-
-
-def _refuse(opts: DemoOptions, requests: list[TraceRequest]) -> dict[int, str]:
-    refused = refusals(opts, requests)
-    if refused and len(refused) == len(requests):
-        rid, why = next(iter(refused.items()))
-        raise DemoError(f"no request fits the KV cache: request {rid}: {why}")
-    if refused:
-        rid, why = next(iter(refused.items()))
-        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-        log.warning(
-            "request %d is refused: %s%s; the other %d run",
-            rid,
-            why,
-            more,
-            len(requests) - len(refused),
-        )
-    return refused
-
-
 def _start_reference(
     opts: DemoOptions, requests: list[TraceRequest], progress: Progress | None
 ) -> Future[dict[int, list[int]]] | None:
@@ -462,13 +337,13 @@ def run_demo(
         in flight, or where each open request waits.
     """
     check_options(opts)
-    requests = _load(opts)
+    requests = load_requests(opts)
     if progress:
         name = os.path.basename(opts.trace) if opts.trace else "the bundled trace sample"
         progress("load", len(requests), len(requests), name)
     check_schedule(opts, requests)
-    refused = _refuse(opts, requests)
-    _need_torch()
+    refused = refuse(opts, requests)
+    need_torch()
     run = _Run(opts, requests)
     t_start = time.time()
     report: dict[str, Any] = {}
@@ -494,7 +369,10 @@ def run_demo(
                 )
         reference: dict[int, list[int]] | None = None
         if ref_future is not None:
-            reference = ref_future.result()  # the thread reports every request to progress
+            try:  # the thread reported every request to progress
+                reference = ref_future.result()
+            except Exception as e:
+                raise DemoError(f"the reference run failed: {type(e).__name__}: {e}") from e
         if on_ready:
             on_ready({k: p.pid for k, p in run.procs.items() if p.pid is not None})
         for rid, why in refused.items():
@@ -549,7 +427,22 @@ def run_demo(
         deadline = time.monotonic() + opts.timeout_s
         while len(run.stats) < len(run.procs) and time.monotonic() < deadline:
             run.pump(20)
-        report = _report(opts, requests, run, reference, t_end - t0, t_end - t_start)
+        report = build_report(
+            opts,
+            requests,
+            RunRecord(
+                finished=run.finished,
+                failed=run.failed,
+                timings=run.timings,
+                sent_at=run.sent_at,
+                stats=run.stats,
+                served_by=next(iter(run.ready.values())).served_by if run.ready else {},
+                log_dir=run.log_dir,
+            ),
+            reference,
+            t_end - t0,
+            t_end - t_start,
+        )
         report["refused"] = sorted(refused)
         clean = all(m["rid"] in refused for m in report["mismatches"])
     finally:
@@ -558,98 +451,3 @@ def run_demo(
             shutil.rmtree(run.log_dir, ignore_errors=True)
             report["worker_logs"] = None
     return report
-
-
-def _report(
-    opts: DemoOptions,
-    requests: list[TraceRequest],
-    run: _Run,
-    reference: dict[int, list[int]] | None,
-    serve_s: float,
-    wall_s: float,
-) -> dict[str, Any]:
-    mismatches: list[dict[str, Any]] = []
-    ok = 0
-    for r in requests:
-        got = run.finished.get(r.rid)
-        if got is None:
-            mismatches.append({"rid": r.rid, "error": run.failed.get(r.rid, "not finished")})
-            continue
-        if reference is None:
-            continue
-        want = reference[r.rid]
-        if got == want:
-            ok += 1
-            continue
-        pos = next(
-            (i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want))
-        )
-        mismatches.append(
-            {
-                "rid": r.rid,
-                "position": pos,
-                "got": got[pos] if pos < len(got) else None,
-                "want": want[pos] if pos < len(want) else None,
-            }
-        )
-    ttft: list[float] = []
-    parts: dict[str, list[float]] = {
-        k: [] for k in ("queue", "consensus", "prefill", "send", "transfer")
-    }
-    for r in requests:
-        ts = run.timings.get(r.rid, [])
-        pre = [t.fields for t in ts if t.role == "prefill"]
-        dec = [t.fields for t in ts if t.role == "decode"]
-        arrival = run.sent_at.get(r.rid)
-        d0 = next((t.fields for t in ts if t.role == "decode" and t.rank == 0), None)
-        if not pre or not dec or arrival is None or d0 is None or "t_decided" not in d0:
-            continue
-        ttft.append((d0["t_decided"] - arrival) * 1e3)
-        ready = max(f.get("t_ready", arrival) for f in pre)
-        p0 = next(t.fields for t in ts if t.role == "prefill" and t.rank == 0)
-        admit = p0.get("t_admit", ready)
-        first_chunk = p0.get("t_first_chunk", admit)
-        success = max(f.get("t_success", d0["t_decided"]) for f in dec)
-        last_send = max(f.get("t_last_send", admit) for f in pre)
-        parts["queue"].append(((ready - arrival) + max(0.0, first_chunk - admit)) * 1e3)
-        parts["consensus"].append(
-            (max(0.0, admit - ready) + max(0.0, d0["t_decided"] - success)) * 1e3
-        )
-        parts["prefill"].append(sum(f.get("compute_s", 0.0) for f in pre) * 1e3)
-        parts["send"].append(max(f.get("send_s", 0.0) for f in pre) * 1e3)
-        parts["transfer"].append(max(0.0, success - last_send) * 1e3)
-    prefill_stats = [s for (role, _), s in run.stats.items() if role == "prefill"]
-    bytes_tx = sum(int(s.get("sender_bytes", 0)) for s in prefill_stats)
-    # every PP rank ships the same tokens (its own layers): count them once
-    tokens_tx = max((int(s.get("tokens_sent", 0)) for s in prefill_stats), default=0)
-    segments = max((int(s.get("segments", 0)) for s in prefill_stats), default=0)
-    split_sends = max((int(s.get("split_sends", 0)) for s in prefill_stats), default=0)
-    p0 = run.stats.get(("prefill", 0), {})
-    hit_tokens = max((int(s.get("hit_tokens", 0)) for s in prefill_stats), default=0)
-    served = next(iter(run.ready.values())).served_by if run.ready else {}
-    out_tokens = sum(len(v) for v in run.finished.values())
-    return {
-        "requests": len(requests),
-        "finished": len(run.finished),
-        "failed": len(run.failed),
-        "parity_ok": ok,
-        "mismatches": mismatches,
-        "plugins": served,
-        "ttft_ms": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
-        "breakdown_ms": {k: {"p50": _pct(v, 50), "p99": _pct(v, 99)} for k, v in parts.items()},
-        "prefix_hit_tokens": hit_tokens,
-        "tokens_transferred": tokens_tx,
-        "bytes_transferred": bytes_tx,
-        "segments": segments,
-        "split_sends": split_sends,
-        "chunks": {k: int(p0.get(f"chunk{k}", 0)) for k in ("s", "_min", "_max")},
-        "serve_s": serve_s,
-        "wall_s": wall_s,
-        "throughput": {
-            "requests_per_s": len(run.finished) / serve_s if serve_s > 0 else 0.0,
-            "output_tokens_per_s": out_tokens / serve_s if serve_s > 0 else 0.0,
-        },
-        "config": msgspec.to_builtins(opts),
-        "worker_logs": run.log_dir,
-        "worker_stats": {f"{k[0]}{k[1]}": v for k, v in run.stats.items()},
-    }

@@ -7,13 +7,16 @@ of failing later inside a worker or waiting silently.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
+import numpy as np
 
-from pdplug_host.config import ModelConfig, pages_needed
-from pdplug_host.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from pdplug_host.config import ModelConfig, layer_split, pages_needed
+from pdplug_host.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 
 __all__ = [
     "BOUNDS",
@@ -23,9 +26,16 @@ __all__ = [
     "DemoOptions",
     "check_options",
     "check_schedule",
+    "check_sizes",
     "kv_memory_bytes",
+    "load_requests",
+    "need_torch",
     "refusals",
+    "refuse",
+    "selected_names",
 ]
+
+log = logging.getLogger("pdplug_host.driver")
 
 #: requests replayed when ``DemoOptions.requests`` is None
 DEFAULT_REQUESTS = 32
@@ -134,7 +144,7 @@ def _physical_memory() -> int | None:
         return None
 
 
-def check_options(opts: DemoOptions) -> None:
+def check_sizes(opts: DemoOptions) -> None:
     """Refuse sizes and waits out of their bounds, before any worker starts.
 
     :raises DemoError: the first field out of :data:`BOUNDS`, a scale not in :data:`SCALES`,
@@ -222,3 +232,123 @@ def check_schedule(opts: DemoOptions, requests: Sequence[TraceRequest]) -> None:
             f"{opts.time_scale:g}), past --run-timeout {opts.run_timeout_s:g} s; use "
             f"--time-scale {fit:.3g} or less, --no-arrivals, or a longer --run-timeout"
         )
+
+
+def selected_names(opts: DemoOptions) -> dict[str, str]:
+    """Explicit selections only (``None`` options fall back to ``PDPLUG_*`` / the defaults in
+    every worker, exactly as in this process)."""
+    chosen = {
+        "consensus": opts.consensus,
+        "kv_sender": opts.kv_sender,
+        "pack_planner": opts.pack_planner,
+        "scheduler": opts.scheduler,
+    }
+    return {k: v for k, v in chosen.items() if v}
+
+
+def check_options(opts: DemoOptions) -> None:
+    """Refuse a configuration before any worker starts (seconds, not a timeout later).
+
+    Checks every size and wait against its bound (:func:`check_sizes`),
+    resolves every selected name through the plugin manager and dry-runs the pack planner on
+    the demo's prefill and decode layouts, so e.g. the identity ``tp`` planner with a DCP
+    decode is refused with the planner's own message.
+
+    :raises DemoError: a size or wait out of bounds, an unknown/blocked/failed component, or a
+        planner that cannot plan for this prefill PP / decode DCP geometry.
+    """
+    from pdplug import KVLayout, PdplugError, PlannerConfig, PluginManager, SendChunk
+
+    check_sizes(opts)
+    try:  # a manager of its own, as every worker builds: this environment's switches apply
+        pm = PluginManager()
+    except PdplugError as e:
+        raise DemoError(str(e)) from e
+    names = selected_names(opts)
+    try:
+        for point in ("consensus", "kv_sender", "pack_planner", "scheduler"):
+            pm.resolve(point, names.get(point))
+        planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
+        cfg = ModelConfig()
+        lo, hi = layer_split(cfg.num_layers, opts.prefill_pp)[0]
+        bpt = (cfg.kv_bytes_per_token,)
+        src = KVLayout(
+            page_size=opts.page_size,
+            entry_bytes_per_token=bpt * 2 * (hi - lo),
+            dtype=cfg.dtype,
+            pp_size=opts.prefill_pp,
+            first_layer=lo,
+            num_layers=hi - lo,
+        )
+        n = opts.page_size * opts.decode_dcp
+        pages = np.arange(1, dtype=np.int64)
+        for r in range(opts.decode_dcp):
+            dst = KVLayout(
+                page_size=opts.page_size,
+                entry_bytes_per_token=bpt * 2 * cfg.num_layers,
+                dtype=cfg.dtype,
+                dcp_size=opts.decode_dcp,
+                dcp_rank=r,
+                num_layers=cfg.num_layers,
+            )
+            chunk = SendChunk(
+                room=0, src_pages=np.arange(opts.decode_dcp), dst_pages=pages, num_tokens=n
+            )
+            planner.plan(chunk, src, dst, r, None)
+    except PdplugError as e:
+        raise DemoError(str(e)) from e
+
+
+def need_torch() -> None:
+    """:raises DemoError: torch is not installed (the workers and the reference need it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise DemoError("the demo needs torch: pip install 'pdplug[torch]' (or torch itself)")
+
+
+def load_requests(opts: DemoOptions) -> list[TraceRequest]:
+    """The requests of the run: the first ``opts.requests`` (default :data:`DEFAULT_REQUESTS`)
+    of the trace, scaled; a ``warning`` log line when ``--requests`` asked for more than the
+    trace has.
+
+    :raises DemoError: the trace cannot be read or parsed (the message names the file and the
+        expected format), or has no requests.
+    """
+    path = Path(opts.trace) if opts.trace else None
+    limit = opts.requests if opts.requests is not None else DEFAULT_REQUESTS
+    try:
+        requests = load_trace(path, limit=limit, scale=opts.scale, max_output=opts.max_output)
+    except (OSError, ValueError) as e:  # TraceFormatError is a ValueError
+        raise DemoError(f"cannot load the trace: {e}") from e
+    if not requests:
+        raise DemoError(f"the trace {opts.trace or '(bundled sample)'} has no requests")
+    if opts.requests is not None and len(requests) < opts.requests:
+        log.warning(
+            "the trace has %d requests; replaying all of them (--requests %d)",
+            len(requests),
+            opts.requests,
+        )
+    return requests
+
+
+def refuse(opts: DemoOptions, requests: list[TraceRequest]) -> dict[int, str]:
+    """:func:`refusals`, with one ``warning`` log line naming the first refused request.
+
+    :raises DemoError: no request fits at all.
+    """
+    refused = refusals(opts, requests)
+    if refused and len(refused) == len(requests):
+        rid, why = next(iter(refused.items()))
+        raise DemoError(f"no request fits the KV cache: request {rid}: {why}")
+    if refused:
+        rid, why = next(iter(refused.items()))
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        log.warning(
+            "request %d is refused: %s%s; the other %d run",
+            rid,
+            why,
+            more,
+            len(requests) - len(refused),
+        )
+    return refused

@@ -166,3 +166,67 @@ def test_bad_trace_files_name_the_file_and_the_format(
     assert out.startswith("error: ") or "\nerror: " in out, out
     for needle in needles:
         assert needle in out, out
+
+
+def _fake_report() -> dict[str, object]:
+    ms = {"p50": 12.5, "p99": 40.0}
+    return {
+        "config": {"prefill_pp": 2, "decode_dcp": 2, "scale": 32, "max_output": 16},
+        "requests": 32,
+        "parity_ok": 32,
+        "refused": [],
+        "prefix_hit_tokens": 496,
+        "tokens_transferred": 13828,
+        "bytes_transferred": 27 * 2**20,
+        "segments": 215,
+        "split_sends": 92,
+        "chunks": {"s": 123, "_min": 2, "_max": 128},
+        "ttft_ms": ms,
+        "breakdown_ms": {k: ms for k in ("queue", "consensus", "prefill", "send", "transfer")},
+        "throughput": {"requests_per_s": 3.3, "output_tokens_per_s": 52.0},
+        "serve_s": 9.6,
+        "wall_s": 25.0,
+        "plugins": {"consensus": {"name": "pp0", "distribution": "pdplug", "version": "0.1.0"}},
+        "worker_logs": None,
+    }
+
+
+def test_the_report_explains_itself(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdplug_host.cli import print_report
+
+    monkeypatch.setenv("COLUMNS", "250")
+    print_report(_fake_report())
+    out = " ".join(capsys.readouterr().out.split())
+    for needle in (
+        "inputs scaled 1/32 (a 512-token trace block -> 16 tokens), outputs capped at 16 tokens",
+        "215 (92) │ KV segments posted; in parentheses the sends cut at the pack-region capacity",
+        "123 (2-128) │ chunked-prefill steps on PP0; in parentheses the smallest-largest chunk",
+        "each TTFT part is its own p50 / p99: the parts do not add up to TTFT",
+        "A tiny 4-layer Llama with random weights",
+    ):
+        assert needle in out, out
+
+
+def test_the_run_timeout_says_where_each_open_request_waits() -> None:
+    from types import SimpleNamespace
+
+    from pdplug_host.driver import _open_requests
+    from pdplug_host.options import DemoOptions
+    from pdplug_host.trace import load_trace
+
+    order = load_trace(limit=8)
+    run = SimpleNamespace(
+        finished={0: [1]},
+        failed={1: "x"},
+        waiting_pages={5: None},
+        waiting_slot={4: None},
+        prefilled={2},
+        at_prefill=lambda: {3},
+    )
+    msg = _open_requests(run, order, 6, 0.0, DemoOptions(time_scale=2.0))  # type: ignore[arg-type]
+    assert "waiting for decode pages: [5]" in msg and "waiting for a prefill slot: [4]" in msg
+    assert "in prefill: [3]" in msg and "in transfer or decode: [2]" in msg
+    due = (order[6].arrival_ms - order[0].arrival_ms) * 2.0 / 1000
+    assert f"2 not yet arrived (next due at {due:.0f} s" in msg and "--time-scale 2" in msg
