@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -225,6 +226,13 @@ def demo(requests: int | None, json_path: str | None, **kw: Any) -> None:
             rep = run_demo(opts, progress)
         except (DemoError, PdplugError, ValueError) as e:  # a clear line, never a traceback
             error = str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
+        except Exception as e:  # unexpected: still one line; the traceback when debugging
+            if os.environ.get("PDPLUG_LOG_LEVEL", "").upper() == "DEBUG":
+                raise
+            error = (
+                f"{type(e).__name__}: {e} (unexpected; PDPLUG_LOG_LEVEL=DEBUG shows the "
+                "traceback)"
+            )
     if error:  # printed once the bars are gone: one line, nothing after it
         _fail(error)
     print_report(rep)
