@@ -339,7 +339,7 @@ class PrefillRank:
             not come back within twice the timeout.
         """
         n = int(req.tokens.numel())
-        deadline = time.monotonic() + 2 * self.spec.timeout_s + 5.0
+        deadline = time.monotonic() + self._page_wait_s
         while not self.pcache.evict_blocks(evicted):
             self._wait_pages(deadline, req)
         hit, hit_pages = self.pcache.match(req.chain, max_tokens=n - 1)
@@ -355,11 +355,16 @@ class PrefillRank:
         req.hit = hit
         req.computed = hit
 
+    @property
+    def _page_wait_s(self) -> float:
+        # a release decision plus the drain of its writes, each bounded by the timeout
+        return 2 * self.spec.timeout_s + 5.0
+
     def _wait_pages(self, deadline: float, req: _Req) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"prefill rank {self.rank}: pages for request {req.rid} did not come back "
-                f"within {deadline:.0f} s although PP0 had them"
+                f"within {self._page_wait_s:.0f} s although PP0 had them"
             )
         self.poll_control()
         time.sleep(0.0005)
