@@ -230,8 +230,7 @@ def demo(requests: int | None, json_path: str | None, **kw: Any) -> None:
             if os.environ.get("PDPLUG_LOG_LEVEL", "").upper() == "DEBUG":
                 raise
             error = (
-                f"{type(e).__name__}: {e} (unexpected; PDPLUG_LOG_LEVEL=DEBUG shows the "
-                "traceback)"
+                f"{type(e).__name__}: {e} (unexpected; PDPLUG_LOG_LEVEL=DEBUG shows the traceback)"
             )
     if error:  # printed once the bars are gone: one line, nothing after it
         _fail(error)
