@@ -136,6 +136,10 @@ def _compat(compat: Compat, local: PeerInfo, remote: PeerInfo) -> list[str]:
         return [f"compat check raised {type(e).__name__}: {e}"]
 
 
+def _dcp_too_large(dcp: int, limit: int) -> str:
+    return f"dcp_size: remote {dcp} exceeds this prefill rank's KVConfig.max_dst_dcp={limit}"
+
+
 def check_decode_peer(
     local: PeerInfo,
     remote: PeerInfo,
@@ -146,7 +150,9 @@ def check_decode_peer(
     max_dst_dcp: int,
     region_nbytes: int | None,
 ) -> tuple[list[str], np.ndarray | None, bool]:
-    """The prefill side's check of a decode rank's Hello.
+    """The prefill side's check of a decode rank's Hello: every reason it cannot serve the
+    peer (identity, TP routing, the compat function, entry bases, DCP size), then what its
+    planner and pack buffer find about the pair when nothing else did.
 
     :param local: this prefill rank's PeerInfo; ``remote``: the decode rank's.
     :param backend: this rank's engine name.
@@ -158,20 +164,19 @@ def check_decode_peer(
     """
     tp = tp_routing(local.layout, remote.layout)
     out = _identity(remote, "decode", backend, tp) + _compat(compat, local, remote)
-    if out:
-        return out, None, False
     rl, ll = remote.layout, local.layout
     if len(remote.entry_base) != rl.num_entries:
         out.append(f"entry_base: {len(remote.entry_base)} addresses for {rl.num_entries} entries")
+    if out:  # the planner cannot judge such a pair; name what it would have found alone
+        if rl.dcp_size > max_dst_dcp:  # a DCP destination is always packed
+            out.append(_dcp_too_large(rl.dcp_size, max_dst_dcp))
+        return out, None, False
     try:
         emap = entry_map(ll, rl)
         relayout = planner.needs_relayout(ll, rl)
         if relayout:
             if rl.dcp_size > max_dst_dcp:
-                out.append(
-                    f"dcp_size: remote {rl.dcp_size} exceeds this prefill rank's "
-                    f"KVConfig.max_dst_dcp={max_dst_dcp}"
-                )
+                out.append(_dcp_too_large(rl.dcp_size, max_dst_dcp))
             elif region_nbytes is not None:
                 planner.capacity_tokens(ll, rl, region_nbytes)
             else:
