@@ -13,6 +13,8 @@ from click.testing import CliRunner
 
 from pdplug_bench.plan import cli
 
+pytestmark = pytest.mark.torch  # the bench packs torch tensors
+
 SMALL = ["--cached", "1024", "--unique", "1000", "--chunk-bound", "512", "--layers", "2",
          "--pack-layers", "2", "--repeats", "2", "--pack-repeats", "1", "--kv-heads", "4",
          "--head-bytes", "64", "--page", "16"]  # fmt: skip
