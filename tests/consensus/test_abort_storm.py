@@ -15,6 +15,7 @@ from .ranks import Instance, check_agreement, run_group, scenario
 DEADLINE = 2.5
 
 
+@pytest.mark.slow  # multi-process; the py310/312/313 core envs skip it
 @pytest.mark.timeout(60)
 def test_abort_storm_pp4_1000_requests() -> None:
     size, n = 4, 1000

@@ -14,6 +14,7 @@ from .ranks import Instance, check_agreement, run_group, scenario
 DEADLINE = 2.5
 
 
+@pytest.mark.slow  # multi-process; the py310/312/313 core envs skip it
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_identical_sequences_pp0_and_ring(size: int) -> None:
@@ -59,6 +60,7 @@ def test_identical_sequences_pp0_and_ring(size: int) -> None:
         assert res[0].stats["dropped"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_one_rank_fails_locally_is_bad_everywhere() -> None:
     """Rank 2 has no free metadata slot for rid 5 (votes bad) while every other rank is
@@ -89,6 +91,7 @@ def test_one_rank_fails_locally_is_bad_everywhere() -> None:
             assert (good, bad) == ({4, 6}, {5}), (k, r, good, bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_host_relay_carries_pp0_decisions() -> None:
     """A relay over multiprocessing pipes replaces the ZMQ fan-out: same agreement, and every

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from pdplug.cli import main
 
 
+@pytest.mark.slow  # multi-process; the py310/312/313 core envs skip it
 @pytest.mark.timeout(60)
 def test_bench_consensus_smoke(tmp_path) -> None:
     out = tmp_path / "cons.json"

@@ -12,6 +12,7 @@ from .ranks import Instance, run_group, scenario
 TIMEOUT, HB = 2.0, 0.2
 
 
+@pytest.mark.slow  # multi-process; the py310/312/313 core envs skip it
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("victim", [2, 0], ids=["follower", "leader"])
 def test_killed_rank_is_reported(victim: int) -> None:

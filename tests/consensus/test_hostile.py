@@ -73,6 +73,7 @@ def _dealer(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) ->
     return s
 
 
+@pytest.mark.slow  # multi-process; the py310/312/313 core envs skip it
 @pytest.mark.timeout(90)
 def test_junk_forged_and_foreign_frames_dropped_and_counted() -> None:
     size, impls = 3, ("pp0", "ring")
@@ -128,6 +129,7 @@ def test_junk_forged_and_foreign_frames_dropped_and_counted() -> None:
         assert later, f"{impl}: no decision after the injection"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_routing_id_squatter_cannot_halt_consensus() -> None:
     """A keyless process connects to every peer of rank 1 with routing id ``r1`` before rank
@@ -187,6 +189,7 @@ def _record_dead_report(eps: tuple[str, ...]) -> list[bytes]:
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_replayed_dead_report_cannot_evict_a_peer() -> None:
     """A keyless process replays, to rank 1, PP0's recorded dead-rank report from an earlier
@@ -215,6 +218,7 @@ def test_replayed_dead_report_cannot_evict_a_peer() -> None:
     assert st["dropped"] == len(recorded), st
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_oversized_frame_is_never_buffered() -> None:
     """A frame above max_message_bytes (but below the old 2x memory guard) is refused by
