@@ -160,8 +160,7 @@ class PagedKVCache:
     layer.K, layer.V, next layer.K, …; each entry viewed as uint8 rows
     ``[num_pages * page_size, bytes_per_token]`` (``entry_rows``) aliases the cache memory.
 
-    Raises:
-        ValueError: non-positive ``num_pages``/``page_size`` or a layer range outside the model.
+    :raises ValueError: non-positive ``num_pages``/``page_size`` or a layer range outside the model.
     """
 
     def __init__(
@@ -325,15 +324,15 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query softmax attention returning the output and its log-sum-exp.
 
-    Args:
-        q: [T, num_heads, D]; k, v: [S, num_kv_heads, D] (same dtype as q).
-        q_pos, k_pos: int64 [T] and [S] token positions, ``k_pos`` ascending; key j is visible
-            to query t iff ``k_pos[j] <= q_pos[t]``. Both None: every key is visible (DCP
-            partials).
-
-    Returns:
-        ``(out [T, num_heads, D], lse [T, num_heads])`` where lse is the natural-log sum of
-        exp(scaled scores) over visible keys. ``S == 0`` gives zeros and lse = -inf, which
+    :param q: [T, num_heads, D] queries.
+    :param k: [S, num_kv_heads, D] keys (same dtype as ``q``).
+    :param v: [S, num_kv_heads, D] values (same dtype as ``q``).
+    :param q_pos: int64 [T] query token positions; query t sees key j iff
+        ``k_pos[j] <= q_pos[t]``. ``q_pos`` and ``k_pos`` both None: every key is visible (DCP
+        partials).
+    :param k_pos: int64 [S] key token positions, ascending.
+    :returns: ``(out [T, num_heads, D], lse [T, num_heads])`` where lse is the natural-log sum
+        of exp(scaled scores) over visible keys. ``S == 0`` gives zeros and lse = -inf, which
         ``merge_attention`` weights as zero. Each query must see at least one key otherwise.
     """
     t, h, d = q.shape
@@ -370,12 +369,10 @@ def merge_attention(
 ) -> torch.Tensor:
     """Merge partial attention outputs over disjoint key sets using their log-sum-exp.
 
-    Args:
-        outs: P partials, each [..., num_heads, D] (or one stacked [P, ..., num_heads, D]).
-        lses: P matching [..., num_heads] (or stacked [P, ..., num_heads]); -inf = empty partial.
+    :param outs: P partials, each [..., num_heads, D] (or one stacked [P, ..., num_heads, D]).
+    :param lses: P matching [..., num_heads] (or stacked [P, ..., num_heads]); -inf = empty partial.
 
-    Returns:
-        [..., num_heads, D]: ``sum_p exp(lse_p - M) out_p / sum_p exp(lse_p - M)`` with
+    :returns: [..., num_heads, D]: ``sum_p exp(lse_p - M) out_p / sum_p exp(lse_p - M)`` with
         ``M = max_p lse_p``, summed in rank order (identical on every rank given the same list).
     """
     o = torch.stack(list(outs)) if not isinstance(outs, torch.Tensor) else outs
@@ -410,17 +407,14 @@ def run_layers(
     tokens are written into ``cache`` at their slots, then each new token attends causally over
     its request's positions ``[0, pos]`` read back from the cache.
 
-    Args:
-        hidden: [sum(span.length), hidden] ``compute_dtype``, rows in span order (from ``embed``
-            on the first rank, from the previous rank otherwise).
-        spans: one ``SeqSpan`` per request in the batch (page ids on *this* cache).
+    :param hidden: [sum(span.length), hidden] ``compute_dtype``, rows in span order (from ``embed``
+        on the first rank, from the previous rank otherwise).
+    :param spans: one ``SeqSpan`` per request in the batch (page ids on *this* cache).
 
-    Returns:
-        Hidden states [sum(span.length), hidden] after the last layer of the range (before the
+    :returns: Hidden states [sum(span.length), hidden] after the last layer of the range (before the
         final norm; pass them to the next rank, or to ``final_logits`` on the last rank).
 
-    Raises:
-        ValueError: row count mismatch, or a span not covered by its pages.
+    :raises ValueError: row count mismatch, or a span not covered by its pages.
     """
     total = sum(s.length for s in spans)
     if hidden.shape[0] != total:
@@ -531,18 +525,15 @@ def decode_step_dcp(
     partial attention over local tokens; ``gather_fn`` exchanges partials; LSE merge; the rest
     of the layer is identical on every rank.
 
-    Args:
-        gather_fn: collective all-gather; called once per layer with a ``compute_dtype`` tensor
-            [B, num_heads * (head_dim + 1)] (partial outputs then LSEs) and must return the
-            ``dcp_size`` tensors of all ranks in rank order (e.g. ``dist.all_gather`` on gloo).
-            Every rank must call this with the same batch.
+    :param gather_fn: collective all-gather; called once per layer with a ``compute_dtype`` tensor
+        [B, num_heads * (head_dim + 1)] (partial outputs then LSEs) and must return the
+        ``dcp_size`` tensors of all ranks in rank order (e.g. ``dist.all_gather`` on gloo).
+        Every rank must call this with the same batch.
 
-    Returns:
-        Logits [B, vocab] ``compute_dtype`` (identical on every rank).
+    :returns: Logits [B, vocab] ``compute_dtype`` (identical on every rank).
 
-    Raises:
-        ValueError: bad rank/size, pages too short for the local share, or a gather result
-            of the wrong length or shape.
+    :raises ValueError: bad rank/size, pages too short for the local share, or a gather result
+        of the wrong length or shape.
     """
     cfg = model.config
     if not 0 <= dcp_rank < dcp_size:

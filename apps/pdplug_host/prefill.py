@@ -203,7 +203,7 @@ class PrefillRank:
 
     # ------------------------------------------------------------------ set-up
     def _profile_chunk_model(self) -> None:
-        """Fit the scheduler's latency model on this rank's layers (DESIGN.md §3).
+        """Fit the scheduler's latency model on this rank's layers (chunked-prefill sizing).
 
         Lengths span ``base/8 … 4·base`` so the attention term's curvature shows above the
         per-call overhead on a tiny model; each length keeps the best of three runs (less noise).

@@ -59,13 +59,11 @@ def _as_list(page_ids: torch.Tensor | Sequence[int]) -> list[int]:
 class PrefixCache:
     """Refcounted, LRU-evicting map from block chain hashes to page ids.
 
-    Args:
-        allocator: the KV cache whose pages are cached (``alloc``/``free``/``num_free``).
-        block_tokens: tokens per cached block (``TraceRequest.block_tokens``).
-        page_size: tokens per page of ``allocator``.
+    :param allocator: the KV cache whose pages are cached (``alloc``/``free``/``num_free``).
+    :param block_tokens: tokens per cached block (``TraceRequest.block_tokens``).
+    :param page_size: tokens per page of ``allocator``.
 
-    Raises:
-        ValueError: ``block_tokens`` is not a positive multiple of ``page_size``.
+    :raises ValueError: ``block_tokens`` is not a positive multiple of ``page_size``.
     """
 
     def __init__(self, allocator: PageAllocator, block_tokens: int, page_size: int) -> None:
@@ -109,9 +107,8 @@ class PrefixCache:
 
         Takes one reference on every matched block (undo with ``release``).
 
-        Returns:
-            ``(num_cached_tokens, page_ids)``: tokens = matched blocks * block_tokens; page_ids
-            int64 [matched blocks * pages_per_block], in token order.
+        :returns: ``(num_cached_tokens, page_ids)``: tokens = matched blocks * block_tokens;
+            page_ids int64 [matched blocks * pages_per_block], in token order.
         """
         limit = (
             len(chain) if max_tokens is None else min(len(chain), max_tokens // self.block_tokens)
@@ -136,10 +133,9 @@ class PrefixCache:
         alone; one cached with *other* pages (computed concurrently) stays private to the request
         and is freed by ``release``. Newly cached blocks start with one reference (the request's).
 
-        Returns the number of newly cached blocks.
+        :returns: the number of newly cached blocks.
 
-        Raises:
-            ValueError: a page already belongs to a different cached block.
+        :raises ValueError: a page already belongs to a different cached block.
         """
         pages = _as_list(page_ids)
         ppb, added = self.pages_per_block, 0
@@ -167,8 +163,7 @@ class PrefixCache:
         unreferenced blocks become evictable (deepest first). Every other page (private
         duplicates, the partial last block, pages past the chain) goes back to the allocator.
 
-        Raises:
-            ValueError: a cached block's refcount would go negative (double release).
+        :raises ValueError: a cached block's refcount would go negative (double release).
         """
         pages = _as_list(page_ids)
         ppb = self.pages_per_block
