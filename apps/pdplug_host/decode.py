@@ -39,7 +39,6 @@ from pdplug_host.messages import (
     Route,
     Shutdown,
     Timing,
-    WorkerStats,
 )
 from pdplug_host.model import (
     OutOfPagesError,
@@ -56,6 +55,7 @@ from pdplug_host.worker import (
     close_quietly,
     init_gloo,
     run_worker,
+    send_stats,
 )
 
 __all__ = ["decode_main"]
@@ -341,13 +341,11 @@ class DecodeRank:
         self.link.send(Ready(role="decode", rank=self.rank, served_by=self.served_by))
         while self.step():
             pass
-        stats: dict[str, Any] = {
+        own: dict[str, Any] = {
             "decode_steps": self.steps,
             "page_waits": len(self.waited_for_pages),
         }
-        stats.update({f"receiver_{k}": v for k, v in self.receiver.stats().items()})
-        stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
-        self.link.send(WorkerStats(role="decode", rank=self.rank, stats=stats))
+        send_stats(self.link, own, receiver=self.receiver, consensus=self.consensus)
 
     def close(self) -> None:
         """Release sockets and registered memory."""

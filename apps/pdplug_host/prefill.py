@@ -53,7 +53,6 @@ from pdplug_host.messages import (
     RequestFailed,
     Shutdown,
     Timing,
-    WorkerStats,
 )
 from pdplug_host.model import (
     PagedKVCache,
@@ -74,6 +73,7 @@ from pdplug_host.worker import (
     close_quietly,
     init_gloo,
     run_worker,
+    send_stats,
 )
 
 __all__ = ["prefill_main"]
@@ -556,7 +556,7 @@ class PrefillRank:
         step = self.step_leader if self.rank == 0 else self.step_follower
         while step():
             pass
-        stats: dict[str, Any] = {
+        own: dict[str, Any] = {
             "segments": self.segments,
             "split_sends": self.split_sends,
             "chunks": len(self.chunk_sizes),
@@ -567,9 +567,7 @@ class PrefillRank:
             "page_waits": len(self.waited_for_pages),
             "evicted_blocks": self.pcache.evicted_blocks,
         }
-        stats.update({f"sender_{k}": v for k, v in self.sender.stats().items()})
-        stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
-        self.link.send(WorkerStats(role="prefill", rank=self.rank, stats=stats))
+        send_stats(self.link, own, sender=self.sender, consensus=self.consensus)
 
     def close(self) -> None:
         """Release sockets and registered memory."""

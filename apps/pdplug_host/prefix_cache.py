@@ -237,24 +237,18 @@ class PrefixCache:
                 raise ValueError(f"evict_blocks(): block {h} is not cached here")
             if blk.refs:
                 return False
-        freed: list[int] = []
         for h in hashes:
             del self._lru[h]
-            blk = self._blocks.pop(h)
-            for p in blk.pages:
-                del self._page_owner[p]
-            freed.extend(blk.pages)
-            self.evicted_blocks += 1
-        if freed:
-            self.allocator.free(freed)
+        self._drop(list(hashes))
         return True
 
     # -- allocation --------------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor:
         """Allocate ``n`` pages, evicting least-recently-released unreferenced blocks if needed.
 
-        Returns int64 [n]. Raises OutOfPagesError (evicting nothing) when free plus evictable
-        pages are fewer than ``n``."""
+        :returns: int64 [n] page ids.
+        :raises OutOfPagesError: free plus evictable pages are fewer than ``n`` (evicts nothing).
+        """
         short = n - self.allocator.num_free
         if short > 0:
             if short > self.num_evictable_pages:
@@ -267,17 +261,32 @@ class PrefixCache:
 
     def evict(self, num_pages: int) -> int:
         """Evict unreferenced blocks (LRU first) until ``num_pages`` pages are freed or none are
-        left. Returns the number of pages freed."""
-        freed: list[int] = []
-        while len(freed) < num_pages and self._lru:
+        left.
+
+        :returns: the number of pages freed.
+        """
+        hashes: list[int] = []
+        pages = 0
+        while pages < num_pages and self._lru:
             h, _ = self._lru.popitem(last=False)
-            if self._evicted_log is not None:
-                self._evicted_log.append(h)
+            hashes.append(h)
+            pages += len(self._blocks[h].pages)
+        if self._evicted_log is not None:
+            self._evicted_log.extend(hashes)
+        return self._drop(hashes)
+
+    def _drop(self, hashes: list[int]) -> int:
+        """Forget the blocks ``hashes`` (already out of the LRU) and free their pages.
+
+        :returns: the number of pages freed.
+        """
+        freed: list[int] = []
+        for h in hashes:
             blk = self._blocks.pop(h)
             for p in blk.pages:
                 del self._page_owner[p]
             freed.extend(blk.pages)
-            self.evicted_blocks += 1
+        self.evicted_blocks += len(hashes)
         if freed:
             self.allocator.free(freed)
         return len(freed)

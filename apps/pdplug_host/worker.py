@@ -14,7 +14,7 @@ import zmq
 from pdplug.config import WireConfig
 from pdplug.manager import EXTENSION_POINTS
 from pdplug_host.config import ModelConfig
-from pdplug_host.messages import Fatal, to_driver_codec, to_worker_codec
+from pdplug_host.messages import Fatal, WorkerStats, to_driver_codec, to_worker_codec
 
 __all__ = [
     "POINTS",
@@ -161,6 +161,20 @@ class DriverLink:
         """Close both sockets."""
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
+
+
+def send_stats(link: DriverLink, own: dict[str, Any], **parts: Any) -> None:
+    """Report a rank's counters to the driver as one ``WorkerStats``.
+
+    :param link: the rank's driver link (its spec names the role and rank).
+    :param own: the rank's own counters.
+    :param parts: components with ``stats()``; their counters are prefixed ``<name>_``
+        (``sender=...`` gives ``sender_bytes``, ...), after ``own``.
+    """
+    stats = dict(own)
+    for prefix, part in parts.items():
+        stats.update({f"{prefix}_{k}": v for k, v in part.stats().items()})
+    link.send(WorkerStats(role=link.spec.role, rank=link.spec.rank, stats=stats))
 
 
 def close_quietly(link: DriverLink, *objs: Any) -> None:
