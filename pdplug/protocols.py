@@ -226,8 +226,9 @@ class KVSender(Protocol):
 
     def start(self, room: int) -> int:
         """Lease ``room``: ``Bootstrapping`` until the DestInfo of every decode rank this rank
-        feeds arrived (``bootstrap_timeout_s``), then ``WaitingForInput``. Returns the lease
-        generation.
+        feeds arrived (``bootstrap_timeout_s``), then ``WaitingForInput``.
+
+        :returns: the lease generation.
 
         :raises ValueError: ``room`` is already leased (clear it first).
         """
@@ -248,7 +249,10 @@ class KVSender(Protocol):
     ) -> KVPoll:
         """Block (no polling) until ``room`` reaches a status in ``until`` (a single
         non-terminal status means "at least"); ``timeout_s=None`` is bounded by the room's
-        deadlines. Returns the status."""
+        deadlines.
+
+        :returns: the status.
+        """
         ...
 
     def dest(self, room: int) -> list[DestInfo]:

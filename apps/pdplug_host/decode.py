@@ -296,7 +296,10 @@ class DecodeRank:
         return out
 
     def step(self) -> bool:
-        """One loop iteration (at most one decode step). Returns False once stopped."""
+        """One loop iteration (at most one decode step).
+
+        :returns: False once stopped.
+        """
         self.poll_control()
         n, stop = self._sync()
         if stop:

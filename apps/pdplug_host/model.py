@@ -194,10 +194,11 @@ class PagedKVCache:
         return len(self._free)
 
     def alloc(self, n: int) -> torch.Tensor:
-        """Take ``n`` pages (lowest-freed-first order). Returns int64 [n] page ids.
+        """Take ``n`` pages (lowest-freed-first order).
 
-        Raises OutOfPagesError when fewer than ``n`` pages are free (allocates nothing);
-        ValueError when ``n < 0``.
+        :returns: int64 [n] page ids.
+        :raises OutOfPagesError: fewer than ``n`` pages are free (allocates nothing).
+        :raises ValueError: ``n < 0``.
         """
         if n < 0:
             raise ValueError(f"alloc({n}): n must be >= 0")
@@ -209,8 +210,10 @@ class PagedKVCache:
         return torch.tensor(ids, dtype=torch.int64)
 
     def free(self, ids: torch.Tensor | Sequence[int]) -> None:
-        """Return pages to the free list. Raises ValueError on an out-of-range, duplicate or
-        already-free id (nothing is freed then)."""
+        """Return pages to the free list.
+
+        :raises ValueError: an out-of-range, duplicate or already-free id (nothing is freed).
+        """
         lst = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
         if len(set(lst)) != len(lst):
             raise ValueError(f"free(): duplicate page ids in {lst}")
@@ -268,9 +271,10 @@ class SeqSpan:
 
 def slot_mapping(page_ids: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat cache slots for ``positions`` (int64 [n]) of a request with pages ``page_ids``:
-    ``page_ids[pos // page_size] * page_size + pos % page_size``. Returns int64 [n].
+    ``page_ids[pos // page_size] * page_size + pos % page_size``.
 
-    Raises ValueError when a position falls beyond the page list.
+    :returns: int64 [n] slots.
+    :raises ValueError: a position falls beyond the page list.
     """
     if positions.numel() and int(positions.max()) >= page_ids.numel() * page_size:
         raise ValueError(
@@ -386,7 +390,8 @@ def merge_attention(
 def embed(model: TinyLlama, token_ids: torch.Tensor) -> torch.Tensor:
     """Token ids (int64 [T]) → hidden states [T, hidden] ``compute_dtype``.
 
-    Raises ValueError on an id outside ``[0, vocab)``."""
+    :raises ValueError: an id outside ``[0, vocab)``.
+    """
     ids = torch.as_tensor(token_ids, dtype=torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= model.config.vocab):
         raise ValueError(f"token id outside [0, {model.config.vocab}): {ids.tolist()[:8]}…")
@@ -465,8 +470,10 @@ def forward(
     model: TinyLlama, cache: PagedKVCache, token_ids: torch.Tensor, spans: Sequence[SeqSpan]
 ) -> torch.Tensor:
     """All layers in one process: token ids int64 [sum(length)] → logits of each span's last
-    token [len(spans), vocab] ``compute_dtype``. Raises ValueError if ``cache`` lacks layers or
-    any span has length 0."""
+    token [len(spans), vocab] ``compute_dtype``.
+
+    :raises ValueError: ``cache`` lacks layers or a span has length 0.
+    """
     _require_full(model, cache)
     if any(s.length < 1 for s in spans):
         raise ValueError("every span needs at least one new token")
@@ -485,7 +492,8 @@ def prefill_chunk(
     """Prefill one request's tokens at positions ``[start, start + len(token_ids))`` (chunked
     prefill or a prefix-cache suffix; positions ``[0, start)`` already in ``cache``).
 
-    Returns logits of the chunk's last token, [vocab] ``compute_dtype``."""
+    :returns: logits of the chunk's last token, [vocab] ``compute_dtype``.
+    """
     ids = torch.as_tensor(token_ids, dtype=torch.int64)
     return forward(model, cache, ids, [SeqSpan(page_ids, start, ids.numel())])[0]
 
@@ -498,7 +506,10 @@ def decode_step(
     positions: Sequence[int],
 ) -> torch.Tensor:
     """One decode step for a batch (no DCP): request b feeds ``token_ids[b]`` at position
-    ``positions[b]`` (= tokens already cached). Returns logits [B, vocab] ``compute_dtype``."""
+    ``positions[b]`` (= tokens already cached).
+
+    :returns: logits [B, vocab] ``compute_dtype``.
+    """
     spans = [SeqSpan(p, int(pos), 1) for p, pos in zip(page_ids, positions, strict=True)]
     return forward(model, cache, torch.as_tensor(token_ids, dtype=torch.int64), spans)
 
@@ -611,7 +622,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     logits [..., vocab] → int64 [...]. (torch.argmax returns the first maximal index on CPU; the
     explicit equality mask keeps that guarantee independent of backend.)
 
-    Raises ValueError when a row contains NaN."""
+    :raises ValueError: a row contains NaN.
+    """
     top = logits.amax(dim=-1, keepdim=True)
     if bool(torch.isnan(top).any()):
         raise ValueError("greedy(): logits contain NaN")

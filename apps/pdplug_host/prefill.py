@@ -434,7 +434,10 @@ class PrefillRank:
         self.pending_work.clear()
 
     def step_leader(self) -> bool:
-        """PP0: schedule and run at most one chunk. Returns False once stopped."""
+        """PP0: schedule and run at most one chunk.
+
+        :returns: False once stopped.
+        """
         self.poll_control()
         if self.stopping and not self.run_queue and not self.inflight and not self.waiting_boot:
             if self.size > 1:
