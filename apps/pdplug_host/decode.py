@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pdplug import ConsensusConfig, KVConfig, KVLayout, KVPoll, PluginManager
+from pdplug import KVLayout, KVPoll, PluginManager
 from pdplug.bootstrap import resolve
 from pdplug.types import pages_from_bytes
 from pdplug_host.messages import (
@@ -54,6 +54,8 @@ from pdplug_host.worker import (
     WorkerSpec,
     close_quietly,
     init_gloo,
+    kv_config,
+    make_consensus,
     run_worker,
     send_stats,
 )
@@ -105,33 +107,14 @@ class DecodeRank:
         pm = PluginManager()
         names = spec.names
         self.served_by = {p: pm.describe(p, names.get(p)) for p in POINTS}
-        kv_cfg = KVConfig(
-            instance=spec.decode_instance,
-            role="decode",
-            layout=self.layout,
-            bootstrap_endpoint=spec.bootstrap,
-            bootstrap_timeout_s=spec.timeout_s,
-            waiting_timeout_s=spec.timeout_s,
-            transfer_timeout_s=spec.timeout_s,
-            wire=spec.wire,
-        )
+        kv_cfg = kv_config(spec, self.layout)
         self.receiver = pm.make_kv_receiver(kv_cfg, name=names.get("kv_sender"))
         self.receiver.register_kv(self.cache.entry_tensors())
         peers = resolve(
             spec.bootstrap, spec.prefill_instance, timeout_s=spec.timeout_s * 2, wire=spec.wire
         )
         self.receiver.connect(list(peers))
-        self.consensus = pm.make_consensus(
-            ConsensusConfig(
-                pp_rank=spec.rank,
-                pp_size=spec.size,
-                endpoints=spec.consensus_endpoints,
-                peer_timeout_s=spec.timeout_s,
-                vote_deadline_s=spec.timeout_s * 2,
-                wire=spec.wire,
-            ),
-            name=names.get("consensus"),
-        )
+        self.consensus = make_consensus(pm, spec)
         self.reqs: dict[int, _Req] = {}
         self.admitted: list[int] = []  # transfer-stream good ids, in decision order
         self.done: set[int] = set()

@@ -37,8 +37,6 @@ import numpy as np
 import torch
 
 from pdplug import (
-    ConsensusConfig,
-    KVConfig,
     KVLayout,
     KVPoll,
     PlannerConfig,
@@ -72,6 +70,8 @@ from pdplug_host.worker import (
     WorkerSpec,
     close_quietly,
     init_gloo,
+    kv_config,
+    make_consensus,
     run_worker,
     send_stats,
 )
@@ -153,30 +153,10 @@ class PrefillRank:
         names = spec.names
         self.served_by = {p: pm.describe(p, names.get(p)) for p in POINTS}
         self.planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
-        kv_cfg = KVConfig(
-            instance=spec.prefill_instance,
-            role="prefill",
-            layout=self.layout,
-            bootstrap_endpoint=spec.bootstrap,
-            bootstrap_timeout_s=spec.timeout_s,
-            waiting_timeout_s=spec.timeout_s,
-            transfer_timeout_s=spec.timeout_s,
-            pack_region_tokens=spec.pack_region_tokens,
-            wire=spec.wire,
-        )
+        kv_cfg = kv_config(spec, self.layout, pack_region_tokens=spec.pack_region_tokens)
         self.sender = pm.make_kv_sender(kv_cfg, self.planner, name=names.get("kv_sender"))
         self.sender.register_kv(self.cache.entry_tensors())  # also publishes this rank
-        self.consensus = pm.make_consensus(
-            ConsensusConfig(
-                pp_rank=spec.rank,
-                pp_size=spec.size,
-                endpoints=spec.consensus_endpoints,
-                peer_timeout_s=spec.timeout_s,
-                vote_deadline_s=spec.timeout_s * 2,
-                wire=spec.wire,
-            ),
-            name=names.get("consensus"),
-        )
+        self.consensus = make_consensus(pm, spec)
         self.scheduler = pm.make_scheduler(
             SchedulerConfig(page_size=spec.page_size, chunk_size=spec.chunk_size),
             name=names.get("scheduler"),
