@@ -31,7 +31,7 @@ __all__ = ["Consensus", "Scheduler", "PackPlanner", "Packer", "KVSender", "KVRec
 
 @runtime_checkable
 class Consensus(Protocol):
-    """Per-PP-rank agreement on request ids (DESIGN.md §3 "Consensus").
+    """Per-PP-rank agreement on request ids (the field's PP consensus, e.g. SGLang #38206).
 
     Every rank applies the same gap-free sequence of immutable :class:`Decision` s per stream,
     exactly once, in order. All methods are non-blocking and called from the host's loop.
@@ -72,7 +72,7 @@ class Consensus(Protocol):
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Send splitting and dynamic chunked-prefill sizing (DESIGN.md §3 "Scheduler")."""
+    """Send splitting and dynamic chunked-prefill sizing (SGLang PRs #30545/#40376)."""
 
     def split_send(
         self,
@@ -226,8 +226,9 @@ class KVSender(Protocol):
 
     def start(self, room: int) -> int:
         """Lease ``room``: ``Bootstrapping`` until the DestInfo of every decode rank this rank
-        feeds arrived (``bootstrap_timeout_s``), then ``WaitingForInput``. Returns the lease
-        generation.
+        feeds arrived (``bootstrap_timeout_s``), then ``WaitingForInput``.
+
+        :returns: the lease generation.
 
         :raises ValueError: ``room`` is already leased (clear it first).
         """
@@ -248,7 +249,10 @@ class KVSender(Protocol):
     ) -> KVPoll:
         """Block (no polling) until ``room`` reaches a status in ``until`` (a single
         non-terminal status means "at least"); ``timeout_s=None`` is bounded by the room's
-        deadlines. Returns the status."""
+        deadlines.
+
+        :returns: the status.
+        """
         ...
 
     def dest(self, room: int) -> list[DestInfo]:

@@ -145,7 +145,10 @@ class Rooms:
         return gen
 
     def clear(self, room: int, generation: int | None = None) -> bool:
-        """Forget ``room``; later events for it are ignored. Returns whether it was leased."""
+        """Forget ``room``; later events for it are ignored.
+
+        :returns: whether it was leased.
+        """
         with self._lock:
             r = self._rooms.get(room)
             if r is None or (generation is not None and generation != r.generation):

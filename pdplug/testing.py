@@ -332,11 +332,14 @@ def undocumented(module: ModuleType) -> list[str]:
     missing = []
     for name in module.__all__:
         obj = getattr(module, name)
-        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+        # ``type(obj)``, not ``inspect.isclass``: on Python 3.10 a generic alias such as
+        # ``Callable[[int], str]`` passes ``isclass`` (it forwards ``__class__``), yet it is data.
+        is_class = issubclass(type(obj), type)
+        if not (is_class or inspect.isfunction(obj)):
             continue
         if len((obj.__doc__ or "").strip()) <= 10:
             missing.append(name)
-        if inspect.isclass(obj):
+        if is_class:
             for meth, fn in vars(obj).items():
                 if isinstance(fn, staticmethod | classmethod):
                     fn = fn.__func__

@@ -126,7 +126,7 @@ def pages_from_bytes(buf: bytes) -> np.ndarray:
 
 # --------------------------------------------------------------------------- consensus
 
-#: Streams of per-request agreement (DESIGN.md §3); each has its own gap-free sequence.
+#: Streams of per-request agreement between PP ranks; each has its own gap-free sequence.
 STREAMS: tuple[str, ...] = ("bootstrap", "release", "prealloc", "transfer", "retract")
 
 

@@ -1,8 +1,8 @@
-"""``pdplug bench pack``: the field's cached-prefix table on this machine (DESIGN.md §6).
+"""``pdplug bench pack``: the field's cached-prefix table on this machine.
 
 A long cached prefix on prefill with a cold decode ships the whole prompt; with plain TP on
 prefill and DCP on decode every decode rank's tokens are strided in the prefill cache (SGLang
-#35186 / #35762 / #40336, prior-art sglang.md §3.3-3.5). Three modes, side by side in one run,
+#35186 / #35762 / #40336). Three modes, side by side in one run,
 all through pdplug's KV sender over the selected backend (``--backend``, NIXL by default) to
 real receivers in another process:
 

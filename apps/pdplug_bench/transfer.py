@@ -1,5 +1,5 @@
 """``pdplug bench transfer``: pdplug's KV sender vs the raw engine call on the same descriptors,
-and both vs a plain memcpy on this machine (DESIGN.md §6).
+and both vs a plain memcpy on this machine.
 
 Prefill side = this process: a real KV sender from the plugin manager (``--backend``), and the
 raw engine (a second NIXL agent / Mooncake TransferEngine registering the same source

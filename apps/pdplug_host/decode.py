@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pdplug import ConsensusConfig, KVConfig, KVLayout, KVPoll, PluginManager
+from pdplug import KVLayout, KVPoll, PluginManager
 from pdplug.bootstrap import resolve
 from pdplug.types import pages_from_bytes
 from pdplug_host.messages import (
@@ -39,7 +39,6 @@ from pdplug_host.messages import (
     Route,
     Shutdown,
     Timing,
-    WorkerStats,
 )
 from pdplug_host.model import (
     OutOfPagesError,
@@ -55,7 +54,10 @@ from pdplug_host.worker import (
     WorkerSpec,
     close_quietly,
     init_gloo,
+    kv_config,
+    make_consensus,
     run_worker,
+    send_stats,
 )
 
 __all__ = ["decode_main"]
@@ -105,33 +107,14 @@ class DecodeRank:
         pm = PluginManager()
         names = spec.names
         self.served_by = {p: pm.describe(p, names.get(p)) for p in POINTS}
-        kv_cfg = KVConfig(
-            instance=spec.decode_instance,
-            role="decode",
-            layout=self.layout,
-            bootstrap_endpoint=spec.bootstrap,
-            bootstrap_timeout_s=spec.timeout_s,
-            waiting_timeout_s=spec.timeout_s,
-            transfer_timeout_s=spec.timeout_s,
-            wire=spec.wire,
-        )
+        kv_cfg = kv_config(spec, self.layout)
         self.receiver = pm.make_kv_receiver(kv_cfg, name=names.get("kv_sender"))
         self.receiver.register_kv(self.cache.entry_tensors())
         peers = resolve(
             spec.bootstrap, spec.prefill_instance, timeout_s=spec.timeout_s * 2, wire=spec.wire
         )
         self.receiver.connect(list(peers))
-        self.consensus = pm.make_consensus(
-            ConsensusConfig(
-                pp_rank=spec.rank,
-                pp_size=spec.size,
-                endpoints=spec.consensus_endpoints,
-                peer_timeout_s=spec.timeout_s,
-                vote_deadline_s=spec.timeout_s * 2,
-                wire=spec.wire,
-            ),
-            name=names.get("consensus"),
-        )
+        self.consensus = make_consensus(pm, spec)
         self.reqs: dict[int, _Req] = {}
         self.admitted: list[int] = []  # transfer-stream good ids, in decision order
         self.done: set[int] = set()
@@ -296,7 +279,10 @@ class DecodeRank:
         return out
 
     def step(self) -> bool:
-        """One loop iteration (at most one decode step). Returns False once stopped."""
+        """One loop iteration (at most one decode step).
+
+        :returns: False once stopped.
+        """
         self.poll_control()
         n, stop = self._sync()
         if stop:
@@ -341,13 +327,11 @@ class DecodeRank:
         self.link.send(Ready(role="decode", rank=self.rank, served_by=self.served_by))
         while self.step():
             pass
-        stats: dict[str, Any] = {
+        own: dict[str, Any] = {
             "decode_steps": self.steps,
             "page_waits": len(self.waited_for_pages),
         }
-        stats.update({f"receiver_{k}": v for k, v in self.receiver.stats().items()})
-        stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
-        self.link.send(WorkerStats(role="decode", rank=self.rank, stats=stats))
+        send_stats(self.link, own, receiver=self.receiver, consensus=self.consensus)
 
     def close(self) -> None:
         """Release sockets and registered memory."""

@@ -160,8 +160,7 @@ class PagedKVCache:
     layer.K, layer.V, next layer.K, …; each entry viewed as uint8 rows
     ``[num_pages * page_size, bytes_per_token]`` (``entry_rows``) aliases the cache memory.
 
-    Raises:
-        ValueError: non-positive ``num_pages``/``page_size`` or a layer range outside the model.
+    :raises ValueError: non-positive ``num_pages``/``page_size`` or a layer range outside the model.
     """
 
     def __init__(
@@ -195,10 +194,11 @@ class PagedKVCache:
         return len(self._free)
 
     def alloc(self, n: int) -> torch.Tensor:
-        """Take ``n`` pages (lowest-freed-first order). Returns int64 [n] page ids.
+        """Take ``n`` pages (lowest-freed-first order).
 
-        Raises OutOfPagesError when fewer than ``n`` pages are free (allocates nothing);
-        ValueError when ``n < 0``.
+        :returns: int64 [n] page ids.
+        :raises OutOfPagesError: fewer than ``n`` pages are free (allocates nothing).
+        :raises ValueError: ``n < 0``.
         """
         if n < 0:
             raise ValueError(f"alloc({n}): n must be >= 0")
@@ -210,8 +210,10 @@ class PagedKVCache:
         return torch.tensor(ids, dtype=torch.int64)
 
     def free(self, ids: torch.Tensor | Sequence[int]) -> None:
-        """Return pages to the free list. Raises ValueError on an out-of-range, duplicate or
-        already-free id (nothing is freed then)."""
+        """Return pages to the free list.
+
+        :raises ValueError: an out-of-range, duplicate or already-free id (nothing is freed).
+        """
         lst = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
         if len(set(lst)) != len(lst):
             raise ValueError(f"free(): duplicate page ids in {lst}")
@@ -269,9 +271,10 @@ class SeqSpan:
 
 def slot_mapping(page_ids: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat cache slots for ``positions`` (int64 [n]) of a request with pages ``page_ids``:
-    ``page_ids[pos // page_size] * page_size + pos % page_size``. Returns int64 [n].
+    ``page_ids[pos // page_size] * page_size + pos % page_size``.
 
-    Raises ValueError when a position falls beyond the page list.
+    :returns: int64 [n] slots.
+    :raises ValueError: a position falls beyond the page list.
     """
     if positions.numel() and int(positions.max()) >= page_ids.numel() * page_size:
         raise ValueError(
@@ -325,15 +328,15 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query softmax attention returning the output and its log-sum-exp.
 
-    Args:
-        q: [T, num_heads, D]; k, v: [S, num_kv_heads, D] (same dtype as q).
-        q_pos, k_pos: int64 [T] and [S] token positions, ``k_pos`` ascending; key j is visible
-            to query t iff ``k_pos[j] <= q_pos[t]``. Both None: every key is visible (DCP
-            partials).
-
-    Returns:
-        ``(out [T, num_heads, D], lse [T, num_heads])`` where lse is the natural-log sum of
-        exp(scaled scores) over visible keys. ``S == 0`` gives zeros and lse = -inf, which
+    :param q: [T, num_heads, D] queries.
+    :param k: [S, num_kv_heads, D] keys (same dtype as ``q``).
+    :param v: [S, num_kv_heads, D] values (same dtype as ``q``).
+    :param q_pos: int64 [T] query token positions; query t sees key j iff
+        ``k_pos[j] <= q_pos[t]``. ``q_pos`` and ``k_pos`` both None: every key is visible (DCP
+        partials).
+    :param k_pos: int64 [S] key token positions, ascending.
+    :returns: ``(out [T, num_heads, D], lse [T, num_heads])`` where lse is the natural-log sum
+        of exp(scaled scores) over visible keys. ``S == 0`` gives zeros and lse = -inf, which
         ``merge_attention`` weights as zero. Each query must see at least one key otherwise.
     """
     t, h, d = q.shape
@@ -370,12 +373,10 @@ def merge_attention(
 ) -> torch.Tensor:
     """Merge partial attention outputs over disjoint key sets using their log-sum-exp.
 
-    Args:
-        outs: P partials, each [..., num_heads, D] (or one stacked [P, ..., num_heads, D]).
-        lses: P matching [..., num_heads] (or stacked [P, ..., num_heads]); -inf = empty partial.
+    :param outs: P partials, each [..., num_heads, D] (or one stacked [P, ..., num_heads, D]).
+    :param lses: P matching [..., num_heads] (or stacked [P, ..., num_heads]); -inf = empty partial.
 
-    Returns:
-        [..., num_heads, D]: ``sum_p exp(lse_p - M) out_p / sum_p exp(lse_p - M)`` with
+    :returns: [..., num_heads, D]: ``sum_p exp(lse_p - M) out_p / sum_p exp(lse_p - M)`` with
         ``M = max_p lse_p``, summed in rank order (identical on every rank given the same list).
     """
     o = torch.stack(list(outs)) if not isinstance(outs, torch.Tensor) else outs
@@ -389,7 +390,8 @@ def merge_attention(
 def embed(model: TinyLlama, token_ids: torch.Tensor) -> torch.Tensor:
     """Token ids (int64 [T]) → hidden states [T, hidden] ``compute_dtype``.
 
-    Raises ValueError on an id outside ``[0, vocab)``."""
+    :raises ValueError: an id outside ``[0, vocab)``.
+    """
     ids = torch.as_tensor(token_ids, dtype=torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= model.config.vocab):
         raise ValueError(f"token id outside [0, {model.config.vocab}): {ids.tolist()[:8]}…")
@@ -410,17 +412,14 @@ def run_layers(
     tokens are written into ``cache`` at their slots, then each new token attends causally over
     its request's positions ``[0, pos]`` read back from the cache.
 
-    Args:
-        hidden: [sum(span.length), hidden] ``compute_dtype``, rows in span order (from ``embed``
-            on the first rank, from the previous rank otherwise).
-        spans: one ``SeqSpan`` per request in the batch (page ids on *this* cache).
+    :param hidden: [sum(span.length), hidden] ``compute_dtype``, rows in span order (from ``embed``
+        on the first rank, from the previous rank otherwise).
+    :param spans: one ``SeqSpan`` per request in the batch (page ids on *this* cache).
 
-    Returns:
-        Hidden states [sum(span.length), hidden] after the last layer of the range (before the
+    :returns: Hidden states [sum(span.length), hidden] after the last layer of the range (before the
         final norm; pass them to the next rank, or to ``final_logits`` on the last rank).
 
-    Raises:
-        ValueError: row count mismatch, or a span not covered by its pages.
+    :raises ValueError: row count mismatch, or a span not covered by its pages.
     """
     total = sum(s.length for s in spans)
     if hidden.shape[0] != total:
@@ -471,8 +470,10 @@ def forward(
     model: TinyLlama, cache: PagedKVCache, token_ids: torch.Tensor, spans: Sequence[SeqSpan]
 ) -> torch.Tensor:
     """All layers in one process: token ids int64 [sum(length)] → logits of each span's last
-    token [len(spans), vocab] ``compute_dtype``. Raises ValueError if ``cache`` lacks layers or
-    any span has length 0."""
+    token [len(spans), vocab] ``compute_dtype``.
+
+    :raises ValueError: ``cache`` lacks layers or a span has length 0.
+    """
     _require_full(model, cache)
     if any(s.length < 1 for s in spans):
         raise ValueError("every span needs at least one new token")
@@ -491,7 +492,8 @@ def prefill_chunk(
     """Prefill one request's tokens at positions ``[start, start + len(token_ids))`` (chunked
     prefill or a prefix-cache suffix; positions ``[0, start)`` already in ``cache``).
 
-    Returns logits of the chunk's last token, [vocab] ``compute_dtype``."""
+    :returns: logits of the chunk's last token, [vocab] ``compute_dtype``.
+    """
     ids = torch.as_tensor(token_ids, dtype=torch.int64)
     return forward(model, cache, ids, [SeqSpan(page_ids, start, ids.numel())])[0]
 
@@ -504,7 +506,10 @@ def decode_step(
     positions: Sequence[int],
 ) -> torch.Tensor:
     """One decode step for a batch (no DCP): request b feeds ``token_ids[b]`` at position
-    ``positions[b]`` (= tokens already cached). Returns logits [B, vocab] ``compute_dtype``."""
+    ``positions[b]`` (= tokens already cached).
+
+    :returns: logits [B, vocab] ``compute_dtype``.
+    """
     spans = [SeqSpan(p, int(pos), 1) for p, pos in zip(page_ids, positions, strict=True)]
     return forward(model, cache, torch.as_tensor(token_ids, dtype=torch.int64), spans)
 
@@ -531,18 +536,15 @@ def decode_step_dcp(
     partial attention over local tokens; ``gather_fn`` exchanges partials; LSE merge; the rest
     of the layer is identical on every rank.
 
-    Args:
-        gather_fn: collective all-gather; called once per layer with a ``compute_dtype`` tensor
-            [B, num_heads * (head_dim + 1)] (partial outputs then LSEs) and must return the
-            ``dcp_size`` tensors of all ranks in rank order (e.g. ``dist.all_gather`` on gloo).
-            Every rank must call this with the same batch.
+    :param gather_fn: collective all-gather; called once per layer with a ``compute_dtype`` tensor
+        [B, num_heads * (head_dim + 1)] (partial outputs then LSEs) and must return the
+        ``dcp_size`` tensors of all ranks in rank order (e.g. ``dist.all_gather`` on gloo).
+        Every rank must call this with the same batch.
 
-    Returns:
-        Logits [B, vocab] ``compute_dtype`` (identical on every rank).
+    :returns: Logits [B, vocab] ``compute_dtype`` (identical on every rank).
 
-    Raises:
-        ValueError: bad rank/size, pages too short for the local share, or a gather result
-            of the wrong length or shape.
+    :raises ValueError: bad rank/size, pages too short for the local share, or a gather result
+        of the wrong length or shape.
     """
     cfg = model.config
     if not 0 <= dcp_rank < dcp_size:
@@ -620,7 +622,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     logits [..., vocab] → int64 [...]. (torch.argmax returns the first maximal index on CPU; the
     explicit equality mask keeps that guarantee independent of backend.)
 
-    Raises ValueError when a row contains NaN."""
+    :raises ValueError: a row contains NaN.
+    """
     top = logits.amax(dim=-1, keepdim=True)
     if bool(torch.isnan(top).any()):
         raise ValueError("greedy(): logits contain NaN")

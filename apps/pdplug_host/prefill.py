@@ -37,8 +37,6 @@ import numpy as np
 import torch
 
 from pdplug import (
-    ConsensusConfig,
-    KVConfig,
     KVLayout,
     KVPoll,
     PlannerConfig,
@@ -53,7 +51,6 @@ from pdplug_host.messages import (
     RequestFailed,
     Shutdown,
     Timing,
-    WorkerStats,
 )
 from pdplug_host.model import (
     PagedKVCache,
@@ -73,7 +70,10 @@ from pdplug_host.worker import (
     WorkerSpec,
     close_quietly,
     init_gloo,
+    kv_config,
+    make_consensus,
     run_worker,
+    send_stats,
 )
 
 __all__ = ["prefill_main"]
@@ -153,30 +153,10 @@ class PrefillRank:
         names = spec.names
         self.served_by = {p: pm.describe(p, names.get(p)) for p in POINTS}
         self.planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
-        kv_cfg = KVConfig(
-            instance=spec.prefill_instance,
-            role="prefill",
-            layout=self.layout,
-            bootstrap_endpoint=spec.bootstrap,
-            bootstrap_timeout_s=spec.timeout_s,
-            waiting_timeout_s=spec.timeout_s,
-            transfer_timeout_s=spec.timeout_s,
-            pack_region_tokens=spec.pack_region_tokens,
-            wire=spec.wire,
-        )
+        kv_cfg = kv_config(spec, self.layout, pack_region_tokens=spec.pack_region_tokens)
         self.sender = pm.make_kv_sender(kv_cfg, self.planner, name=names.get("kv_sender"))
         self.sender.register_kv(self.cache.entry_tensors())  # also publishes this rank
-        self.consensus = pm.make_consensus(
-            ConsensusConfig(
-                pp_rank=spec.rank,
-                pp_size=spec.size,
-                endpoints=spec.consensus_endpoints,
-                peer_timeout_s=spec.timeout_s,
-                vote_deadline_s=spec.timeout_s * 2,
-                wire=spec.wire,
-            ),
-            name=names.get("consensus"),
-        )
+        self.consensus = make_consensus(pm, spec)
         self.scheduler = pm.make_scheduler(
             SchedulerConfig(page_size=spec.page_size, chunk_size=spec.chunk_size),
             name=names.get("scheduler"),
@@ -203,7 +183,7 @@ class PrefillRank:
 
     # ------------------------------------------------------------------ set-up
     def _profile_chunk_model(self) -> None:
-        """Fit the scheduler's latency model on this rank's layers (DESIGN.md §3).
+        """Fit the scheduler's latency model on this rank's layers (chunked-prefill sizing).
 
         Lengths span ``base/8 … 4·base`` so the attention term's curvature shows above the
         per-call overhead on a tiny model; each length keeps the best of three runs (less noise).
@@ -434,7 +414,10 @@ class PrefillRank:
         self.pending_work.clear()
 
     def step_leader(self) -> bool:
-        """PP0: schedule and run at most one chunk. Returns False once stopped."""
+        """PP0: schedule and run at most one chunk.
+
+        :returns: False once stopped.
+        """
         self.poll_control()
         if self.stopping and not self.run_queue and not self.inflight and not self.waiting_boot:
             if self.size > 1:
@@ -556,7 +539,7 @@ class PrefillRank:
         step = self.step_leader if self.rank == 0 else self.step_follower
         while step():
             pass
-        stats: dict[str, Any] = {
+        own: dict[str, Any] = {
             "segments": self.segments,
             "split_sends": self.split_sends,
             "chunks": len(self.chunk_sizes),
@@ -567,9 +550,7 @@ class PrefillRank:
             "page_waits": len(self.waited_for_pages),
             "evicted_blocks": self.pcache.evicted_blocks,
         }
-        stats.update({f"sender_{k}": v for k, v in self.sender.stats().items()})
-        stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
-        self.link.send(WorkerStats(role="prefill", rank=self.rank, stats=stats))
+        send_stats(self.link, own, sender=self.sender, consensus=self.consensus)
 
     def close(self) -> None:
         """Release sockets and registered memory."""

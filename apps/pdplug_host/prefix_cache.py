@@ -59,13 +59,11 @@ def _as_list(page_ids: torch.Tensor | Sequence[int]) -> list[int]:
 class PrefixCache:
     """Refcounted, LRU-evicting map from block chain hashes to page ids.
 
-    Args:
-        allocator: the KV cache whose pages are cached (``alloc``/``free``/``num_free``).
-        block_tokens: tokens per cached block (``TraceRequest.block_tokens``).
-        page_size: tokens per page of ``allocator``.
+    :param allocator: the KV cache whose pages are cached (``alloc``/``free``/``num_free``).
+    :param block_tokens: tokens per cached block (``TraceRequest.block_tokens``).
+    :param page_size: tokens per page of ``allocator``.
 
-    Raises:
-        ValueError: ``block_tokens`` is not a positive multiple of ``page_size``.
+    :raises ValueError: ``block_tokens`` is not a positive multiple of ``page_size``.
     """
 
     def __init__(self, allocator: PageAllocator, block_tokens: int, page_size: int) -> None:
@@ -109,9 +107,8 @@ class PrefixCache:
 
         Takes one reference on every matched block (undo with ``release``).
 
-        Returns:
-            ``(num_cached_tokens, page_ids)``: tokens = matched blocks * block_tokens; page_ids
-            int64 [matched blocks * pages_per_block], in token order.
+        :returns: ``(num_cached_tokens, page_ids)``: tokens = matched blocks * block_tokens;
+            page_ids int64 [matched blocks * pages_per_block], in token order.
         """
         limit = (
             len(chain) if max_tokens is None else min(len(chain), max_tokens // self.block_tokens)
@@ -136,10 +133,9 @@ class PrefixCache:
         alone; one cached with *other* pages (computed concurrently) stays private to the request
         and is freed by ``release``. Newly cached blocks start with one reference (the request's).
 
-        Returns the number of newly cached blocks.
+        :returns: the number of newly cached blocks.
 
-        Raises:
-            ValueError: a page already belongs to a different cached block.
+        :raises ValueError: a page already belongs to a different cached block.
         """
         pages = _as_list(page_ids)
         ppb, added = self.pages_per_block, 0
@@ -167,8 +163,7 @@ class PrefixCache:
         unreferenced blocks become evictable (deepest first). Every other page (private
         duplicates, the partial last block, pages past the chain) goes back to the allocator.
 
-        Raises:
-            ValueError: a cached block's refcount would go negative (double release).
+        :raises ValueError: a cached block's refcount would go negative (double release).
         """
         pages = _as_list(page_ids)
         ppb = self.pages_per_block
@@ -242,24 +237,18 @@ class PrefixCache:
                 raise ValueError(f"evict_blocks(): block {h} is not cached here")
             if blk.refs:
                 return False
-        freed: list[int] = []
         for h in hashes:
             del self._lru[h]
-            blk = self._blocks.pop(h)
-            for p in blk.pages:
-                del self._page_owner[p]
-            freed.extend(blk.pages)
-            self.evicted_blocks += 1
-        if freed:
-            self.allocator.free(freed)
+        self._drop(list(hashes))
         return True
 
     # -- allocation --------------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor:
         """Allocate ``n`` pages, evicting least-recently-released unreferenced blocks if needed.
 
-        Returns int64 [n]. Raises OutOfPagesError (evicting nothing) when free plus evictable
-        pages are fewer than ``n``."""
+        :returns: int64 [n] page ids.
+        :raises OutOfPagesError: free plus evictable pages are fewer than ``n`` (evicts nothing).
+        """
         short = n - self.allocator.num_free
         if short > 0:
             if short > self.num_evictable_pages:
@@ -272,17 +261,32 @@ class PrefixCache:
 
     def evict(self, num_pages: int) -> int:
         """Evict unreferenced blocks (LRU first) until ``num_pages`` pages are freed or none are
-        left. Returns the number of pages freed."""
-        freed: list[int] = []
-        while len(freed) < num_pages and self._lru:
+        left.
+
+        :returns: the number of pages freed.
+        """
+        hashes: list[int] = []
+        pages = 0
+        while pages < num_pages and self._lru:
             h, _ = self._lru.popitem(last=False)
-            if self._evicted_log is not None:
-                self._evicted_log.append(h)
+            hashes.append(h)
+            pages += len(self._blocks[h].pages)
+        if self._evicted_log is not None:
+            self._evicted_log.extend(hashes)
+        return self._drop(hashes)
+
+    def _drop(self, hashes: list[int]) -> int:
+        """Forget the blocks ``hashes`` (already out of the LRU) and free their pages.
+
+        :returns: the number of pages freed.
+        """
+        freed: list[int] = []
+        for h in hashes:
             blk = self._blocks.pop(h)
             for p in blk.pages:
                 del self._page_owner[p]
             freed.extend(blk.pages)
-            self.evicted_blocks += 1
+        self.evicted_blocks += len(hashes)
         if freed:
             self.allocator.free(freed)
         return len(freed)

@@ -42,16 +42,13 @@ def reference_run(
     live request per step, until each has ``req.output_len`` tokens (the first comes from the
     prefill logits). Pages are freed after every group, so memory scales with the group.
 
-    Args:
-        config: model config (ignored when ``model`` is given); default ``ModelConfig()``.
-        token_seed: seed of ``prompt_tokens`` (must match the disaggregated run).
-        progress: called with the rid of each request as it finishes.
+    :param config: model config (ignored when ``model`` is given); default ``ModelConfig()``.
+    :param token_seed: seed of ``prompt_tokens`` (must match the disaggregated run).
+    :param progress: called with the rid of each request as it finishes.
 
-    Returns:
-        ``{req.rid: [output_len token ids]}``.
+    :returns: ``{req.rid: [output_len token ids]}``.
 
-    Raises:
-        ValueError: ``chunk_size`` or ``batch_size`` < 1, or duplicate rids.
+    :raises ValueError: ``chunk_size`` or ``batch_size`` < 1, or duplicate rids.
     """
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")

@@ -305,7 +305,8 @@ def prompt_tokens(req: TraceRequest, vocab: int = 4096, seed: int = 0) -> np.nda
     Block k holds the ``block_tokens`` ids drawn from ``default_rng([seed, hash_ids[k]])``; the
     partial last block takes the first tokens of its block. Equal hash ids → equal tokens.
 
-    Raises ValueError when ``vocab < 1`` or ``req`` has fewer hash ids than prompt blocks."""
+    :raises ValueError: ``vocab < 1`` or ``req`` has fewer hash ids than prompt blocks.
+    """
     if vocab < 1:
         raise ValueError(f"vocab must be >= 1, got {vocab}")
     bt = req.block_tokens

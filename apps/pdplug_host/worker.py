@@ -11,10 +11,12 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from pdplug.config import WireConfig
+from pdplug import Consensus, PluginManager
+from pdplug.config import ConsensusConfig, KVConfig, WireConfig
+from pdplug.kvtypes import KVLayout
 from pdplug.manager import EXTENSION_POINTS
 from pdplug_host.config import ModelConfig
-from pdplug_host.messages import Fatal, to_driver_codec, to_worker_codec
+from pdplug_host.messages import Fatal, WorkerStats, to_driver_codec, to_worker_codec
 
 __all__ = [
     "POINTS",
@@ -161,6 +163,60 @@ class DriverLink:
         """Close both sockets."""
         self.inbox.close(linger=0)
         self.outbox.close(linger=1000)
+
+
+def kv_config(spec: WorkerSpec, layout: KVLayout, **extra: Any) -> KVConfig:
+    """This rank's KV sender/receiver config: its role's instance, the rendezvous, and
+    ``spec.timeout_s`` for every room deadline.
+
+    :param spec: the worker's spec (role, instances, rendezvous, timeout, wire rules).
+    :param layout: this rank's KV layout.
+    :param extra: further :class:`~pdplug.config.KVConfig` fields (e.g. ``pack_region_tokens``).
+    :raises ValueError: a field out of range (from :class:`~pdplug.config.KVConfig`).
+    """
+    return KVConfig(
+        instance=spec.prefill_instance if spec.role == "prefill" else spec.decode_instance,
+        role=spec.role,
+        layout=layout,
+        bootstrap_endpoint=spec.bootstrap,
+        bootstrap_timeout_s=spec.timeout_s,
+        waiting_timeout_s=spec.timeout_s,
+        transfer_timeout_s=spec.timeout_s,
+        wire=spec.wire,
+        **extra,
+    )
+
+
+def make_consensus(pm: PluginManager, spec: WorkerSpec) -> Consensus:
+    """The consensus of this rank's instance (its ranks: ``spec.rank`` of ``spec.size``):
+    peers silent for ``timeout_s`` are dead, votes not matched within ``2 * timeout_s`` fail.
+
+    :param pm: the worker's plugin manager.
+    :param spec: the worker's spec (``names["consensus"]`` selects the implementation).
+    """
+    cfg = ConsensusConfig(
+        pp_rank=spec.rank,
+        pp_size=spec.size,
+        endpoints=spec.consensus_endpoints,
+        peer_timeout_s=spec.timeout_s,
+        vote_deadline_s=spec.timeout_s * 2,
+        wire=spec.wire,
+    )
+    return pm.make_consensus(cfg, name=spec.names.get("consensus"))
+
+
+def send_stats(link: DriverLink, own: dict[str, Any], **parts: Any) -> None:
+    """Report a rank's counters to the driver as one ``WorkerStats``.
+
+    :param link: the rank's driver link (its spec names the role and rank).
+    :param own: the rank's own counters.
+    :param parts: components with ``stats()``; their counters are prefixed ``<name>_``
+        (``sender=...`` gives ``sender_bytes``, ...), after ``own``.
+    """
+    stats = dict(own)
+    for prefix, part in parts.items():
+        stats.update({f"{prefix}_{k}": v for k, v in part.stats().items()})
+    link.send(WorkerStats(role=link.spec.role, rank=link.spec.rank, stats=stats))
 
 
 def close_quietly(link: DriverLink, *objs: Any) -> None:

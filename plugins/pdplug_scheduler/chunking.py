@@ -1,5 +1,4 @@
-"""Dynamic chunked-prefill sizing (DESIGN.md §3; SGLang ``ChunkSizePredictor``, prior-art
-sglang.md §2.5).
+"""Dynamic chunked-prefill sizing (after SGLang's ``ChunkSizePredictor``).
 
 Fit the prefill latency of one chunk of ``l`` tokens as ``f(l) = a*l^2 + b*l + c`` (least
 squares on profiling samples, the first one dropped as warm-up, at least 8 points, ``a <= 0``

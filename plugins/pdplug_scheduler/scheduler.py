@@ -1,6 +1,6 @@
 """The ``default`` scheduler: capacity/grid send splitting and dynamic chunked-prefill sizing.
 
-See :mod:`pdplug_scheduler.split` (DESIGN.md §3, SGLang PRs #30545/#40376) and
+See :mod:`pdplug_scheduler.split` (SGLang PRs #30545/#40376) and
 :mod:`pdplug_scheduler.chunking` (SGLang ``ChunkSizePredictor``).
 """
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import pkgutil
+import re
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import msgspec
@@ -89,6 +93,15 @@ def test_an_undocumented_struct_is_caught() -> None:
     assert undocumented(mod) == ["Undocumented", "Undocumented.method"]
 
 
+def test_a_type_alias_is_data_not_an_undocumented_class() -> None:
+    """On Python 3.10 ``inspect.isclass(Callable[...])`` is True; an alias in ``__all__`` (like
+    ``pdplug.transfer.Compat``) is documented by its ``#:`` comment, not a docstring."""
+    mod = ModuleType("fake_public")
+    mod.__all__ = ["Alias"]  # type: ignore[attr-defined]
+    mod.Alias = Callable[[int], str]  # type: ignore[attr-defined]
+    assert undocumented(mod) == []
+
+
 @pytest.mark.parametrize("module", ["pdplug", *MODULES])
 def test_public_names_have_their_own_docstrings(module: str) -> None:
     try:
@@ -163,3 +176,46 @@ def test_pdplug_testing_without_pytest_says_how_to_install_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert 'pip install "pdplug[testing]"' in out.stderr, out.stderr
+
+
+# --------------------------------------------------------------------------- docs that ship
+
+#: every top-level package the distribution installs: the library, its plugins and its apps
+TOP_LEVEL = sorted(importlib.metadata.distribution("pdplug").read_text("top_level.txt").split())
+#: files that do not ship with the package; cite a paper, PR or issue number instead
+OFF_TREE = re.compile(r"DESIGN\.md|prior-art|/shared/|\bshared/(cases|notes)")
+#: Google-style section headers; the one docstring style is Sphinx fields (``:param x:``)
+GOOGLE = re.compile(r"^\s*(Args|Arguments|Returns|Raises|Yields):\s*$")
+
+
+def _installed_sources() -> list[Path]:
+    files: list[Path] = []
+    for top in TOP_LEVEL:
+        spec = importlib.util.find_spec(top)  # locates the package without importing it
+        assert spec is not None and spec.submodule_search_locations, top
+        for root in spec.submodule_search_locations:
+            files += sorted(Path(root).rglob("*.py"))
+    return files
+
+
+def test_sources_cite_nothing_outside_the_package() -> None:
+    assert {"pdplug", "pdplug_dcp", "pdplug_host"} <= set(TOP_LEVEL), TOP_LEVEL
+    sources = _installed_sources()
+    assert len(sources) > 50, "the walk found the package sources"
+    hits = [
+        f"{path}:{n}: {line.strip()}"
+        for path in sources
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if OFF_TREE.search(line)
+    ]
+    assert hits == [], "\n".join(hits)
+
+
+def test_one_docstring_style_sphinx_fields() -> None:
+    hits = [
+        f"{path}:{n}: {line.strip()}"
+        for path in _installed_sources()
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if GOOGLE.match(line)
+    ]
+    assert hits == [], "use :param x: / :returns: / :raises E: instead:\n" + "\n".join(hits)

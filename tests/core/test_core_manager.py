@@ -1,5 +1,5 @@
 """PluginManager: discovery through real entry points, override/block/duplicate/unknown names,
-switches and their precedence, failure isolation (DESIGN.md §2, issue 2)."""
+switches and their precedence, failure isolation (issue 2)."""
 
 from __future__ import annotations
 
