@@ -207,7 +207,10 @@ def test_a_write_waits_for_its_pack_and_a_segment_is_one_pack_all(backend: str) 
             assert all(f >= i // 2 + 1 for i, f in enumerate(log.probed)), log.probed
             segs = s.stats()["segments"]
             assert packer.pack_calls == 0 and packer.pack_all_plans == [2] * segs, packer.__dict__
-            assert s.stats()["pack_launches"] == segs == len(marks)
+            st = s.stats()
+            assert st["pack_launches"] == segs == len(marks)
+            assert st["pack_busy_s"] > 0 and st["write_busy_s"] > 0, st
+            assert 0 <= st["overlap_s"] <= min(st["pack_busy_s"], st["write_busy_s"]) + 1e-6
         finally:
             pre.close()
             dec.close()
