@@ -12,11 +12,13 @@ thread (:class:`~pdplug.transfer.loop.EngineLoop`) that is the only caller of th
 Per request (room): the host calls :meth:`KVSenderSession.start`; the room is
 ``Bootstrapping`` until every decode DCP rank of the destination instance sent its
 :class:`~pdplug.types.DestInfo`, then ``WaitingForInput``. Each :meth:`KVSenderSession.send`
-of a scheduler :class:`~pdplug.types.Segment` becomes one job per destination DCP rank: plan
-(``PackPlanner.plan``), pack into a free pack region of that rank if the peer needs relayout
-(``Packer.pack``), post the byte runs (``TransferEngine.post``) with the chunk's
-:class:`~pdplug.types.ChunkTag`. With ``pack_depth`` regions per rank, the job for segment
-``k + 1`` packs into another region while segment ``k``'s write is in flight (double
+of a scheduler :class:`~pdplug.types.Segment` becomes one job per destination DCP rank, started
+once the host's ``ready`` marker of the segment completed: plan (``PackPlanner.plan``); for
+peers that need relayout, each job takes a free pack region and the segment's jobs are packed
+together (:func:`pdplug.packing.pack_segment`: ``pack_all``, one launch on CUDA); post the byte
+runs (``TransferEngine.post``) with the chunk's :class:`~pdplug.types.ChunkTag`, after the pack
+finished on the device (:mod:`pdplug.transfer.gather`). With ``pack_depth`` regions per rank,
+segment ``k + 1`` packs into other regions while segment ``k``'s write is in flight (double
 buffering; :mod:`pdplug.packing`). A rank that owns no token of a chunk still gets a
 notification-only chunk (SGLang #32837) so the decode side's count completes. The room turns
 ``Success`` when the last segment's jobs completed on every destination (never while one is
