@@ -333,11 +333,13 @@ def test_gpu_pack_waits_for_the_forward_event() -> None:
             for r, rc in enumerate(recvs):
                 rc.expect(room, dps[r], num_tokens=64)
             want = expected_kv([real], [[t.cpu() for t in kv] for kv in dst], 64, 0, sp, dps)
+            staged = [v.to("cuda") for v in real]  # device copies: the write below is async
+            torch.cuda.synchronize()
             fwd = torch.cuda.Stream()
             with torch.cuda.stream(fwd):
                 torch.cuda._sleep(500_000_000)  # the forward still runs when send is called
-                for t, v in zip(src, real):
-                    t.copy_(v.to("cuda", non_blocking=False))
+                for t, v in zip(src, staged):
+                    t.copy_(v)
                 ev = torch.cuda.Event()
                 ev.record(fwd)
             wait_all([s], room, 10, until=(KVPoll.WaitingForInput,))
