@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Prepared GPU check of pdplug's GPU pack path: random bit-exact Triton cases, `pdplug bench plan
 # --device cuda` on row sizes {128,256,576,656,1152,4096} x DCP {1,2,4,8} (+ HND head sub-rows),
-# the stream-ordering test (a send whose KV write is still queued behind torch.cuda._sleep), and
-# `pdplug demo --device cuda`. Runs in under 5 minutes on a GPU
-# machine without a package registry, from wheels brought along (see README.md here).
+# the stream-ordering test (a KV write queued behind torch.cuda._sleep) and `pdplug demo --device
+# cuda`. Under 5 minutes on a GPU machine without a registry, from wheels brought along.
 #
 #   scripts/gpu_check/gpu_check.sh download [WHEEL_DIR]   # on a machine with PyPI (default
 #                                                         # scripts/gpu_check/wheels)
