@@ -141,5 +141,5 @@ PYEOF
 case ${1:-} in
     download) shift; download "$@" ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
