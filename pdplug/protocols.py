@@ -268,15 +268,30 @@ class KVSender(Protocol):
         """
         ...
 
-    def send(self, room: int, segment: Segment, src_pages: np.ndarray) -> None:
+    def send(self, room: int, segment: Segment, src_pages: np.ndarray, ready: Any = None) -> None:
         """Plan, pack and post the writes of one segment to every destination rank.
 
-        :param src_pages: int64 ``[n]`` source page ids from the segment's first page on.
         Non-blocking; segments go in ``chunk_id`` order (0, 1, … per rank), the last with
         ``is_last``. The room turns Success when the last segment completed on every
         destination (never while a chunk is pending), Failed on any error or timeout. A send
         for a failed room is ignored.
 
+        Stream ordering (the host's forward may still be writing the KV when it calls
+        ``send``, as with SGLang's indices event or vLLM's asynchronous KV writes):
+
+        * no pack or write reads the segment's KV before ``ready.query()`` is true; the
+          sender polls it without blocking other rooms, and a ``ready`` still false after
+          ``KVConfig.transfer_timeout_s`` fails the room (``KVPoll.Failed``, its pack regions
+          free);
+        * the segment's relayout jobs are packed together (``Packer.pack_all`` when the packer
+          has it: one launch for every destination rank), and their writes are posted only
+          after the pack finished on the device (a CUDA event recorded after the pack).
+
+        :param src_pages: int64 ``[n]`` source page ids from the segment's first page on.
+        :param ready: ``None`` (the KV is complete) or an object with ``query() -> bool``
+            (and usually ``synchronize()``): a ``torch.cuda.Event`` recorded after the KV
+            writes of this segment, or the ``torch.cuda.Stream`` that writes them.
+        :raises TypeError: ``ready`` has no ``query()``.
         :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, or a page id
             is outside the registered KV.
         """

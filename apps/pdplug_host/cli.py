@@ -73,6 +73,10 @@ def demo_options(f: Any) -> Any:
                           "after a clean run; '' = the workers write to stderr)."),
         click.option("--keep-logs", is_flag=True,
                      help="Keep the temp worker-log directory after a clean run."),
+        click.option("--device", default="cpu", show_default=True,
+                     type=click.Choice(["cpu", "cuda"]),
+                     help="Where the workers keep model, KV cache and pack buffer (cuda: NIXL "
+                          "registers VRAM, the Triton packer packs; refused without CUDA)."),
     ]  # fmt: skip
     for o in reversed(opts):
         f = o(f)

@@ -93,8 +93,8 @@ class DecodeRank:
         self.rank, self.size = spec.rank, spec.size
         self.group = init_gloo(spec.rank, spec.size, spec.gloo_port, spec.timeout_s)
         cfg = spec.model
-        self.model = build_model(cfg)
-        self.cache = PagedKVCache(cfg, spec.num_pages, spec.page_size)
+        self.model = build_model(cfg, spec.device)
+        self.cache = PagedKVCache(cfg, spec.num_pages, spec.page_size, device=spec.device)
         self.layout = KVLayout(
             page_size=spec.page_size,
             entry_bytes_per_token=tuple(self.cache.entry_bytes_per_token()),
@@ -274,6 +274,7 @@ class DecodeRank:
             return [t]
         import torch.distributed as dist
 
+        t = t.cpu()  # gloo gathers CPU tensors (a no-op for the CPU model)
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t)
         return out

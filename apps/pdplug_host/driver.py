@@ -144,6 +144,7 @@ class _Run:
                     if self.log_dir
                     else "",
                     wire=self.wire,
+                    device=o.device,
                 )
                 p = ctx.Process(
                     target=target,

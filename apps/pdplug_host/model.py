@@ -97,12 +97,13 @@ class TinyLlama:
     inv_freq: torch.Tensor
 
 
-def build_model(config: ModelConfig | None = None) -> TinyLlama:
+def build_model(config: ModelConfig | None = None, device: str = "cpu") -> TinyLlama:
     """Build the model with weights drawn from ``torch.Generator().manual_seed(config.seed)``.
 
     Weights are drawn in ``config.dtype`` in a fixed order (embed, then per layer q, k, v, o, gate,
     up, down, then lm_head) with std 1 for the embedding and 1/sqrt(fan_in) for projections, then
-    stored in ``compute_dtype``. Deterministic across processes for a given torch version.
+    stored in ``compute_dtype``. Deterministic across processes for a given torch version. They
+    are drawn on the CPU and then moved to ``device`` (the same values on every device).
     """
     cfg = config or ModelConfig()
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -110,7 +111,7 @@ def build_model(config: ModelConfig | None = None) -> TinyLlama:
 
     def draw(fan_in: int, fan_out: int, std: float | None = None) -> torch.Tensor:
         w = torch.randn(fan_in, fan_out, generator=gen, dtype=cfg.torch_dtype)
-        return (w * (std if std is not None else 1.0 / math.sqrt(fan_in))).to(cdt)
+        return (w * (std if std is not None else 1.0 / math.sqrt(fan_in))).to(device, cdt)
 
     h, hd = cfg.hidden, cfg.head_dim
     embed_w = draw(cfg.vocab, h, std=1.0)
@@ -125,10 +126,10 @@ def build_model(config: ModelConfig | None = None) -> TinyLlama:
         w_down = draw(cfg.intermediate, h)
         layers.append(
             LayerWeights(
-                attn_norm=torch.ones(h, dtype=cdt),
+                attn_norm=torch.ones(h, dtype=cdt, device=device),
                 wqkv=torch.cat([wq, wk, wv], dim=1).contiguous(),
                 wo=wo,
-                mlp_norm=torch.ones(h, dtype=cdt),
+                mlp_norm=torch.ones(h, dtype=cdt, device=device),
                 w_gate_up=torch.cat([w_gate, w_up], dim=1).contiguous(),
                 w_down=w_down,
             )
@@ -139,9 +140,9 @@ def build_model(config: ModelConfig | None = None) -> TinyLlama:
         config=cfg,
         embed=embed_w,
         layers=tuple(layers),
-        final_norm=torch.ones(h, dtype=cdt),
+        final_norm=torch.ones(h, dtype=cdt, device=device),
         lm_head=lm_head,
-        inv_freq=inv_freq.to(cdt),
+        inv_freq=inv_freq.to(device, cdt),
     )
 
 
@@ -169,6 +170,7 @@ class PagedKVCache:
         num_pages: int,
         page_size: int = 16,
         layers: tuple[int, int] | None = None,
+        device: str = "cpu",
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
@@ -182,7 +184,8 @@ class PagedKVCache:
         self.layer_end = end
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
         self._entries = [
-            torch.zeros(shape, dtype=config.torch_dtype) for _ in range(2 * (end - start))
+            torch.zeros(shape, dtype=config.torch_dtype, device=device)
+            for _ in range(2 * (end - start))
         ]
         self._free: deque[int] = deque(range(num_pages))
         self._is_free = [True] * num_pages
@@ -290,7 +293,7 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     # x: [T, heads, D]; rotate-half convention.
-    ang = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+    ang = positions.to(inv_freq.device, inv_freq.dtype)[:, None] * inv_freq[None, :]
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -344,7 +347,9 @@ def attention(
     if s == 0:
         return q.new_zeros(t, h, d), q.new_full((t, h), -math.inf)
     g = h // kvh
-    causal = (q_pos, k_pos) if q_pos is not None and k_pos is not None else None
+    causal = None
+    if q_pos is not None and k_pos is not None:  # positions may be CPU tensors, q on a GPU
+        causal = (q_pos.to(q.device), k_pos.to(q.device))
     qg = (q * (1.0 / math.sqrt(d))).reshape(t, kvh, g, d).permute(1, 2, 0, 3)  # [kvh, g, T, D]
     kt = k.permute(1, 2, 0).unsqueeze(1)  # [kvh, 1, D, S]
     vv = v.permute(1, 0, 2).unsqueeze(1)  # [kvh, 1, S, D]
@@ -395,7 +400,7 @@ def embed(model: TinyLlama, token_ids: torch.Tensor) -> torch.Tensor:
     ids = torch.as_tensor(token_ids, dtype=torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= model.config.vocab):
         raise ValueError(f"token id outside [0, {model.config.vocab}): {ids.tolist()[:8]}…")
-    return model.embed[ids]
+    return model.embed[ids.to(model.embed.device)]
 
 
 def final_logits(model: TinyLlama, hidden: torch.Tensor) -> torch.Tensor:
@@ -424,16 +429,17 @@ def run_layers(
     total = sum(s.length for s in spans)
     if hidden.shape[0] != total:
         raise ValueError(f"hidden has {hidden.shape[0]} rows, spans cover {total} tokens")
+    dev = model.embed.device  # hidden may arrive on the CPU (gloo) while the model is on a GPU
     if not spans:
-        return hidden.to(model.config.torch_compute_dtype)
+        return hidden.to(dev, model.config.torch_compute_dtype)
     ps = cache.page_size
     positions = [torch.arange(s.start, s.start + s.length, dtype=torch.int64) for s in spans]
     ctx_pos = [torch.arange(s.start + s.length, dtype=torch.int64) for s in spans]
-    ctx_slots = [slot_mapping(s.page_ids, p, ps) for s, p in zip(spans, ctx_pos)]
+    ctx_slots = [slot_mapping(s.page_ids, p, ps).to(dev) for s, p in zip(spans, ctx_pos)]
     new_slots = torch.cat([c[s.start :] for s, c in zip(spans, ctx_slots)])
     all_pos = torch.cat(positions)
     cdt, kvdt = model.config.torch_compute_dtype, model.config.torch_dtype
-    x = hidden.to(cdt)
+    x = hidden.to(dev, cdt)
     with torch.no_grad():
         for layer in range(cache.layer_start, cache.layer_end):
             lw = model.layers[layer]
@@ -479,7 +485,7 @@ def forward(
         raise ValueError("every span needs at least one new token")
     hidden = run_layers(model, cache, embed(model, token_ids), spans)
     with torch.no_grad():
-        return final_logits(model, hidden[_last_rows(spans)])
+        return final_logits(model, hidden[_last_rows(spans).to(hidden.device)])
 
 
 def prefill_chunk(
@@ -564,7 +570,9 @@ def decode_step_dcp(
         for pg, pos in zip(page_ids, pos_list)
     ]
     owned = [i for i, pos in enumerate(pos_list) if pos % dcp_size == dcp_rank]
-    owned_idx = torch.tensor(owned, dtype=torch.int64)
+    dev = model.embed.device
+    local_slots = [s.to(dev) for s in local_slots]
+    owned_idx = torch.tensor(owned, dtype=torch.int64, device=dev)
     owned_slots = torch.stack([local_slots[i][-1] for i in owned]) if owned else owned_idx
     all_pos = torch.tensor(pos_list, dtype=torch.int64)
     with torch.no_grad():
@@ -590,7 +598,7 @@ def decode_step_dcp(
                     f"{[tuple(p.shape) for p in parts]}; expected {dcp_size} of "
                     f"{tuple(packed.shape)}"
                 )
-            stacked = torch.stack([p.to(cdt) for p in parts])  # [P, B, H*D + H]
+            stacked = torch.stack([p.to(x.device, cdt) for p in parts])  # [P, B, H*D + H]
             merged = merge_attention(
                 stacked[:, :, : h * d].reshape(dcp_size, b, h, d), stacked[:, :, h * d :]
             )

@@ -25,6 +25,7 @@ __all__ = [
     "SCALES",
     "DemoError",
     "DemoOptions",
+    "check_device",
     "check_options",
     "check_schedule",
     "check_sizes",
@@ -94,6 +95,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     :ivar run_timeout_s: bound on the whole replay, seconds.
     :ivar log_dir: worker logs; ``None``: a fresh temp dir, removed after a clean run unless
         ``keep_logs``; ``""``: the workers write to this process's stderr.
+    :ivar device: ``"cpu"`` or ``"cuda"``: where every worker keeps the model, its KV cache and
+        the pack buffer (``cuda``: NIXL registers VRAM, the Triton packer packs).
     """
 
     prefill_pp: int = 2
@@ -117,6 +120,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     profile: bool = True
     log_dir: str | None = None
     keep_logs: bool = False
+    device: str = "cpu"
 
 
 def _flag(field: str) -> str:
@@ -242,6 +246,26 @@ def selected_names(opts: DemoOptions) -> dict[str, str]:
     return {k: v for k, v in chosen.items() if v}
 
 
+def check_device(opts: DemoOptions) -> None:
+    """Refuse ``--device cuda`` where torch sees no CUDA device (one line naming the option).
+
+    :raises DemoError: an unknown device, or ``cuda`` without a CUDA device.
+    """
+    if opts.device == "cpu":
+        return
+    if opts.device != "cuda":
+        raise DemoError(f"--device {opts.device}: must be cpu or cuda")
+    try:
+        import torch
+    except ImportError as e:
+        raise DemoError(f"--device cuda: torch is not importable ({e})") from e
+    if not torch.cuda.is_available():
+        raise DemoError(
+            "--device cuda: no CUDA device on this machine (torch.cuda.is_available() is "
+            "False); run with --device cpu"
+        )
+
+
 def check_options(opts: DemoOptions) -> None:
     """Refuse a configuration before any worker starts (seconds, not a timeout later).
 
@@ -257,6 +281,7 @@ def check_options(opts: DemoOptions) -> None:
     from pdplug.types import SendChunk
 
     check_sizes(opts)
+    check_device(opts)
     try:  # a manager of its own, as every worker builds: this environment's switches apply
         pm = PluginManager()
     except PdplugError as e:

@@ -136,9 +136,11 @@ class PrefillRank:
         # caught by consensus peer timeouts and the driver's watchdog instead.
         self.group = init_gloo(spec.rank, spec.size, spec.gloo_port, 3600.0)
         cfg = spec.model
-        self.model = build_model(cfg)
+        self.model = build_model(cfg, spec.device)
         self.lo, self.hi = layer_split(cfg.num_layers, spec.size)[spec.rank]
-        self.cache = PagedKVCache(cfg, spec.num_pages, spec.page_size, layers=(self.lo, self.hi))
+        self.cache = PagedKVCache(
+            cfg, spec.num_pages, spec.page_size, layers=(self.lo, self.hi), device=spec.device
+        )
         self.pcache = PrefixCache(self.cache, spec.block_tokens, spec.page_size)
         self.layout = KVLayout(
             page_size=spec.page_size,
@@ -381,9 +383,13 @@ class PrefillRank:
         )
         assert req.pages is not None
         t0 = time.perf_counter()
+        ready = None
+        if self.spec.device.startswith("cuda"):  # the forward's KV writes may still be queued
+            ready = torch.cuda.Event()
+            ready.record()
         for seg in segs:
             first, past = seg.token_start // ps, -(-seg.token_end // ps)
-            self.sender.send(req.rid, seg, req.pages[first:past].numpy())
+            self.sender.send(req.rid, seg, req.pages[first:past].numpy(), ready=ready)
         req.send_s += time.perf_counter() - t0
         self.segments += len(segs)
         self.split_sends += len(segs) > 1
@@ -406,6 +412,7 @@ class PrefillRank:
     def _isend(self, t: torch.Tensor, dst: int) -> None:
         import torch.distributed as dist
 
+        t = t.cpu()  # gloo moves CPU tensors (a no-op for the CPU model)
         self.pending_work.append((dist.isend(t, dst), t))
 
     def _drain_sends(self) -> None:

@@ -77,6 +77,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     :ivar bootstrap: rendezvous endpoint; ``prefill_instance``: id of the prefill instance.
     :ivar chunk_size: base chunked-prefill size (tokens); ``pack_region_tokens``: pack capacity.
     :ivar timeout_s: bound on every wait (KV room timeouts, gloo, consensus peers).
+    :ivar device: where the model, its KV cache and the pack buffer live (``"cpu"``,
+        ``"cuda"``); tensors cross gloo on the CPU.
     """
 
     role: str
@@ -100,6 +102,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     profile: bool = True
     log_path: str = ""
     wire: WireConfig = WireConfig()
+    device: str = "cpu"
 
 
 def init_gloo(rank: int, size: int, port: int, timeout_s: float) -> Any:
@@ -183,6 +186,7 @@ def kv_config(spec: WorkerSpec, layout: KVLayout, **extra: Any) -> KVConfig:
         waiting_timeout_s=spec.timeout_s,
         transfer_timeout_s=spec.timeout_s,
         wire=spec.wire,
+        device=spec.device,
         **extra,
     )
 

@@ -140,8 +140,11 @@ class SendLeases:
             cap = c if cap is None else min(cap, c)
         return cap
 
-    def enqueue(self, room: int, gen: int, seg: Segment, pages: np.ndarray, now: float) -> None:
-        """One segment of ``room`` becomes one job per destination (after the count check)."""
+    def enqueue(
+        self, room: int, gen: int, seg: Segment, pages: np.ndarray, now: float, ready: Any = None
+    ) -> None:
+        """One segment of ``room`` becomes one job per destination (after the count check);
+        none starts before ``ready.query()`` is true."""
         lease = self.leases.get(room)
         if lease is None or lease.generation != gen or lease.failed:
             return
@@ -172,7 +175,7 @@ class SendLeases:
             return
         lease.segments[seg.chunk_id] = len(jobs)
         self._counts["segments"] += 1
-        self._pipe.submit(jobs, now)
+        self._pipe.submit(jobs, now, ready)
 
     def abort(self, room: int, gen: int) -> None:
         """The host aborted ``room``."""

@@ -3,14 +3,17 @@
 Used by :class:`~pdplug.transfer.sender.KVSenderSession` on its engine thread. One *job* is
 one (segment, destination decode rank). Jobs wait in one FIFO per destination; destinations
 are served round-robin, so a peer that is slow, stuck or waiting for regions never holds up the
-others. A job whose peer needs relayout takes a pack region
-(:class:`~pdplug.transfer.regions.RegionPool`), is planned and packed on a dedicated **pack
-thread** (planners are pure) and posted by the engine thread once packed; the region stays busy
-until the engine reports the write done. So while the engine writes segment ``k``, the pack
-thread fills another region with segment ``k + 1`` (SGLang PR #35762's double buffering). Jobs
-without relayout are planned and posted directly, at most ``max_inflight`` per peer at once. A
-plan with no run (a rank that owns no token of the chunk) becomes a notification-only chunk
-(SGLang #32837).
+others. No job starts before the host's ``ready`` marker of its segment completed
+(:mod:`~pdplug.transfer.gather`). A job whose peer needs relayout takes a pack region
+(:class:`~pdplug.transfer.regions.RegionPool`); the relayout jobs of one segment that a round
+starts are planned and packed together (one ``pack_all`` call) on a dedicated **pack thread**
+(planners are pure) and posted by the engine thread once their pack-done marker completed; the
+region stays busy until the engine reports the write done. So while the engine writes segment
+``k``, the pack thread fills other regions with segment ``k + 1`` (SGLang PR #35762's double
+buffering; :class:`~pdplug.transfer.gather.BusyClock` measures the overlap). Jobs without
+relayout are planned and posted directly, at most ``max_inflight`` per peer at once. A plan with
+no run (a rank that owns no token of the chunk) becomes a notification-only chunk (SGLang
+#32837).
 
 Every posted write is checked each round (:class:`~pdplug.transfer.writes.InFlight`); ``ERR``
 or an engine exception fails the room; a *stuck* write fails its room but keeps its region and
@@ -24,14 +27,13 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 
 from pdplug.packing import run_addresses
 from pdplug.transfer.engine import XFER_DONE, TransferEngine, engine_wakes
+from pdplug.transfer.gather import Packing, PackQueue, ReadyGate
 from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
 from pdplug.transfer.regions import RegionPool
 from pdplug.transfer.writes import InFlight, Write
@@ -48,13 +50,6 @@ __all__ = ["SendPipeline"]
 log = logging.getLogger(__name__)
 
 _BUDGET = 16  # jobs started per round, so completions are reaped in between
-
-
-class _Packing(msgspec.Struct, kw_only=True):
-    job: Job
-    peer: Peer
-    region: int
-    fut: Future[tuple[TransferPlan, float, float]]
 
 
 class SendPipeline:
@@ -114,11 +109,13 @@ class SendPipeline:
         self._pack_base = 0
         self._queues: dict[PeerKey, deque[Job]] = {}
         self._turn = 0
-        self._packing: deque[_Packing] = deque()
+        self._packing = PackQueue(waker)
         self._inflight = InFlight(timeout_s)
         self._unpacked: Counter[PeerKey] = Counter()
-        self._pool: ThreadPoolExecutor | None = None
         self._more = False  # dispatch stopped at its per-round budget
+        self._waiting = False  # a packed segment waits for its pack-done marker
+        self._gate = ReadyGate()  # segments whose host ready marker has not completed
+        self.clock = self._packing.clock
         self.progress_at = 0.0  # last write completion (or work arriving at an idle pipeline)
         self.counts: Counter[str] = Counter()
         self.timings = dict.fromkeys(("plan_s", "pack_s", "post_s", "write_s"), 0.0)
@@ -153,35 +150,26 @@ class SendPipeline:
         self.packer = packer
 
     # ------------------------------------------------------------------ state
-    @property
-    def _queue(self) -> list[Job]:
-        """Every queued job (all peers)."""
-        return [j for q in self._queues.values() for j in q]
-
-    @property
-    def _xfers(self) -> list[Write]:
-        """Every posted write not finished yet."""
-        return self._inflight.writes
-
-    @property
-    def _busy_region(self) -> np.ndarray:
-        """bool ``[regions]``: which pack regions are in use."""
-        return self.pool.busy
-
     def has_work(self) -> bool:
         """Work queued, packing or in flight (a round must look at it)."""
-        return bool(self._queues or self._packing or self._inflight)
+        return bool(self._queues or self._packing or self._inflight or self._gate)
 
     def busy(self) -> bool:
         """Whether the loop must poll rather than sleep until woken: writes on an engine that
         cannot wake it, or dispatch work left over from the last round."""
-        return self._more or bool(self._inflight and not self.wakes)
+        return (
+            self._more
+            or self._waiting
+            or bool(self._gate)
+            or bool(self._inflight and not self.wakes)
+        )
 
     def gauges(self) -> dict[str, int]:
         """What the pipeline holds now: queued jobs, packing, writes in flight, stuck writes,
         busy pack regions."""
         return {
             "queued": sum(len(q) for q in self._queues.values()),
+            "waiting_ready": len(self._gate),
             "packing": len(self._packing),
             "xfers": len(self._inflight),
             "stuck_writes": self._inflight.stuck(),
@@ -194,7 +182,7 @@ class SendPipeline:
         whose own time (module docstring) is under ``timeout_s``. Its room deadline is re-armed:
         time spent queued locally is not silence."""
         stuck = self._inflight.stuck_keys()
-        out = {id(p.job.lease) for p in self._packing}
+        out = self._packing.leases()
         out.update(self._inflight.moving(now))
         if now - self.progress_at <= self.timeout_s:
             for key, q in self._queues.items():
@@ -202,10 +190,14 @@ class SendPipeline:
                     out.update(id(j.lease) for j in q)
         return out
 
-    def submit(self, jobs: list[Job], now: float) -> None:
-        """Queue jobs (FIFO per destination)."""
+    def submit(self, jobs: list[Job], now: float, ready: Any = None) -> None:
+        """Queue one segment's jobs (FIFO per destination) once ``ready.query()`` is true
+        (:class:`~pdplug.transfer.gather.ReadyGate`; waiting holds up no other room)."""
         if not self.has_work():
             self.progress_at = now
+        self._queue(self._gate.admit(jobs, ready, now))
+
+    def _queue(self, jobs: list[Job]) -> None:
         for job in jobs:
             self._queues.setdefault(job.key, deque()).append(job)
 
@@ -220,6 +212,7 @@ class SendPipeline:
                     self._queues[key] = q
                 else:
                     del self._queues[key]
+        self._gate.drop(lease)
         for w in self._inflight.withdraw(lease, self.engine):
             self._settle(w.job, w.peer, w.region)
             self.counts["cancelled"] += 1
@@ -229,17 +222,24 @@ class SendPipeline:
         if self._inflight:
             self._reap(now)
         posts = self.counts["posts"]
+        self._waiting = False
+        if self._gate:
+            ready, failed = self._gate.release(now, self.timeout_s)
+            self._queue(ready)
+            for lease, why in failed:
+                self._on_fail(lease, why)
         if self._packing:
             self._post_packed(now)
         if self._queues:
             self._dispatch(now)
         if self.counts["posts"] != posts:
             self._reap(now)  # an engine that copies inside its post call is done already
+        if not self._inflight:
+            self.clock.writes_idle(time.perf_counter())
 
     def close(self) -> None:
         """Release in-flight handles (the engine is closing) and stop the pack thread."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._packing.close()
         self._inflight.release_all(self.engine)
 
     # ------------------------------------------------------------------ dispatch
@@ -273,6 +273,7 @@ class SendPipeline:
                 if peer is None or not peer.alive:
                     q.popleft()
                     self._on_fail(lease, f"{describe(key)} is gone")
+                    q = self._queues.get(key, deque())  # the failure purged the lease's jobs
                     continue
                 region = -1
                 if peer.relayout:
@@ -285,22 +286,20 @@ class SendPipeline:
                 budget -= 1
                 self._start(job, peer, region, now)
             if not q:
-                del self._queues[key]
+                self._queues.pop(key, None)
             elif budget <= 0:
                 self._more = True
+        self._packing.flush(
+            self.planner, self.layout, self.regions, self.packer, self._entries, self._pack
+        )
 
     def _start(self, job: Job, peer: Peer, region: int, now: float) -> None:
         lease = job.lease
         lease.posted = True
         lease.inflight += 1
         peer.inflight += 1
-        if region >= 0:  # relayout: plan and pack on the pack thread, post when ready
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdplug-pack")
-            fut = self._pool.submit(self._prepare, job, peer, region)
-            waker = self._waker
-            fut.add_done_callback(lambda _f: waker())
-            self._packing.append(_Packing(job=job, peer=peer, region=region, fut=fut))
+        if region >= 0:  # relayout: planned and packed with its segment on the pack thread
+            self._packing.add(job, peer, region)
             return
         if not peer.relayout:
             self._unpacked[job.key] += 1
@@ -339,57 +338,39 @@ class SendPipeline:
             self._on_written(job, tag)
         self._on_done(job)
 
-    def _prepare(self, job: Job, peer: Peer, region: int) -> tuple[TransferPlan, float, float]:
-        """Pack thread: plan into the region and gather the rows; returns (plan, plan seconds,
-        pack seconds). Planners are pure, so planning here keeps it off the posting thread."""
-        t0 = time.perf_counter()
-        plan = self.planner.plan(
-            job.chunk, self.layout, peer.info.layout, job.dst_rank, self.regions[region]
-        )
-        t1 = time.perf_counter()
-        if plan.packed and plan.num_runs:
-            assert self.packer is not None and self._pack is not None
-            self.packer.pack(plan, self._entries, self._pack)
-            if self._pack.is_cuda:
-                import torch
-
-                torch.cuda.current_stream(self._pack.device).synchronize()
-        return plan, t1 - t0, time.perf_counter() - t1
-
     def _post_packed(self, now: float) -> None:
-        while self._packing and self._packing[0].fut.done():
-            p = self._packing.popleft()
-            job, lease = p.job, p.job.lease
-            try:
-                plan, plan_s, pack_s = p.fut.result()
-            except Exception as e:
-                self._settle(job, p.peer, p.region)
-                reason = f"plan/pack of chunk {job.chunk.chunk_id} for dcp {job.dst_rank}: {e}"
-                self._on_fail(lease, reason)
-                continue
-            self.timings["plan_s"] += plan_s
-            self.timings["pack_s"] += pack_s
-            peer = lease.peers.get(job.key, p.peer)  # a re-handshake may have replaced it
-            if lease.failed or lease.cleared or not peer.alive or plan.num_runs == 0:
-                self._settle(job, p.peer, p.region)
-                if lease.failed or lease.cleared:
-                    continue
-                if not peer.alive:
-                    self._on_fail(lease, f"{describe(job.key)} is gone")
-                else:
-                    self._notify_only(job, peer, self._tag(job, plan))
-                continue
-            if peer is not p.peer:  # the write uses the current connection's handle
-                peer.inflight += 1
-                p.peer.inflight -= 1
-                if p.peer.gone and p.peer.inflight == 0:
-                    self._on_idle(p.peer)
-            self._post(job, peer, p.region, plan, now)
+        """Post every job whose segment is packed and whose pack-done marker completed."""
+        done, failed, self._waiting = self._packing.take(self.timings, self.counts)
+        for p, reason in failed:
+            self._settle(p.job, p.peer, p.region)
+            self._on_fail(p.job.lease, reason)
+        for p, plan in done:
+            self._post_one(p, plan, now)
+
+    def _post_one(self, p: Packing, plan: TransferPlan, now: float) -> None:
+        job, lease = p.job, p.job.lease
+        peer = lease.peers.get(job.key, p.peer)  # a re-handshake may have replaced it
+        if lease.failed or lease.cleared or not peer.alive or plan.num_runs == 0:
+            self._settle(job, p.peer, p.region)
+            if lease.failed or lease.cleared:
+                return
+            if not peer.alive:
+                self._on_fail(lease, f"{describe(job.key)} is gone")
+            else:
+                self._notify_only(job, peer, self._tag(job, plan))
+            return
+        if peer is not p.peer:  # the write uses the current connection's handle
+            peer.inflight += 1
+            p.peer.inflight -= 1
+            if p.peer.gone and p.peer.inflight == 0:
+                self._on_idle(p.peer)
+        self._post(job, peer, p.region, plan, now)
 
     def _post(self, job: Job, peer: Peer, region: int, plan: TransferPlan, now: float) -> None:
         lease = job.lease
         tag = self._tag(job, plan)
         t0 = time.perf_counter()
+        self.clock.write_started(t0)
         try:
             src, dst, ln = run_addresses(
                 plan, self._src_base, peer.dst_base, peer.emap, self._pack_base

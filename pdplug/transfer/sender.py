@@ -12,11 +12,13 @@ thread (:class:`~pdplug.transfer.loop.EngineLoop`) that is the only caller of th
 Per request (room): the host calls :meth:`KVSenderSession.start`; the room is
 ``Bootstrapping`` until every decode DCP rank of the destination instance sent its
 :class:`~pdplug.types.DestInfo`, then ``WaitingForInput``. Each :meth:`KVSenderSession.send`
-of a scheduler :class:`~pdplug.types.Segment` becomes one job per destination DCP rank: plan
-(``PackPlanner.plan``), pack into a free pack region of that rank if the peer needs relayout
-(``Packer.pack``), post the byte runs (``TransferEngine.post``) with the chunk's
-:class:`~pdplug.types.ChunkTag`. With ``pack_depth`` regions per rank, the job for segment
-``k + 1`` packs into another region while segment ``k``'s write is in flight (double
+of a scheduler :class:`~pdplug.types.Segment` becomes one job per destination DCP rank, started
+once the host's ``ready`` marker of the segment completed: plan (``PackPlanner.plan``); for
+peers that need relayout, each job takes a free pack region and the segment's jobs are packed
+together (:func:`pdplug.packing.pack_segment`: ``pack_all``, one launch on CUDA); post the byte
+runs (``TransferEngine.post``) with the chunk's :class:`~pdplug.types.ChunkTag`, after the pack
+finished on the device (:mod:`pdplug.transfer.gather`). With ``pack_depth`` regions per rank,
+segment ``k + 1`` packs into other regions while segment ``k``'s write is in flight (double
 buffering; :mod:`pdplug.packing`). A rank that owns no token of a chunk still gets a
 notification-only chunk (SGLang #32837) so the decode side's count completes. The room turns
 ``Success`` when the last segment's jobs completed on every destination (never while one is
@@ -42,6 +44,7 @@ from pdplug.registration import RegisteredKV, resolve_kv
 from pdplug.rooms import Rooms
 from pdplug.transfer.channel import Liveness, RouterChannel
 from pdplug.transfer.engine import TransferEngine, dedup_regions
+from pdplug.transfer.gather import check_ready
 from pdplug.transfer.handshake import Compat, Emit, check_decode_peer, layout_compat
 from pdplug.transfer.leases import SendLeases
 from pdplug.transfer.loop import EngineLoop
@@ -252,19 +255,29 @@ class KVSenderSession(RoomSession):
         """
         return self._loop.call(lambda: self._table.capacity(room), 10.0)
 
-    def send(self, room: int, segment: Segment, src_pages: np.ndarray) -> None:
+    def send(self, room: int, segment: Segment, src_pages: np.ndarray, ready: Any = None) -> None:
         """Plan, pack and post the writes of one segment to every destination DCP rank.
 
         Non-blocking: the work runs on the engine thread. Segments of one room must be sent in
         ``chunk_id`` order, the last with ``is_last``; chunk ids of one rank start at 0 and have
-        no gaps (the decode side counts them). A send for a failed room is ignored.
+        no gaps (the decode side counts them). A send for a failed room is ignored. Ordering
+        (:mod:`pdplug.transfer.gather`): nothing reads the segment's KV before
+        ``ready.query()`` is true; the relayout jobs of the segment are packed in one
+        ``pack_all`` call and their writes posted only after the pack finished on the device.
 
         :param segment: a scheduler segment (tokens ``[token_start, token_end)``).
         :param src_pages: int64 ``[n]`` source page ids from the segment's first page on.
+        :param ready: ``None`` (the KV is complete now) or anything with ``query() -> bool``
+            that turns true once the forward's KV writes of this segment completed (a
+            ``torch.cuda.Event`` recorded after them, or the ``torch.cuda.Stream`` writing
+            them). Polled, never waited on; still false after ``transfer_timeout_s``: the room
+            fails.
         :raises KeyError: ``room`` is not leased.
+        :raises TypeError: ``ready`` has no ``query()``.
         :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, or a source
             page id is outside the registered KV (named).
         """
+        check_ready(ready)
         status = self.rooms.status(room)
         if status == KVPoll.Failed:
             self.counts["send_after_failure"] += 1
@@ -287,7 +300,9 @@ class KVSenderSession(RoomSession):
         self.rooms.advance(room, KVPoll.Transferring, gen)
         if segment.is_last:
             self.rooms.advance(room, KVPoll.Success, gen)  # held until nothing is pending
-        self._loop.submit(lambda: self._table.enqueue(room, gen, segment, pages, time.monotonic()))
+        self._loop.submit(
+            lambda: self._table.enqueue(room, gen, segment, pages, time.monotonic(), ready)
+        )
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every destination once in-flight writes drained (a room
@@ -311,15 +326,20 @@ class KVSenderSession(RoomSession):
 
     def stats(self) -> dict[str, Any]:
         """Counters: posts, runs, bytes, notify_only, segments, rooms_ok/failed, refused peers,
-        peers_dead, room_conflicts, writes_stuck (ever), pack_s/plan_s/post_s (seconds),
+        peers_dead, room_conflicts, writes_stuck (ever), pack_launches (pack calls, one per
+        segment), pack_s/plan_s/post_s (seconds), pack_busy_s/write_busy_s/overlap_s (seconds
+        the pack thread worked, some write was in flight, and both at once:
+        :class:`~pdplug.transfer.gather.BusyClock`),
         control-channel drops by reason, ``engine_*`` engine counters; and what the rank holds
-        now: leases, draining, inbox, early_aborts, queued, packing, xfers, stuck_writes (writes
+        now: leases, draining, inbox, early_aborts, queued, waiting_ready (jobs whose
+        segment waits for its ready marker), packing, xfers, stuck_writes (writes
         pending past ``transfer_timeout_s``, their regions and handles held), busy_regions,
         peers_connected."""
         out: dict[str, Any] = {"backend": self.engine.name, "rank": self.rank}
         out.update(self._common_stats(self._codec, self._tags))
         out.update(self._pipe.counts)
         out.update({k: round(v, 6) for k, v in self._pipe.timings.items()})
+        out.update({k: round(v, 6) for k, v in self._pipe.clock.totals().items()})
         out["rooms_ignored_events"] = self.rooms.ignored
         return out
 

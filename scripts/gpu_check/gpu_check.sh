@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepared GPU check of pdplug's GPU pack path: random bit-exact Triton cases, `pdplug bench plan
 # --device cuda` on row sizes {128,256,576,656,1152,4096} x DCP {1,2,4,8} (+ HND head sub-rows),
-# and `pdplug demo --device cuda` when this checkout has it. Runs in under 5 minutes on a GPU
-# machine without a package registry, from wheels brought along (see README.md here).
+# the stream-ordering test (a KV write queued behind torch.cuda._sleep) and `pdplug demo --device
+# cuda`. Under 5 minutes on a GPU machine without a registry, from wheels brought along.
 #
 #   scripts/gpu_check/gpu_check.sh download [WHEEL_DIR]   # on a machine with PyPI (default
 #                                                         # scripts/gpu_check/wheels)
@@ -28,7 +28,8 @@ download() {
     local common=(--only-binary=:all: --python-version 3.12 --implementation cp
                   --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d "$dir")
     "$py" -m pip download "${common[@]}" "msgspec>=0.18" "pyzmq>=25.1" "pluggy>=1.5" \
-        "click>=8.2" "rich>=13.7" "numpy>=1.26" "setuptools>=69" wheel || return 1
+        "click>=8.2" "rich>=13.7" "numpy>=1.26" "setuptools>=69" wheel "pytest>=8" \
+        "pytest-timeout>=2.3" || return 1
     "$py" -m pip download "${common[@]}" --no-deps "nixl-cu13==1.5.1" || return 1
     ls -l "$dir"
     du -sh "$dir"
@@ -82,7 +83,7 @@ run() {
         "$py" -m venv --system-site-packages "$venv" || { log "FAIL install: venv"; return 1; }
         PY=$venv/bin/python
         local pip=("$PY" -m pip install --quiet --no-index --find-links "$wheels")
-        local pkgs=(msgspec pyzmq pluggy click rich)
+        local pkgs=(msgspec pyzmq pluggy click rich pytest pytest-timeout)
         "$PY" -c "import numpy" 2>/dev/null || pkgs+=(numpy)
         "${pip[@]}" "${pkgs[@]}" >"$out/install.log" 2>&1 &&
             "${pip[@]}" --no-deps nixl-cu13 >>"$out/install.log" 2>&1 &&
@@ -126,11 +127,9 @@ PYEOF
         step bench_plan_hnd 30 "$PDPLUG" bench plan --device cuda --layout hnd --tp 1:2 \
             --head-bytes 256 --dcp 2,4 --repeats 20 --pack-repeats 15 \
             --json "$out/bench_plan_hnd.json"
-        if "$PDPLUG" demo --help 2>/dev/null | grep -q -- "--device"; then
-            step demo 45 "$PDPLUG" demo --device cuda
-        else
-            log "SKIP demo: this checkout's 'pdplug demo' has no --device option yet"
-        fi
+        step ordering 60 "$PY" -m pytest -x -q -rs -p no:cacheprovider \
+            "$repo/tests/transfer/test_transfer_ordering.py" -k gpu
+        step demo 60 "$PDPLUG" demo --device cuda --requests 4
     fi
     if [ ${#failed[@]} -gt 0 ]; then
         log "RESULT: FAILED (${failed[*]}) in $((SECONDS - start))s; results in $out"
@@ -142,5 +141,5 @@ PYEOF
 case ${1:-} in
     download) shift; download "$@" ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -230,3 +230,13 @@ def test_the_run_timeout_says_where_each_open_request_waits() -> None:
     assert "in prefill: [3]" in msg and "in transfer or decode: [2]" in msg
     due = (order[6].arrival_ms - order[0].arrival_ms) * 2.0 / 1000
     assert f"2 not yet arrived (next due at {due:.0f} s" in msg and "--time-scale 2" in msg
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="this machine has CUDA: --device cuda runs"
+)
+def test_device_cuda_without_cuda_is_refused_in_one_line() -> None:
+    code, out = _demo("--device", "cuda", "--requests", "1")
+    assert code != 0
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and "--device cuda" in lines[0] and "--device cpu" in lines[0], out
