@@ -208,25 +208,36 @@ def test_nixl_engine_prepares_a_repeated_small_pattern_and_moves_the_bytes() -> 
 
 
 def test_every_control_socket_bounds_frames_and_lingers_0() -> None:
+    """Every control socket (and the engine loop's wake-up pair) is made by the wire rules:
+    ``MAXMSGSIZE`` is the wire's limit exactly, linger 0; a DEALER keeps libzmq's routing id
+    (peers are known by their sealed identity, not by a routing id they chose)."""
+    from collections import Counter
+
     import zmq
 
     from pdplug import WireConfig
-    from pdplug.transfer.channel import control_socket, frame_sender
-    from pdplug.wire import MAC_BYTES
+    from pdplug.transfer.channel import DealerChannel, RouterChannel
+    from pdplug.transfer.loop import EngineLoop
+    from pdplug.transfer.messages import control_codec
 
     wire = WireConfig(max_message_bytes=4096)
-    for kind in (zmq.ROUTER, zmq.DEALER):
-        sock = control_socket(kind, wire)
-        try:
-            assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096 + MAC_BYTES
+    loop = EngineLoop("api-test", lambda now: None, lambda: False)
+    router = RouterChannel(
+        loop, wire, control_codec(wire, identity="p tp0 pp0"), lambda got, now: None, Counter()
+    )
+    dealers = DealerChannel(loop, wire, "d tp0 pp0", "d", lambda cid, msg, now: None, Counter())
+    try:
+        cid = dealers.open(router.endpoint, "p tp0 pp0")
+        dealer = dealers._socks[cid]
+        for sock in (router.sock, dealer):
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096
             assert sock.getsockopt(zmq.LINGER) == 0
-        finally:
-            sock.close()
-    # who sent a frame: the routing id on a ROUTER, the connection on a DEALER
-    assert frame_sender([b"id", b"payload"]) == (b"id", b"payload")
-    assert frame_sender([b"payload"], b"conn") == (b"conn", b"payload")
-    assert frame_sender([b"a", b"b", b"c"]) is None
-    assert frame_sender([b"a", b"b"], b"conn") is None
+        assert dealer.getsockopt(zmq.ROUTING_ID) == b""
+        assert loop._wake_rx.getsockopt(zmq.MAXMSGSIZE) == 64
+    finally:
+        dealers.close_all()
+        router.close()
+        loop.stop()
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
@@ -239,7 +250,7 @@ def test_sessions_sockets_use_the_wire_limit(backend: str) -> None:
     sender = pm.make_kv_sender(cfg, name=backend)
     try:
         sock = sender._channel.sock  # type: ignore[attr-defined]
-        assert sock.getsockopt(zmq.MAXMSGSIZE) >= cfg.wire.max_message_bytes
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == cfg.wire.max_message_bytes
         assert sock.getsockopt(zmq.LINGER) == 0
     finally:
         sender.close()
