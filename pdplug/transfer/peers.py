@@ -5,14 +5,15 @@ A decode rank becomes a :class:`~pdplug.transfer.records.Peer` of a prefill rank
 (:func:`~pdplug.wire.peer_identity`; a key holder cannot introduce another rank), passes
 :func:`~pdplug.transfer.handshake.check_decode_peer` and the engine loaded its agent blob.
 Peers are keyed by that authenticated identity and by full position
-(:func:`~pdplug.transfer.records.peer_key`), never by a ZMQ routing id. A Hello from a new
-epoch of a known identity (a new connection: reconnect or restart) is a re-handshake: from the
-same decode process (same agent blob) the rooms in flight continue on the new connection; from
-a new process (or when the new one is refused) the old peer is dropped and its rooms fail, since
-the codec no longer accepts the old epoch's frames. A peer silent for ``transfer_timeout_s``
-is dropped. An engine handle is released only once no write uses it any more (a shared NIXL
-remote agent stays loaded while a newer connection or an in-flight write needs it). Runs on
-the engine thread.
+(:func:`~pdplug.transfer.records.peer_key`), never by a ZMQ routing id; a decode rank this
+prefill rank owes no KV head is refused (:func:`~pdplug.transfer.handshake.tp_routing`). A
+Hello from a new epoch of a known identity (a new connection: reconnect or restart) is a
+re-handshake: from the same decode process (same agent blob) the rooms in flight continue on
+the new connection; from a new process (or when the new one is refused) the old peer is dropped
+and its rooms fail, since the codec no longer accepts the old epoch's frames. A peer silent for
+``transfer_timeout_s`` is dropped. An engine handle is released only once no write uses it any
+more (a shared NIXL remote agent stays loaded while a newer connection or an in-flight write
+needs it). Runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pdplug.heads import fed_ranks
 from pdplug.transfer.channel import Liveness, RouterChannel
 from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.messages import Heartbeat, Hello, HelloAck
@@ -97,11 +99,16 @@ class DecodePeers:
         claimed = peer_identity(remote)
         mismatches: list[str] = []
         emap: np.ndarray | None = None
-        relayout, handle = False, None
+        relayout, handle, fed = False, None, 0
         if ident != claimed:
             mismatches.append(f"identity: frames sealed by {ident!r} cannot introduce {claimed!r}")
         else:
             mismatches, emap, relayout = self._check(remote)
+        if not mismatches:
+            try:
+                fed = len(fed_ranks(self._local().layout, remote.layout.tp_size, remote.layout))
+            except ValueError as e:  # the checks route heads already; kept for a custom check
+                mismatches.append(str(e))
         if not mismatches:
             try:
                 handle = self._engine().connect(remote)
@@ -127,6 +134,7 @@ class DecodePeers:
             dst_base=np.asarray(remote.entry_base, dtype=np.int64),
             relayout=relayout,
             last_seen=now,
+            fed=fed,
         )
         olds = [self.get(i) for i in {self.by_key.get(key, ident), ident}]
         for old in {id(p): p for p in olds if p is not None}.values():
