@@ -18,7 +18,9 @@ incarnation to the prefill rank) and the prefill rank's identity as its only mem
 
 Frames are encoded on the engine thread immediately before they are sent, so each receiver sees
 one codec's sequence numbers in order. Sends never block: a frame a peer cannot take now is
-counted (``control_send_failed``) and the session's own timeouts decide what that means.
+counted (``control_send_failed``) and the session's own timeouts decide what that means. A
+DEALER connection libzmq cut for good (a frame over the size limit) is replaced by
+:meth:`DealerChannel.revive`.
 :class:`Liveness` paces heartbeats and says when a peer has been silent for too long
 (``KVConfig.transfer_timeout_s``). All methods run on the session's engine thread.
 """
@@ -33,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdplug.config import WireConfig
 from pdplug.transfer.loop import EngineLoop
@@ -44,6 +47,10 @@ __all__ = ["Liveness", "RouterChannel", "DealerChannel", "merge_stats"]
 log = logging.getLogger(__name__)
 
 _BATCH = 256  # frames taken per readable event, so one chatty peer cannot starve the loop
+#: seconds a cut DEALER connection may go without a reconnect attempt before it is replaced
+REVIVE_S = 0.5
+_CUT_EVENTS = zmq.EVENT_DISCONNECTED
+_RETRY_EVENTS = zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED
 
 
 def merge_stats(stats: Iterable[Mapping[str, int]]) -> dict[str, int]:
@@ -152,7 +159,7 @@ class DealerChannel:
     :param on_message: ``(connection id, msg, now)`` for every accepted frame; the connection
         id is :meth:`open`'s return value, and the frame was sealed by that connection's
         prefill rank (its codec's only member).
-    :param counts: the session's counters (``control_send_failed``).
+    :param counts: the session's counters (``control_send_failed``, ``control_reconnected``).
     """
 
     def __init__(
@@ -172,7 +179,10 @@ class DealerChannel:
         self._counts = counts
         self._socks: dict[bytes, Any] = {}
         self._codecs: dict[bytes, Codec[Any]] = {}
-        self._ids: dict[Any, bytes] = {}
+        self._monitors: dict[bytes, Any] = {}
+        self._endpoints: dict[bytes, str] = {}
+        self._ids: dict[Any, bytes] = {}  # DEALER or its monitor -> connection id
+        self._cut: dict[bytes, float] = {}  # connection id -> when libzmq cut it
         self._closed: Counter[str] = Counter()  # counters of closed connections' codecs
 
     def open(self, endpoint: str, member: str) -> bytes:
@@ -187,15 +197,72 @@ class DealerChannel:
         codec = control_codec(
             self._wire, identity=self._identity, members=(member,), name=f"{self._name}>{member}"
         )
-        sock = make_socket(
-            zmq.Context.instance(), zmq.DEALER, self._wire, connect=endpoint, name=codec.name
-        )
         cid = uuid.uuid4().bytes
-        self._socks[cid] = sock
         self._codecs[cid] = codec
-        self._ids[sock] = cid
-        self._loop.add_socket(sock, self._on_readable)
+        self._endpoints[cid] = endpoint
+        self._attach(cid)
         return cid
+
+    def _attach(self, cid: bytes) -> None:
+        """Connect a fresh DEALER (and its event monitor) for connection ``cid``."""
+        ep, name = self._endpoints[cid], self._codecs[cid].name
+        sock = make_socket(zmq.Context.instance(), zmq.DEALER, self._wire, connect=ep, name=name)
+        mon = sock.get_monitor_socket(_CUT_EVENTS | _RETRY_EVENTS)
+        self._socks[cid] = sock
+        self._monitors[cid] = mon
+        self._ids[sock] = self._ids[mon] = cid
+        self._loop.add_socket(sock, self._on_readable)
+        self._loop.add_socket(mon, self._on_event)
+
+    def _detach(self, cid: bytes) -> None:
+        sock, mon = self._socks.pop(cid), self._monitors.pop(cid)
+        self._cut.pop(cid, None)
+        for s in (mon, sock):
+            del self._ids[s]
+            self._loop.remove_socket(s)
+        sock.disable_monitor()
+        mon.close(linger=0)
+        sock.close(linger=0)
+
+    def revive(self, now: float) -> None:
+        """Reconnect every connection libzmq cut for good.
+
+        libzmq reconnects a DEALER by itself after a connection error, but terminates it after
+        a protocol error (a frame over ``ZMQ_MAXMSGSIZE``, which only an on-path attacker
+        sends): its socket then never talks again. A connection cut (``EVENT_DISCONNECTED``)
+        with no reconnect attempt within :data:`REVIVE_S` seconds gets a fresh DEALER to the
+        same endpoint under the same codec (its sequence carries on, so the prefill rank keeps
+        the peer and learns the new routing id from the next frame), counted as
+        ``control_reconnected``. Frames queued on the cut socket are lost; the session's
+        timeouts bound what that costs.
+
+        :param now: monotonic seconds.
+        """
+        for cid, t in list(self._cut.items()):
+            if now - t < REVIVE_S or cid not in self._socks:
+                continue
+            self._detach(cid)
+            self._attach(cid)
+            self._counts["control_reconnected"] += 1
+            log.warning(
+                "%s: control connection to %s was cut; reconnected",
+                self._name,
+                self._endpoints[cid],
+            )
+
+    def _on_event(self, mon: Any) -> None:
+        cid = self._ids.get(mon)
+        for _ in range(_BATCH):
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if cid is None:
+                continue
+            if event & _CUT_EVENTS:
+                self._cut[cid] = time.monotonic()
+            else:
+                self._cut.pop(cid, None)
 
     def codec(self, cid: bytes) -> Codec[Any] | None:
         """The codec of connection ``cid`` (``None`` once closed)."""
@@ -215,13 +282,11 @@ class DealerChannel:
 
     def close(self, cid: bytes) -> None:
         """Close connection ``cid``; idempotent. Its codec's counters stay in :meth:`stats`."""
-        sock = self._socks.pop(cid, None)
-        if sock is None:
+        if cid not in self._socks:
             return
+        self._detach(cid)
+        self._endpoints.pop(cid)
         self._closed.update(self._codecs.pop(cid).stats())
-        del self._ids[sock]
-        self._loop.remove_socket(sock)
-        sock.close(linger=0)
 
     def close_all(self) -> None:
         """Close every connection."""

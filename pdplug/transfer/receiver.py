@@ -411,6 +411,7 @@ class KVReceiverSession(RoomSession):
         if self._events:
             self._flush_events()
         self._table.expire(now)
+        self._channel.revive(now)
         if self._live.due(now):
             self._sources.heartbeat(now)
             self._table.sweep(now)

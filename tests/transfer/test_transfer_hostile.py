@@ -345,7 +345,7 @@ def test_an_outsider_without_the_key_changes_nothing(backend: str) -> None:
     sent an oversized frame. Nothing is answered, the room completes, the forgeries are counted
     as failing the HMAC, and neither oversized frame reaches a session's codec
     (``ZMQ_MAXMSGSIZE`` is the wire's limit): the connection is cut before it is buffered."""
-    with keyed(backend) as k:
+    with keyed(backend, waiting_timeout_s=150.0) as k:  # the room waits out a process start
         s, rc = k.s, k.rc
         s.start(5)
         gen = rc.expect(5, _pages(0), num_tokens=64)
@@ -356,9 +356,11 @@ def test_an_outsider_without_the_key_changes_nothing(backend: str) -> None:
             assert child.wait("done", 90)["answered"] == 0
         finally:
             child.stop()
-        # an oversized frame on the decode's own connection: cut, then reconnected
+        # an oversized frame on the decode's own connection: libzmq cuts it for good, the
+        # session reconnects it
         k.tap.inject(b"\x00" * (LIMIT + 16), up=False)
         assert wait_true(lambda: len(k.tap.backs) == 2, 10) is not None
+        assert wait_true(lambda: _stat(rc, "control_reconnected") == 1, 10) is not None
         time.sleep(1.0)  # a heartbeat tells the prefill the decode's new routing id
         assert s.poll(5) == KVPoll.WaitingForInput
         sp = _pages(8)
@@ -450,7 +452,16 @@ def test_a_restarted_decode_rehandshakes_and_keeps_working(backend: str) -> None
     wire = WireConfig(hmac_key=secrets.token_bytes(32), max_message_bytes=LIMIT)
     srv = RendezvousServer(wire=wire).start()
     pm = PluginManager()
-    pre = Prefill(pm, backend, srv.endpoint, pp=1, wire=wire, transfer_timeout_s=30.0)
+    # long timeouts: only the new process's Hello may fail the old one's room
+    pre = Prefill(
+        pm,
+        backend,
+        srv.endpoint,
+        pp=1,
+        wire=wire,
+        transfer_timeout_s=150.0,
+        waiting_timeout_s=150.0,
+    )
     s, kids = pre.senders[0], []
     try:
 
