@@ -54,7 +54,11 @@ _RETRY_EVENTS = zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED | zmq.EVEN
 
 
 def merge_stats(stats: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    """Sum codec counters (:meth:`pdplug.wire.Codec.stats`) key by key."""
+    """Sum codec counters key by key.
+
+    :param stats: counter mappings (:meth:`pdplug.wire.Codec.stats`), e.g. one per connection.
+    :returns: ``{name: total}`` over every mapping.
+    """
     out: Counter[str] = Counter()
     for s in stats:
         out.update(s)
