@@ -293,9 +293,9 @@ def test_a_dealer_cut_by_an_oversized_frame_reconnects_and_keeps_its_sequence() 
         loop.call(lambda: router.send(up[1][0], Heartbeat(seq=3)), 5)
         assert until(lambda: down == [3]), down
         assert dealers.stats()["dropped"] == 0
-    finally:
+    finally:  # sockets are closed on the thread that polls them
         loop.call(dealers.close_all, 5)
-        router.close()
+        loop.call(router.close, 5)
         loop.stop()
 
 
