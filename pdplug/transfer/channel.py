@@ -1,15 +1,28 @@
-"""The control channel of a KV session: ZMQ sockets, frame intake, sends and peer liveness.
+"""The control channel of a KV session: ZMQ sockets, authenticated frame intake, sends, liveness.
 
 A prefill rank binds one ROUTER (:class:`RouterChannel`); each decode rank connects one DEALER
-per prefill rank (:class:`DealerChannel`). Every frame is one msgspec Struct encoded by the
-session's :class:`~pdplug.wire.Codec` (strict typed decode, size limit, optional HMAC; never
-pickle). Every socket refuses frames above the wire's size limit inside ZMQ
-(``ZMQ_MAXMSGSIZE``), so an oversized frame is never buffered, and lingers 0 ms on close.
+per prefill rank (:class:`DealerChannel`). Every socket comes from
+:func:`pdplug.wire.make_socket` (``ZMQ_MAXMSGSIZE`` = ``WireConfig.max_message_bytes``, so an
+oversized frame is never buffered; linger 0; a socket off loopback without
+``WireConfig.hmac_key`` is refused) and every frame is one msgspec Struct sealed by a
+:class:`~pdplug.wire.Codec` (strict typed decode, size limit, HMAC when keyed, sender identity,
+epoch and sequence; never pickle), received through :func:`pdplug.wire.drain`.
 
-Who sent a frame is decided in one place, :func:`frame_sender`. Sends never block: a frame a
-peer cannot take now is counted (``control_send_failed``) and the sender's own timeouts decide
-what that means. :class:`Liveness` paces heartbeats and says when a peer has been silent for too
-long (``KVConfig.transfer_timeout_s``). All methods run on the session's engine thread.
+Who sent a frame is the authenticated sender identity in its envelope
+(:class:`~pdplug.wire.Inbound` ``.sender``, :func:`~pdplug.wire.rank_identity` of the sending
+rank), never a ZMQ routing id: DEALERs keep the random routing id libzmq gives them, and a
+ROUTER uses it only to address a reply. Replayed frames, frames of an older epoch of a sender,
+and (on a DEALER) frames from anyone but the prefill rank it connects to are dropped and counted
+by the codec. Each DEALER has its own codec: its own epoch (a new connection is a new
+incarnation to the prefill rank) and the prefill rank's identity as its only member.
+
+Frames are encoded on the engine thread immediately before they are sent, so each receiver sees
+one codec's sequence numbers in order. Sends never block: a frame a peer cannot take now is
+counted (``control_send_failed``) and the session's own timeouts decide what that means. A
+DEALER connection libzmq cut for good (a frame over the size limit) is replaced by
+:meth:`DealerChannel.revive`.
+:class:`Liveness` paces heartbeats and says when a peer has been silent for too long
+(``KVConfig.transfer_timeout_s``). All methods run on the session's engine thread.
 """
 
 from __future__ import annotations
@@ -18,53 +31,38 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from pdplug.bootstrap import bind_random
 from pdplug.config import WireConfig
 from pdplug.transfer.loop import EngineLoop
-from pdplug.wire import MAC_BYTES, Codec
+from pdplug.transfer.messages import control_codec
+from pdplug.wire import Codec, Inbound, drain, endpoint_of, make_socket
 
-__all__ = [
-    "control_socket",
-    "frame_sender",
-    "Liveness",
-    "RouterChannel",
-    "DealerChannel",
-]
+__all__ = ["Liveness", "RouterChannel", "DealerChannel", "merge_stats"]
 
 log = logging.getLogger(__name__)
 
-#: ``on_message(sender, msg, now)``: a decoded frame, its sender id and the monotonic time
-OnMessage = Callable[[bytes, Any, float], None]
-
 _BATCH = 256  # frames taken per readable event, so one chatty peer cannot starve the loop
+#: seconds a cut DEALER connection may go without a reconnect attempt before it is replaced
+REVIVE_S = 0.5
+_CUT_EVENTS = zmq.EVENT_DISCONNECTED
+_RETRY_EVENTS = zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED
 
 
-def control_socket(kind: int, wire: WireConfig) -> Any:
-    """A ZMQ socket of ``kind`` (``zmq.ROUTER``/``zmq.DEALER``) for the control channel:
-    ``LINGER`` 0 and ``MAXMSGSIZE`` = ``wire.max_message_bytes`` + the HMAC bytes, so ZMQ
-    drops (and disconnects) a peer sending a larger frame instead of buffering it."""
-    sock: Any = zmq.Context.instance().socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.max_message_bytes + MAC_BYTES)
-    return sock
+def merge_stats(stats: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Sum codec counters key by key.
 
-
-def frame_sender(frames: list[bytes], peer: bytes | None = None) -> tuple[bytes, bytes] | None:
-    """Who sent a control frame, and its payload: the one place a session decides it.
-
-    :param frames: the multipart message as received.
-    :param peer: ``None`` on a ROUTER (the sender is the ZMQ routing id ZMQ put first); on a
-        DEALER, the id of the prefill rank the socket connects to (a DEALER talks to one peer).
-    :returns: ``(sender id, payload)``, or ``None`` for a malformed multipart message.
+    :param stats: counter mappings (:meth:`pdplug.wire.Codec.stats`), e.g. one per connection.
+    :returns: ``{name: total}`` over every mapping.
     """
-    if peer is None:
-        return (frames[0], frames[1]) if len(frames) == 2 else None
-    return (peer, frames[0]) if len(frames) == 1 else None
+    out: Counter[str] = Counter()
+    for s in stats:
+        out.update(s)
+    return dict(out)
 
 
 class Liveness:
@@ -109,10 +107,13 @@ class RouterChannel:
     """The prefill rank's control socket: one ROUTER every decode rank connects to.
 
     :param loop: the session's engine loop (the socket is polled by it).
-    :param wire: socket rules (bind interface, size limit).
-    :param codec: the session's control codec (decode counts its drops).
-    :param on_message: called for every decoded frame with the sender id (:func:`frame_sender`).
+    :param wire: socket rules (bind interface, size limit, key).
+    :param codec: the session's sealed control codec (any key holder may send; the session
+        keys peers by :attr:`~pdplug.wire.Inbound.sender`).
+    :param on_message: ``(frame, now)`` for every accepted frame (``now``: monotonic seconds).
     :param counts: the session's counters (``control_send_failed``).
+    :raises ValueError: ``wire.bind_host`` is off loopback and ``wire.hmac_key`` is ``None``.
+    :raises zmq.ZMQError: the bind failed.
     """
 
     def __init__(
@@ -120,21 +121,24 @@ class RouterChannel:
         loop: EngineLoop,
         wire: WireConfig,
         codec: Codec[Any],
-        on_message: OnMessage,
+        on_message: Callable[[Inbound, float], None],
         counts: Counter[str],
     ) -> None:
         self._loop = loop
         self._codec = codec
         self._on_message = on_message
         self._counts = counts
-        self.sock = control_socket(zmq.ROUTER, wire)
-        self.endpoint = bind_random(self.sock, wire.bind_host)
+        self.sock = make_socket(
+            zmq.Context.instance(), zmq.ROUTER, wire, bind=0, name=f"{codec.name} (ROUTER)"
+        )
+        self.endpoint = endpoint_of(self.sock)
         loop.add_socket(self.sock, self._on_readable)
 
-    def send(self, ident: bytes, msg: Any) -> None:
-        """Send ``msg`` to the decode rank ``ident``; never blocks."""
+    def send(self, route: bytes, msg: Any) -> None:
+        """Encode ``msg`` now and send it to the connection ``route`` (a routing id from an
+        accepted frame); never blocks."""
         try:
-            self.sock.send_multipart([ident, self._codec.encode(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([route, self._codec.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._counts["control_send_failed"] += 1
             log.debug("%s: control send failed: %s", self._loop.name, e)
@@ -145,100 +149,166 @@ class RouterChannel:
         self.sock.close(linger=0)
 
     def _on_readable(self, sock: Any) -> None:
-        for _ in range(_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            got = frame_sender(frames)
-            if got is None:
-                self._codec.drop("malformed")
-                continue
-            msg = self._codec.decode(got[1])
-            if msg is not None:
-                self._on_message(got[0], msg, time.monotonic())
+        for got in drain(sock, self._codec, limit=_BATCH):
+            self._on_message(got, time.monotonic())
 
 
 class DealerChannel:
-    """The decode rank's control sockets: one DEALER per prefill rank.
+    """The decode rank's control sockets: one DEALER (and one sealed codec) per prefill rank.
 
     :param loop: the session's engine loop (every socket is polled by it).
-    :param wire: socket rules (size limit).
-    :param codec: the session's control codec.
-    :param on_message: called for every decoded frame with the id of the prefill rank's
-        connection (:meth:`open`'s return value).
-    :param counts: the session's counters (``control_send_failed``).
+    :param wire: socket rules (size limit, key).
+    :param identity: this decode rank's sender identity (:func:`~pdplug.wire.rank_identity`).
+    :param name: label of the codecs (logs).
+    :param on_message: ``(connection id, msg, now)`` for every accepted frame; the connection
+        id is :meth:`open`'s return value, and the frame was sealed by that connection's
+        prefill rank (its codec's only member).
+    :param counts: the session's counters (``control_send_failed``, ``control_reconnected``).
     """
 
     def __init__(
         self,
         loop: EngineLoop,
         wire: WireConfig,
-        codec: Codec[Any],
-        on_message: OnMessage,
+        identity: str,
+        name: str,
+        on_message: Callable[[bytes, Any, float], None],
         counts: Counter[str],
     ) -> None:
         self._loop = loop
         self._wire = wire
-        self._codec = codec
+        self._identity = identity
+        self._name = name
         self._on_message = on_message
         self._counts = counts
         self._socks: dict[bytes, Any] = {}
-        self._ids: dict[Any, bytes] = {}
+        self._codecs: dict[bytes, Codec[Any]] = {}
+        self._monitors: dict[bytes, Any] = {}
+        self._endpoints: dict[bytes, str] = {}
+        self._ids: dict[Any, bytes] = {}  # DEALER or its monitor -> connection id
+        self._cut: dict[bytes, float] = {}  # connection id -> when libzmq cut it
+        self._closed: Counter[str] = Counter()  # counters of closed connections' codecs
 
-    def open(self, endpoint: str) -> bytes:
-        """Connect a new DEALER to ``endpoint``; returns the connection id frames from it carry
-        (a fresh random id, also the socket's routing id at the prefill rank)."""
+    def open(self, endpoint: str, member: str) -> bytes:
+        """Connect a new DEALER to ``endpoint``, accepting frames sealed by ``member`` only.
+
+        :param endpoint: the prefill rank's control endpoint.
+        :param member: the prefill rank's identity (:func:`~pdplug.wire.peer_identity`).
+        :returns: a local connection id (never sent on the wire).
+        :raises ValueError: ``endpoint`` is off loopback and ``WireConfig.hmac_key`` is
+            ``None``, or it is malformed.
+        """
+        codec = control_codec(
+            self._wire, identity=self._identity, members=(member,), name=f"{self._name}>{member}"
+        )
         cid = uuid.uuid4().bytes
-        sock = control_socket(zmq.DEALER, self._wire)
-        sock.setsockopt(zmq.IDENTITY, cid)
-        sock.connect(endpoint)
-        self._socks[cid] = sock
-        self._ids[sock] = cid
-        self._loop.add_socket(sock, self._on_readable)
+        self._codecs[cid] = codec
+        self._endpoints[cid] = endpoint
+        self._attach(cid)
         return cid
 
+    def _attach(self, cid: bytes) -> None:
+        """Connect a fresh DEALER (and its event monitor) for connection ``cid``."""
+        ep, name = self._endpoints[cid], self._codecs[cid].name
+        sock = make_socket(zmq.Context.instance(), zmq.DEALER, self._wire, connect=ep, name=name)
+        mon = sock.get_monitor_socket(_CUT_EVENTS | _RETRY_EVENTS)
+        self._socks[cid] = sock
+        self._monitors[cid] = mon
+        self._ids[sock] = self._ids[mon] = cid
+        self._loop.add_socket(sock, self._on_readable)
+        self._loop.add_socket(mon, self._on_event)
+
+    def _detach(self, cid: bytes) -> None:
+        sock, mon = self._socks.pop(cid), self._monitors.pop(cid)
+        self._cut.pop(cid, None)
+        for s in (mon, sock):
+            del self._ids[s]
+            self._loop.remove_socket(s)
+        sock.disable_monitor()
+        mon.close(linger=0)
+        sock.close(linger=0)
+
+    def revive(self, now: float) -> None:
+        """Reconnect every connection libzmq cut for good.
+
+        libzmq reconnects a DEALER by itself after a connection error, but terminates it after
+        a protocol error (a frame over ``ZMQ_MAXMSGSIZE``, which only an on-path attacker
+        sends): its socket then never talks again. A connection cut (``EVENT_DISCONNECTED``)
+        with no reconnect attempt within :data:`REVIVE_S` seconds gets a fresh DEALER to the
+        same endpoint under the same codec (its sequence carries on, so the prefill rank keeps
+        the peer and learns the new routing id from the next frame), counted as
+        ``control_reconnected``. Frames queued on the cut socket are lost; the session's
+        timeouts bound what that costs.
+
+        :param now: monotonic seconds.
+        """
+        for cid, t in list(self._cut.items()):
+            if now - t < REVIVE_S or cid not in self._socks:
+                continue
+            self._detach(cid)
+            self._attach(cid)
+            self._counts["control_reconnected"] += 1
+            log.warning(
+                "%s: control connection to %s was cut; reconnected",
+                self._name,
+                self._endpoints[cid],
+            )
+
+    def _on_event(self, mon: Any) -> None:
+        cid = self._ids.get(mon)
+        for _ in range(_BATCH):
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if cid is None:
+                continue
+            if event & _CUT_EVENTS:
+                self._cut[cid] = time.monotonic()
+            else:
+                self._cut.pop(cid, None)
+
+    def codec(self, cid: bytes) -> Codec[Any] | None:
+        """The codec of connection ``cid`` (``None`` once closed)."""
+        return self._codecs.get(cid)
+
     def send(self, cid: bytes, msg: Any) -> None:
-        """Send ``msg`` on connection ``cid``; never blocks (unknown ids are ignored)."""
+        """Encode ``msg`` now and send it on connection ``cid``; never blocks (unknown ids are
+        ignored)."""
         sock = self._socks.get(cid)
         if sock is None:
             return
         try:
-            sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+            sock.send(self._codecs[cid].encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._counts["control_send_failed"] += 1
             log.debug("%s: control send failed: %s", self._loop.name, e)
 
     def close(self, cid: bytes) -> None:
-        """Close connection ``cid``; idempotent."""
-        sock = self._socks.pop(cid, None)
-        if sock is None:
+        """Close connection ``cid``; idempotent. Its codec's counters stay in :meth:`stats`."""
+        if cid not in self._socks:
             return
-        del self._ids[sock]
-        self._loop.remove_socket(sock)
-        sock.close(linger=0)
+        self._detach(cid)
+        self._endpoints.pop(cid)
+        self._closed.update(self._codecs.pop(cid).stats())
 
     def close_all(self) -> None:
         """Close every connection."""
         for cid in list(self._socks):
             self.close(cid)
 
+    def stats(self) -> dict[str, int]:
+        """The counters of every connection's codec, open or closed, summed."""
+        return merge_stats([self._closed, *(c.stats() for c in self._codecs.values())])
+
     def __len__(self) -> int:
         return len(self._socks)
 
     def _on_readable(self, sock: Any) -> None:
         cid = self._ids.get(sock)
-        for _ in range(_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        if cid is None:
+            return
+        for got in drain(sock, self._codecs[cid], limit=_BATCH):
+            self._on_message(cid, got.msg, time.monotonic())
+            if cid not in self._socks:  # the handler closed this connection
                 return
-            if cid is None:
-                continue
-            got = frame_sender(frames, cid)
-            if got is None:
-                self._codec.drop("malformed")
-                continue
-            msg = self._codec.decode(got[1])
-            if msg is not None:
-                self._on_message(got[0], msg, time.monotonic())

@@ -27,13 +27,18 @@ from typing import Any, TypeVar
 
 import zmq
 
+from pdplug.config import WireConfig
 from pdplug.errors import TransferError
+from pdplug.wire import make_socket
 
 __all__ = ["EngineLoop"]
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+#: the wake-up pair carries empty frames only
+_WAKE_WIRE = WireConfig(max_message_bytes=64)
 
 
 class EngineLoop:
@@ -75,13 +80,8 @@ class EngineLoop:
         self._ctx: Any = zmq.Context.instance()
         addr = f"inproc://pdplug-wake-{uuid.uuid4().hex}"
         # in-process wake-up pair: empty frames only, nothing lingers
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        for sock in (self._wake_rx, self._wake_tx):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, 64)
-        self._wake_rx.bind(addr)
-        self._wake_tx.connect(addr)
+        self._wake_rx = make_socket(self._ctx, zmq.PAIR, _WAKE_WIRE, bind=addr, name=name)
+        self._wake_tx = make_socket(self._ctx, zmq.PAIR, _WAKE_WIRE, connect=addr, name=name)
         self._wake_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)

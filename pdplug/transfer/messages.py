@@ -1,9 +1,10 @@
 """Control-channel messages between a prefill rank (ROUTER) and a decode rank (DEALER).
 
 Every frame is one of these frozen msgspec Structs (plus :class:`~pdplug.types.DestInfo`),
-encoded by :func:`control_codec` (strict typed decode, size limit, optional HMAC); never
-pickle. :class:`~pdplug.types.ChunkTag` is array-like (compact for NIXL notifications), so on
-the control channel it travels wrapped in :class:`Done`.
+sealed by :func:`control_codec` (strict typed decode, size limit, HMAC when keyed, the sender's
+identity, epoch and sequence; never pickle). :class:`~pdplug.types.ChunkTag` is array-like
+(compact for NIXL notifications), so on the control channel it travels wrapped in
+:class:`Done`.
 
 Decode -> prefill: :class:`Hello` (handshake), ``DestInfo`` (per request), :class:`Abort`,
 :class:`Heartbeat`. Prefill -> decode: :class:`HelloAck`, :class:`Done` (completion or failure
@@ -13,6 +14,7 @@ twin for all), :class:`Heartbeat`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -100,14 +102,29 @@ CONTROL_TYPES: tuple[type, ...] = (Hello, HelloAck, DestInfo, Abort, Done, Heart
 TAG_MAX_BYTES = 4096
 
 
-def control_codec(wire: WireConfig, name: str = "control") -> Codec[Any]:
-    """The codec of a control socket under ``wire``'s size limit and HMAC key."""
-    return Codec.from_config(wire, *CONTROL_TYPES, name=name)
+def control_codec(
+    wire: WireConfig,
+    *,
+    identity: str,
+    members: Iterable[str] | None = None,
+    name: str = "control",
+) -> Codec[Any]:
+    """The sealed codec of a control socket under ``wire``'s size limit, key and replay window.
+
+    :param identity: this rank's sender identity (:func:`~pdplug.wire.rank_identity`).
+    :param members: identities accepted from (a decode rank's DEALER: its prefill rank's);
+        ``None`` (a prefill rank's ROUTER): any holder of ``WireConfig.hmac_key``, each keyed
+        by its sealed identity.
+    :param name: label used in logs.
+    """
+    return Codec.from_config(wire, *CONTROL_TYPES, name=name, identity=identity, members=members)
 
 
 def tag_codec(wire: WireConfig, name: str = "tags") -> Codec[Any]:
     """The codec of engine notifications: a bare :class:`~pdplug.types.ChunkTag`, at most
-    :data:`TAG_MAX_BYTES` (or the wire's limit, if smaller)."""
+    :data:`TAG_MAX_BYTES` (or the wire's limit, if smaller). Plain (no sender envelope):
+    notifications may arrive out of order, and the receiver checks each tag's source rank and
+    lease generation itself."""
     limit = min(wire.max_message_bytes, TAG_MAX_BYTES)
     return Codec.from_config(
         msgspec.structs.replace(wire, max_message_bytes=limit), ChunkTag, name=name

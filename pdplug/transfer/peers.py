@@ -1,15 +1,19 @@
 """The prefill side's table of decode peers: handshake acceptance, liveness, and drops.
 
 A decode rank becomes a :class:`~pdplug.transfer.records.Peer` of a prefill rank when its
-:class:`~pdplug.transfer.messages.Hello` passes
+:class:`~pdplug.transfer.messages.Hello` comes sealed by the identity of the PeerInfo it carries
+(:func:`~pdplug.wire.peer_identity`; a key holder cannot introduce another rank), passes
 :func:`~pdplug.transfer.handshake.check_decode_peer` and the engine loaded its agent blob.
-Peers are keyed by full position (:func:`~pdplug.transfer.records.peer_key`); a decode rank
-this prefill rank owes no KV head is refused (:func:`~pdplug.transfer.handshake.tp_routing`).
-A second Hello from the same position is a re-handshake: from the same decode process (same
-agent blob) the rooms in flight continue on the new connection; from a new process the old peer
-is dropped and its rooms fail. A peer silent for ``transfer_timeout_s`` is dropped. An engine
-handle is released only once no write uses it any more (a shared NIXL remote agent stays loaded
-while a newer connection or an in-flight write needs it). Runs on the engine thread.
+Peers are keyed by that authenticated identity and by full position
+(:func:`~pdplug.transfer.records.peer_key`), never by a ZMQ routing id; a decode rank this
+prefill rank owes no KV head is refused (:func:`~pdplug.transfer.handshake.tp_routing`). A
+Hello from a new epoch of a known identity (a new connection: reconnect or restart) is a
+re-handshake: from the same decode process (same agent blob) the rooms in flight continue on
+the new connection; from a new process (or when the new one is refused) the old peer is dropped
+and its rooms fail, since the codec no longer accepts the old epoch's frames. A peer silent for
+``transfer_timeout_s`` is dropped. An engine handle is released only once no write uses it any
+more (a shared NIXL remote agent stays loaded while a newer connection or an in-flight write
+needs it). Runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.messages import Heartbeat, Hello, HelloAck
 from pdplug.transfer.records import Peer, PeerKey, describe, peer_key
 from pdplug.types import PeerInfo
+from pdplug.wire import Inbound, peer_identity
 
 __all__ = ["DecodePeers"]
 
@@ -74,12 +79,12 @@ class DecodePeers:
         self._on_rebind = on_rebind
         self._live = liveness
         self._counts = counts
-        self.by_ident: dict[bytes, Peer] = {}
-        self.by_key: dict[PeerKey, bytes] = {}
+        self.by_ident: dict[str, Peer] = {}
+        self.by_key: dict[PeerKey, str] = {}
         self._retired: list[Peer] = []  # gone peers whose handle a write still uses
 
-    def get(self, ident: bytes) -> Peer | None:
-        """The accepted peer that sent from ``ident``, if any."""
+    def get(self, ident: str) -> Peer | None:
+        """The accepted peer whose authenticated sender identity is ``ident``, if any."""
         return self.by_ident.get(ident)
 
     def by_position(self, key: PeerKey) -> Peer | None:
@@ -87,13 +92,18 @@ class DecodePeers:
         ident = self.by_key.get(key)
         return None if ident is None else self.by_ident.get(ident)
 
-    def on_hello(self, ident: bytes, msg: Hello, now: float) -> None:
-        """Check a Hello, load the peer's agent, and answer with a HelloAck."""
-        remote = msg.peer
+    def on_hello(self, got: Inbound, msg: Hello, now: float) -> None:
+        """Check a Hello (``got``: its frame), load the peer's agent, answer with a HelloAck."""
+        remote, ident = msg.peer, got.sender
         key = peer_key(remote.instance, remote.layout)
-        mismatches, emap, relayout = self._check(remote)
-        handle = None
-        fed = 0
+        claimed = peer_identity(remote)
+        mismatches: list[str] = []
+        emap: np.ndarray | None = None
+        relayout, handle, fed = False, None, 0
+        if ident != claimed:
+            mismatches.append(f"identity: frames sealed by {ident!r} cannot introduce {claimed!r}")
+        else:
+            mismatches, emap, relayout = self._check(remote)
         if not mismatches:
             try:
                 fed = len(fed_ranks(self._local().layout, remote.layout.tp_size, remote.layout))
@@ -110,10 +120,13 @@ class DecodePeers:
             ack = HelloAck(
                 nonce=msg.nonce, accepted=False, rank=self._rank, mismatches=tuple(mismatches)
             )
-            self._channel.send(ident, ack)
+            self._channel.send(got.route, ack)
+            self.restarted(got, "reconnected, and the new connection was refused")
             return
         new = Peer(
             ident=ident,
+            route=got.route,
+            epoch=got.epoch,
             info=remote,
             key=key,
             handle=handle,
@@ -135,7 +148,18 @@ class DecodePeers:
         self.by_key[key] = ident
         self._counts["peers"] += 1
         ack = HelloAck(nonce=msg.nonce, accepted=True, rank=self._rank, peer=self._local())
-        self._channel.send(ident, ack)
+        self._channel.send(got.route, ack)
+
+    def restarted(self, got: Inbound, reason: str) -> bool:
+        """Drop the peer of ``got.sender`` (for ``reason``) if ``got`` comes from a newer epoch
+        than the connection that said Hello: the codec now refuses the old epoch's frames, so
+        the old connection can no longer be heard. Returns whether it did."""
+        old = self.by_ident.get(got.sender)
+        if old is None or got.epoch == old.epoch:
+            return False
+        self._counts["peers_restarted"] += 1
+        self.drop(old, reason)
+        return True
 
     def _retire(self, peer: Peer) -> None:
         peer.alive = False
@@ -175,7 +199,7 @@ class DecodePeers:
                 self.drop(peer, f"silent for {silent:.1f} s (KVConfig.transfer_timeout_s)")
             else:
                 gens = tuple(live.get(peer.key, ()))
-                self._channel.send(peer.ident, Heartbeat(seq=self._live.seq, live=gens))
+                self._channel.send(peer.route, Heartbeat(seq=self._live.seq, live=gens))
 
     def close(self) -> None:
         """Release every peer's engine handle."""
@@ -188,4 +212,4 @@ class DecodePeers:
 
     def send(self, peer: Peer, msg: Any) -> None:
         """Send ``msg`` to ``peer``."""
-        self._channel.send(peer.ident, msg)
+        self._channel.send(peer.route, msg)

@@ -31,7 +31,7 @@ from pdplug.errors import CompatError, TransferError
 from pdplug.registration import RegisteredKV, resolve_kv
 from pdplug.rooms import Rooms
 from pdplug.transfer.arrivals import RecvLease, RecvLeases
-from pdplug.transfer.channel import DealerChannel, Liveness
+from pdplug.transfer.channel import DealerChannel, Liveness, merge_stats
 from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.handshake import (
     Compat,
@@ -46,6 +46,7 @@ from pdplug.transfer.messages import Done, Heartbeat, HelloAck, control_codec, t
 from pdplug.transfer.session import RoomSession
 from pdplug.transfer.sources import PrefillSources
 from pdplug.types import DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
+from pdplug.wire import rank_identity
 
 if TYPE_CHECKING:
     pass
@@ -91,7 +92,9 @@ class KVReceiverSession(RoomSession):
         self._down = False
         w = config.wire
         name = f"{config.instance}/d{config.layout.dcp_rank}"
-        self._codec = control_codec(w, name=f"{name}/control")
+        me = rank_identity(config.instance, config.layout)
+        # semantic drops (stale acks and tags); each connection has its own sealed codec
+        self._codec = control_codec(w, identity=me, name=f"{name}/control")
         self._tags = tag_codec(w, name=f"{name}/tags")
         self._num_pages = 0
         self._refused: dict[str, str] = {}  # instance -> why its last connect was refused
@@ -105,9 +108,11 @@ class KVReceiverSession(RoomSession):
             idle_s=self._idle_s,
             on_death=self._engine_died,
         )
-        channel = DealerChannel(self._loop, w, self._codec, self._on_message, self.counts)
+        self._channel = DealerChannel(
+            self._loop, w, me, f"{name}/control", self._on_message, self.counts
+        )
         self._sources = PrefillSources(
-            channel=channel,
+            channel=self._channel,
             codec=self._codec,
             liveness=self._live,
             on_dead=lambda src, why: self._table.source_dead(src, why, time.monotonic()),
@@ -306,6 +311,17 @@ class KVReceiverSession(RoomSession):
         leases, draining (cleared, not drained), undrained (failed, not drained), sources."""
         out: dict[str, Any] = {"backend": self.engine.name, "dcp_rank": self.layout.dcp_rank}
         out.update(self._common_stats(self._codec, self._tags))
+        frames: dict[str, int] = {}
+        try:  # every connection's codec, open or closed (read on the engine thread)
+            frames = (
+                self._loop.call(self._channel.stats, 10.0)
+                if self._loop.running
+                else self._channel.stats()
+            )
+        except TransferError:
+            pass
+        merged = merge_stats([self._codec.stats(), frames])
+        out.update({f"control_{k}": v for k, v in merged.items()})
         return out
 
     # ================================================================== helpers
@@ -348,6 +364,7 @@ class KVReceiverSession(RoomSession):
         self._down = True
         self._flush_events()
         self._sources.close()
+        self._channel.close_all()
         self.engine.close()
 
     def _on_message(self, cid: bytes, msg: Any, now: float) -> None:
@@ -394,6 +411,7 @@ class KVReceiverSession(RoomSession):
         if self._events:
             self._flush_events()
         self._table.expire(now)
+        self._channel.revive(now)
         if self._live.due(now):
             self._sources.heartbeat(now)
             self._table.sweep(now)

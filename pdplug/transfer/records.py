@@ -35,7 +35,10 @@ def describe(key: PeerKey) -> str:
 class Peer(msgspec.Struct, kw_only=True):
     """A decode rank connected to a sender.
 
-    :ivar ident: the sender id of its control frames; ``key``: its position (:func:`peer_key`).
+    :ivar ident: its authenticated sender identity (:func:`pdplug.wire.peer_identity` of its
+        PeerInfo, checked at the Hello); ``key``: its position (:func:`peer_key`).
+    :ivar route: the ZMQ routing id replies go to (from its latest accepted frame; an address,
+        never an identity); ``epoch``: the codec epoch of the connection that said Hello.
     :ivar handle: the engine's peer handle; ``emap``: source -> destination entry;
         ``dst_base``: int64 destination entry bases; ``relayout``: sends to it are packed.
     :ivar inflight: writes (packing or posted) that use ``handle``; the handle is released
@@ -46,7 +49,9 @@ class Peer(msgspec.Struct, kw_only=True):
         ranks.
     """
 
-    ident: bytes
+    ident: str
+    route: bytes
+    epoch: int
     info: PeerInfo
     key: PeerKey
     handle: Any

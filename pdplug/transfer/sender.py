@@ -1,7 +1,9 @@
 """Prefill side: :class:`KVSenderSession`, the engine-neutral KV sender both default backends use.
 
 One session per prefill rank. It owns a control ROUTER
-(:class:`~pdplug.transfer.channel.RouterChannel`; decode ranks connect to it), a
+(:class:`~pdplug.transfer.channel.RouterChannel`; decode ranks connect to it; frames are sealed
+under this rank's :func:`~pdplug.wire.rank_identity` and peers are known by the identity that
+sealed theirs), a
 :class:`~pdplug.rooms.Rooms` table, the registered KV entries and one pack buffer, and an engine
 thread (:class:`~pdplug.transfer.loop.EngineLoop`) that is the only caller of the
 :class:`~pdplug.transfer.engine.TransferEngine`. Decode peers are kept by
@@ -53,6 +55,7 @@ from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import Lease, SendPipeline
 from pdplug.transfer.session import RoomSession
 from pdplug.types import DestInfo, KVPoll, PackRegion, PdplugEvent, PeerInfo, Segment
+from pdplug.wire import Inbound, rank_identity, require_key
 
 if TYPE_CHECKING:
     import torch
@@ -75,8 +78,9 @@ class KVSenderSession(RoomSession):
         ``None``: no events.
     :param max_inflight: unpacked posts in flight at once per decode peer (packed ones are
         bounded by the pack regions).
-    :raises ValueError: ``config.role`` is not ``"prefill"``, or ``pack_depth``/``max_dst_dcp``
-        is not > 0.
+    :raises ValueError: ``config.role`` is not ``"prefill"``, ``pack_depth``/``max_dst_dcp``
+        is not > 0, or ``WireConfig.bind_host`` is off loopback and ``WireConfig.hmac_key`` is
+        ``None``.
     """
 
     def __init__(
@@ -97,6 +101,11 @@ class KVSenderSession(RoomSession):
         for name in ("pack_depth", "max_dst_dcp"):
             if getattr(config, name) <= 0:
                 raise ValueError(f"KVConfig.{name} must be > 0, got {getattr(config, name)}")
+        try:  # refuse before anything is built: an unauthenticated socket off loopback
+            require_key(config.wire, config.wire.bind_host, what=f"KVSender {config.instance}")
+        except ValueError:
+            engine.close()  # the session owns the engine it was given
+            raise
         self.config = config
         self.layout = config.layout
         self.planner = planner
@@ -113,7 +122,8 @@ class KVSenderSession(RoomSession):
         self._down = False
         w = config.wire
         label = f"{config.instance}/p{self.rank}"
-        self._codec = control_codec(w, name=f"{label}/control")
+        me = rank_identity(config.instance, config.layout)
+        self._codec = control_codec(w, identity=me, name=f"{label}/control")
         self._tags = tag_codec(w, name=f"{label}/tags")
         self._regions: list[PackRegion] = []
         self._pack: torch.Tensor | None = None
@@ -403,14 +413,19 @@ class KVSenderSession(RoomSession):
             region_nbytes=self._regions[0].nbytes if self._regions else None,
         )
 
-    def _on_message(self, ident: bytes, msg: Any, now: float) -> None:
+    def _on_message(self, got: Inbound, now: float) -> None:
+        msg = got.msg
         if isinstance(msg, Hello):
-            self._peers.on_hello(ident, msg, now)
+            self._peers.on_hello(got, msg, now)
             return
-        peer = self._peers.get(ident)
+        peer = self._peers.get(got.sender)
         if peer is None:
             self._codec.drop("unknown_rank")
             return
+        if self._peers.restarted(got, "sent from a new connection that never said Hello"):
+            self._codec.drop("stale")
+            return
+        peer.route = got.route  # libzmq gives a reconnected DEALER a new routing id
         peer.last_seen = now
         if isinstance(msg, DestInfo):
             self._table.on_dest(peer, msg, now)

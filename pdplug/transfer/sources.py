@@ -25,7 +25,7 @@ from pdplug.bootstrap import rank_of
 from pdplug.transfer.channel import DealerChannel, Liveness
 from pdplug.transfer.messages import Heartbeat, Hello, HelloAck
 from pdplug.types import PeerInfo
-from pdplug.wire import Codec
+from pdplug.wire import Codec, peer_identity
 
 __all__ = ["Source", "PrefillSources"]
 
@@ -101,7 +101,7 @@ class PrefillSources:
                 instance=instance,
                 rank=rank_of(p.layout),
                 info=p,
-                cid=self._channel.open(p.control_endpoint),
+                cid=self._channel.open(p.control_endpoint, peer_identity(p)),
                 agent_name=p.extra.get("agent_name", ""),
                 nonce=random.getrandbits(62),
                 last_seen=now,

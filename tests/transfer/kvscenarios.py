@@ -96,6 +96,17 @@ def _raw_frames(endpoint: str, frames: list[list[bytes]]) -> None:
     sock.close()
 
 
+def _sealed(bodies: list[bytes], sender: str = "fuzz tp0 pp0") -> list[list[bytes]]:
+    """Frames in a valid sender envelope (no key: the harness runs unkeyed) around arbitrary
+    payloads, so the payload checks behind the envelope are reached."""
+    epoch, ms = time.time_ns() // 1000 << 12, time.time_ns() // 1_000_000
+    enc = msgspec.msgpack.Encoder()
+    return [
+        [enc.encode([sender, epoch, seq, ms, msgspec.Raw(body)])]
+        for seq, body in enumerate(bodies, 1)
+    ]
+
+
 def failures(backend: str) -> None:
     """Compat refusal, a failed post, recovery, a decode-side abort, control-channel fuzz."""
     with pair(backend, ["dec-dcp2"], timeout=3.0) as (_s, pre, dec):
@@ -155,9 +166,13 @@ def failures(backend: str) -> None:
                 ep,
                 [
                     [b"\xc1not msgpack"],
-                    [enc.encode({"type": "nope"})],
-                    [enc.encode({"type": "dest", "room": "x"})],
-                    [enc.encode(dest)],  # well-formed, but no handshake: unknown rank
+                    *_sealed(
+                        [
+                            enc.encode({"type": "nope"}),
+                            enc.encode({"type": "dest", "room": "x"}),
+                            enc.encode(dest),  # well-formed, but no handshake: unknown rank
+                        ]
+                    ),
                     [b"a", b"b"],  # one frame too many
                     [b"\x00" * (17 << 20)],  # over the 16 MiB limit: ZMQ refuses it
                 ],
@@ -242,10 +257,11 @@ class Rogue:
         import torch
 
         from pdplug import KVConfig, KVLayout, WireConfig
-        from pdplug.bootstrap import bind_random, register
+        from pdplug.bootstrap import register
         from pdplug.transfer.loop import EngineLoop
         from pdplug.transfer.messages import control_codec, tag_codec
         from pdplug.types import PeerInfo
+        from pdplug.wire import endpoint_of, make_socket, rank_identity
 
         lay = KVLayout(
             page_size=kh.P,
@@ -264,11 +280,10 @@ class Rogue:
             self.engine = MooncakeEngine(cfg)
         self.buf = torch.ones(1 << 16, dtype=torch.uint8)
         self.engine.register([(self.buf.data_ptr(), self.buf.numel())])
-        self.codec = control_codec(WireConfig())
+        self.codec = control_codec(WireConfig(), identity=rank_identity(kh.PREFILL, lay))
         self.tags = tag_codec(WireConfig())
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        ep = bind_random(self.sock, "127.0.0.1")
+        self.sock = make_socket(zmq.Context.instance(), zmq.ROUTER, WireConfig(), bind=0)
+        ep = endpoint_of(self.sock)
         self.info = PeerInfo(
             instance=kh.PREFILL,
             role="prefill",
@@ -288,15 +303,16 @@ class Rogue:
 
     def _on(self, sock: Any) -> None:
         from pdplug.transfer.messages import Hello, HelloAck
+        from pdplug.wire import drain
 
-        ident, frame = sock.recv_multipart()
-        msg = self.codec.decode(frame)
-        if isinstance(msg, Hello):
-            self.peer = (ident, self.engine.connect(msg.peer))
-            ack = HelloAck(nonce=msg.nonce, accepted=True, rank=0, peer=self.info)
-            sock.send_multipart([ident, self.codec.encode(ack)])
-        elif msg is not None:
-            self.got.append(msg)
+        for got in drain(sock, self.codec):
+            msg = got.msg
+            if isinstance(msg, Hello):
+                self.peer = (got.route, self.engine.connect(msg.peer))
+                ack = HelloAck(nonce=msg.nonce, accepted=True, rank=0, peer=self.info)
+                sock.send_multipart([got.route, self.codec.encode(ack)])
+            else:
+                self.got.append(msg)
 
     def wait_for(self, kind: type, n: int, timeout: float = 10.0) -> list[Any]:
         t_end = time.monotonic() + timeout

@@ -208,25 +208,95 @@ def test_nixl_engine_prepares_a_repeated_small_pattern_and_moves_the_bytes() -> 
 
 
 def test_every_control_socket_bounds_frames_and_lingers_0() -> None:
+    """Every control socket (and the engine loop's wake-up pair) is made by the wire rules:
+    ``MAXMSGSIZE`` is the wire's limit exactly, linger 0; a DEALER keeps libzmq's routing id
+    (peers are known by their sealed identity, not by a routing id they chose)."""
+    from collections import Counter
+
     import zmq
 
     from pdplug import WireConfig
-    from pdplug.transfer.channel import control_socket, frame_sender
-    from pdplug.wire import MAC_BYTES
+    from pdplug.transfer.channel import DealerChannel, RouterChannel
+    from pdplug.transfer.loop import EngineLoop
+    from pdplug.transfer.messages import control_codec
 
     wire = WireConfig(max_message_bytes=4096)
-    for kind in (zmq.ROUTER, zmq.DEALER):
-        sock = control_socket(kind, wire)
-        try:
-            assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096 + MAC_BYTES
+    loop = EngineLoop("api-test", lambda now: None, lambda: False)
+    router = RouterChannel(
+        loop, wire, control_codec(wire, identity="p tp0 pp0"), lambda got, now: None, Counter()
+    )
+    dealers = DealerChannel(loop, wire, "d tp0 pp0", "d", lambda cid, msg, now: None, Counter())
+    try:
+        cid = dealers.open(router.endpoint, "p tp0 pp0")
+        dealer = dealers._socks[cid]
+        for sock in (router.sock, dealer):
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096
             assert sock.getsockopt(zmq.LINGER) == 0
-        finally:
-            sock.close()
-    # who sent a frame: the routing id on a ROUTER, the connection on a DEALER
-    assert frame_sender([b"id", b"payload"]) == (b"id", b"payload")
-    assert frame_sender([b"payload"], b"conn") == (b"conn", b"payload")
-    assert frame_sender([b"a", b"b", b"c"]) is None
-    assert frame_sender([b"a", b"b"], b"conn") is None
+        assert dealer.getsockopt(zmq.ROUTING_ID) == b""
+        assert loop._wake_rx.getsockopt(zmq.MAXMSGSIZE) == 64
+    finally:
+        dealers.close_all()
+        router.close()
+        loop.stop()
+
+
+def test_a_dealer_cut_by_an_oversized_frame_reconnects_and_keeps_its_sequence() -> None:
+    """libzmq ends a DEALER's connection for good when a frame over ``ZMQ_MAXMSGSIZE`` arrives
+    (it never reconnects by itself after that protocol error). :class:`DealerChannel` reopens
+    it (``control_reconnected``) under the same sealed codec: the prefill's ROUTER keeps
+    accepting the decode's frames (next sequence numbers, a new routing id) and its replies
+    reach the decode again."""
+    from collections import Counter
+    from typing import Any
+
+    from pdplug import WireConfig
+    from pdplug.transfer.channel import DealerChannel, RouterChannel
+    from pdplug.transfer.loop import EngineLoop
+    from pdplug.transfer.messages import Heartbeat, control_codec
+
+    wire = WireConfig(max_message_bytes=4096)
+    up: list[Any] = []  # (route, epoch, seq) at the prefill
+    down: list[Any] = []  # heartbeats at the decode
+    counts: Counter[str] = Counter()
+    holder: dict[str, Any] = {}
+    loop = EngineLoop("api-cut", lambda now: holder["d"].revive(now), lambda: False)
+    router = RouterChannel(
+        loop,
+        wire,
+        control_codec(wire, identity="p tp0 pp0"),
+        lambda got, now: up.append((got.route, got.epoch, got.msg.seq)),
+        Counter(),
+    )
+    dealers = holder["d"] = DealerChannel(
+        loop, wire, "d tp0 pp0", "d", lambda cid, msg, now: down.append(msg.seq), counts
+    )
+    loop.start()
+
+    def until(cond: Any, timeout_s: float = 10.0) -> bool:
+        t_end = time.monotonic() + timeout_s
+        while not cond() and time.monotonic() < t_end:
+            time.sleep(0.02)
+        return bool(cond())
+
+    try:
+        cid = loop.call(lambda: dealers.open(router.endpoint, "p tp0 pp0"), 5)
+        loop.call(lambda: dealers.send(cid, Heartbeat(seq=1)), 5)
+        assert until(lambda: len(up) == 1)
+        route = up[0][0]
+        # an oversized raw frame down the decode's connection: libzmq cuts it
+        loop.call(lambda: router.sock.send_multipart([route, b"\x00" * 8192]), 5)
+        assert until(lambda: counts["control_reconnected"] == 1), counts
+        loop.call(lambda: dealers.send(cid, Heartbeat(seq=2)), 5)
+        assert until(lambda: len(up) == 2), up
+        assert up[1][0] != route and up[1][1] == up[0][1], up  # new route, same epoch
+        assert up[1][2] == 2
+        loop.call(lambda: router.send(up[1][0], Heartbeat(seq=3)), 5)
+        assert until(lambda: down == [3]), down
+        assert dealers.stats()["dropped"] == 0
+    finally:  # sockets are closed on the thread that polls them
+        loop.call(dealers.close_all, 5)
+        loop.call(router.close, 5)
+        loop.stop()
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
@@ -239,7 +309,7 @@ def test_sessions_sockets_use_the_wire_limit(backend: str) -> None:
     sender = pm.make_kv_sender(cfg, name=backend)
     try:
         sock = sender._channel.sock  # type: ignore[attr-defined]
-        assert sock.getsockopt(zmq.MAXMSGSIZE) >= cfg.wire.max_message_bytes
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == cfg.wire.max_message_bytes
         assert sock.getsockopt(zmq.LINGER) == 0
     finally:
         sender.close()
