@@ -20,6 +20,7 @@ from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 
+from pdplug.registration import dedup_regions
 from pdplug.types import PeerInfo
 
 __all__ = [
@@ -138,34 +139,6 @@ def engine_wakes(engine: object, waker: Callable[[], None]) -> bool:
         return False
     setter(waker)
     return True
-
-
-def dedup_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge duplicate, overlapping and touching ``(address, nbytes)`` regions (sorted).
-
-    Engines reject re-registration of an overlapping range (Mooncake#3153), and a unified
-    pool can report one buffer twice.
-    Zero-length regions are dropped.
-
-    :raises ValueError: a negative address or size (named).
-    """
-    if not regions:
-        return []
-    arr = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
-    if (arr < 0).any():
-        i = int(np.flatnonzero((arr < 0).any(axis=1))[0])
-        raise ValueError(f"dedup_regions: region {i} = {tuple(arr[i].tolist())} is negative")
-    arr = arr[arr[:, 1] > 0]
-    if arr.shape[0] == 0:
-        return []
-    arr = arr[np.argsort(arr[:, 0], kind="stable")]
-    starts, ends = arr[:, 0], arr[:, 0] + arr[:, 1]
-    run_end = np.maximum.accumulate(ends)
-    # a new region starts where its start lies beyond every earlier end
-    new = np.concatenate(([True], starts[1:] > run_end[:-1]))
-    idx = np.flatnonzero(new)
-    last = np.concatenate((idx[1:] - 1, [arr.shape[0] - 1]))
-    return [(int(s), int(e - s)) for s, e in zip(starts[idx], run_end[last])]
 
 
 def hard_exit(code: int = 0) -> NoReturn:

@@ -15,10 +15,40 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["RegionPool"]
+from pdplug.config import KVConfig
+from pdplug.packing import pack_buffer_nbytes, pack_bytes_per_token, pack_regions
+from pdplug.types import PackRegion
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RegionPool", "make_pack_buffer"]
+
+
+def make_pack_buffer(cfg: KVConfig) -> tuple[torch.Tensor | None, list[PackRegion]]:
+    """Allocate a prefill rank's pack buffer and cut it into regions.
+
+    :param cfg: the sender's config: its layout, ``pack_region_tokens``, ``max_dst_dcp``,
+        ``pack_depth`` and ``device``.
+    :returns: ``(buffer, regions)``: a uint8 tensor ``[nbytes]`` on ``cfg.device``
+        (:func:`pdplug.packing.pack_buffer_nbytes`) and its regions
+        (:func:`pdplug.packing.pack_regions`); ``(None, [])`` when the layout never needs
+        relayout (no packed bytes per token).
+    :raises RuntimeError: the device cannot allocate the buffer (from torch).
+    """
+    import torch
+
+    lay = cfg.layout
+    if pack_bytes_per_token(lay) <= 0:
+        return None, []
+    kw = dict(dst_dcp_size=cfg.max_dst_dcp, depth=cfg.pack_depth)
+    nb = pack_buffer_nbytes(lay, region_tokens=cfg.pack_region_tokens, **kw)
+    buf = torch.empty(nb, dtype=torch.uint8, device=cfg.device)
+    return buf, list(pack_regions(lay, region_tokens=cfg.pack_region_tokens, **kw))
 
 
 class RegionPool:

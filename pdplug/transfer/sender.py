@@ -40,7 +40,6 @@ import numpy as np
 from pdplug import bootstrap
 from pdplug.config import KVConfig
 from pdplug.errors import TransferError
-from pdplug.packing import pack_buffer_nbytes, pack_bytes_per_token, pack_regions
 from pdplug.protocols import Packer, PackPlanner
 from pdplug.registration import RegisteredKV, resolve_kv
 from pdplug.rooms import Rooms
@@ -53,6 +52,7 @@ from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Abort, Heartbeat, Hello, control_codec, tag_codec
 from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import Lease, SendPipeline
+from pdplug.transfer.regions import make_pack_buffer
 from pdplug.transfer.session import RoomSession
 from pdplug.types import DestInfo, KVPoll, PackRegion, PdplugEvent, PeerInfo, Segment
 from pdplug.wire import Inbound, rank_identity, require_key
@@ -355,27 +355,13 @@ class KVSenderSession(RoomSession):
 
     # ================================================================== engine thread
     def _register(self, entries: list[Any], reg: RegisteredKV) -> None:
-        import torch
-
         if self._info is not None:
             raise TransferError("KVSender.register_kv: already registered")
         cfg, lay = self.config, self.layout
         regions = list(reg.regions)
-        if pack_bytes_per_token(lay) > 0:
-            nb = pack_buffer_nbytes(
-                lay,
-                region_tokens=cfg.pack_region_tokens,
-                dst_dcp_size=cfg.max_dst_dcp,
-                depth=cfg.pack_depth,
-            )
-            self._pack = torch.empty(nb, dtype=torch.uint8, device=cfg.device)
-            self._regions = pack_regions(
-                lay,
-                dst_dcp_size=cfg.max_dst_dcp,
-                depth=cfg.pack_depth,
-                region_tokens=cfg.pack_region_tokens,
-            )
-            regions.append((int(self._pack.data_ptr()), nb))
+        self._pack, self._regions = make_pack_buffer(cfg)
+        if self._pack is not None:
+            regions.append((int(self._pack.data_ptr()), int(self._pack.numel())))
         self.engine.register(dedup_regions(regions))
         self._num_pages = reg.num_pages
         base = np.asarray(reg.base, dtype=np.int64)
