@@ -218,7 +218,12 @@ class DcpPlanner:
             assert region is not None
             if n > region.capacity_tokens or n * pair.pack_bpt > region.nbytes:
                 check_capacity(st, pair, rank, n, region)  # raises, naming the values
-            if n:
+            if n and len(pair.main) == 1:  # the usual case: one class, nothing to concatenate
+                runs, g, whole = rank_block(st, pair, pair.main[0], first, n, l0, region.offset)
+                groups = (g,)
+                if whole:  # whole-row gathers index token slots
+                    slots = g.tokens
+            elif n:
                 runs, groups, slots = _packed_rank(st, pair, first, n, l0, region)
         elif n:
             runs = _cat(
@@ -254,15 +259,12 @@ class DcpPlanner:
 def _packed_rank(
     st: ChunkState, pair: Pair, first: int, n: int, l0: int, region: PackRegion
 ) -> tuple[Runs, tuple[PackGroup, ...], np.ndarray]:
-    """Runs, pack groups and token slots of one rank's packed plan (``n > 0``)."""
-    main = pair.main
-    if len(main) == 1:  # the usual case: one class, nothing to concatenate
-        runs, g, whole = rank_block(st, pair, main[0], first, n, l0, region.offset)
-        return runs, (g,), g.tokens if whole else _EMPTY
+    """Runs, pack groups and token slots of one rank's packed plan (``n > 0``) with several
+    classes."""
     tokens: dict[tuple[int, int], np.ndarray] = {}
     parts: list[Runs] = []
     groups: list[PackGroup] = []
-    for cls in main:  # a few classes at most
+    for cls in pair.main:  # a few classes at most
         runs, g, _ = rank_block(st, pair, cls, first, n, l0, region.offset, tokens)
         parts.append(runs)
         groups.append(g)
