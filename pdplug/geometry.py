@@ -6,6 +6,10 @@ layouts real engines use (pure; no torch import).
   requires, or ``(num_blocks, block_size, H, C)`` for ``NHD``; several layers may be views of
   one storage (then ``page_stride`` spans the interleaved layers). :func:`entry_from_tensor`
   reads the strides of such a view.
+* vLLM's CPU attention (``CPU_ATTN``, the only cache layout it accepts is ``LBHNC``): a layer's
+  ``(num_blocks, H, block_size, 2 * head_size)`` tensor is used as ``(num_blocks, H,
+  2 * block_size, head_size)``: per (block, head) a K slab of ``block_size`` rows, then a V slab
+  (:func:`slab_entries`, :func:`slab_views`).
 * SGLang: raw per-layer buffers (``kv_data_ptrs`` / ``kv_data_lens`` / ``kv_item_lens``, an
   item being one page of one layer), K and V as separate NHD entries per layer, or one MLA
   latent per layer.
@@ -18,7 +22,15 @@ from typing import Any
 from pdplug.heads import kv_head_range
 from pdplug.kvtypes import KVEntry, KVLayout
 
-__all__ = ["nhd_entry", "hnd_entry", "latent_entry", "entry_from_tensor", "make_layout"]
+__all__ = [
+    "nhd_entry",
+    "hnd_entry",
+    "slab_entries",
+    "slab_views",
+    "latent_entry",
+    "entry_from_tensor",
+    "make_layout",
+]
 
 
 def nhd_entry(
@@ -60,6 +72,67 @@ def hnd_entry(
         token_stride=head_bytes,
         page_stride=page_stride or page_size * heads * head_bytes,
     )
+
+
+def slab_entries(
+    heads: int, head_bytes: int, page_size: int, *, page_stride: int = 0
+) -> tuple[KVEntry, KVEntry]:
+    """The K and V entries of a head-major page that holds, per head, a K slab of
+    ``page_size`` rows then a V slab of as many (vLLM ``CPU_ATTN``,
+    ``vllm/v1/attention/backends/cpu_attn.py``). The V entry's page 0 starts
+    ``page_size * head_bytes`` bytes after the K entry's (:func:`slab_views` gives both views).
+
+    :param heads: KV heads on this rank.
+    :param head_bytes: bytes of one K (or V) row of one head (``head_size * dtype bytes``).
+    :param page_size: tokens per page (block size).
+    :param page_stride: bytes between pages; 0 = contiguous pages (``2 * page_size * heads *
+        head_bytes``).
+    :returns: ``(k entry, v entry)``.
+    """
+    slab = page_size * head_bytes
+    k, v = (
+        KVEntry(
+            content=c,
+            heads=heads,
+            head_bytes=head_bytes,
+            head_stride=2 * slab,
+            token_stride=head_bytes,
+            page_stride=page_stride or 2 * slab * heads,
+        )
+        for c in ("k", "v")
+    )
+    return k, v
+
+
+def slab_views(t: Any, page_size: int) -> tuple[Any, Any]:
+    """The K and V slab views (no copy) of one layer's vLLM CPU cache tensor.
+
+    :param t: ``(num_blocks, H, page_size, 2 * head_size)`` (as allocated) or ``(num_blocks, H,
+        2 * page_size, head_size)`` (as used); its last two dimensions contiguous, the first
+        two any strides (several layers may share one storage).
+    :returns: ``(k, v)``, each ``(num_blocks, H, page_size, head_size)``, registered as the two
+        entries :func:`slab_entries` describes.
+    :raises ValueError: ``t`` is not 4-d, or its last two dimensions are not contiguous or do
+        not hold ``2 * page_size`` rows.
+    """
+    shape = tuple(int(x) for x in t.shape)
+    if len(shape) != 4 or shape[2] * shape[3] % (2 * page_size):
+        raise ValueError(
+            f"slab_views: expected (num_blocks, H, {page_size}, 2 * head_size) or (num_blocks, "
+            f"H, {2 * page_size}, head_size), got shape {shape}"
+        )
+    d = shape[2] * shape[3] // (2 * page_size)
+    if t.stride(3) != 1 or t.stride(2) != shape[3]:
+        raise ValueError(
+            f"slab_views: the last two dimensions of shape {shape} must be contiguous, got "
+            f"strides {tuple(t.stride())}"
+        )
+    rows = t.as_strided(
+        (shape[0], shape[1], 2 * page_size, d),
+        (t.stride(0), t.stride(1), d, 1),
+        t.storage_offset(),
+    )
+    return rows[:, :, :page_size], rows[:, :, page_size:]
 
 
 def latent_entry(row_bytes: int, page_size: int, *, page_stride: int = 0) -> KVEntry:
@@ -132,6 +205,7 @@ def make_layout(
     head_bytes: int,
     num_kv_heads: int = 1,
     split_kv: bool = False,
+    slabs: bool = False,
     first_layer: int = 0,
     tp_size: int = 1,
     tp_rank: int = 0,
@@ -145,13 +219,20 @@ def make_layout(
         MLA: the latent row).
     :param num_kv_heads: KV heads of the model (MLA: 1).
     :param split_kv: K and V in separate entries (two per layer, K first).
+    :param slabs: with ``kind="hnd"``: per (page, head) a K slab then a V slab, two entries per
+        layer (:func:`slab_entries`; vLLM ``CPU_ATTN``); ``head_bytes`` is one of K or V.
     :param page_stride: bytes between pages of every entry; 0 = contiguous pages.
     :param kw: any other :class:`KVLayout` field (``dcp_size``, ``dtype``, ``model`` …).
-    :raises ValueError: unknown ``kind``, or as :class:`KVLayout`.
+    :raises ValueError: unknown ``kind``, ``slabs`` with another kind, or as :class:`KVLayout`.
     """
     if kind == "mla":
         per_layer = [latent_entry(head_bytes, page_size, page_stride=page_stride)]
         num_kv_heads = 1
+    elif slabs:
+        if kind != "hnd":
+            raise ValueError(f"make_layout: slabs needs kind 'hnd', got {kind!r}")
+        lo, hi = kv_head_range(num_kv_heads, tp_size, tp_rank)
+        per_layer = list(slab_entries(hi - lo, head_bytes, page_size, page_stride=page_stride))
     elif kind in ("nhd", "hnd"):
         lo, hi = kv_head_range(num_kv_heads, tp_size, tp_rank)
         build = nhd_entry if kind == "nhd" else hnd_entry

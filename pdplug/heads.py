@@ -35,6 +35,7 @@ __all__ = [
     "layout_heads",
     "routed_heads",
     "expected_sources",
+    "fed_ranks",
 ]
 
 
@@ -165,6 +166,27 @@ def expected_sources(
                 r.src_rank
                 for r in head_routes(src_tp_size, dst.tp_size, heads)
                 if r.dst_rank == dst.tp_rank
+            }
+        )
+    )
+
+
+def fed_ranks(src: KVLayout, dst_tp_size: int, dst: KVLayout | None = None) -> tuple[int, ...]:
+    """Decode TP ranks (of ``dst_tp_size``) that prefill rank ``src`` writes: the mirror of
+    :func:`expected_sources`. Empty when this prefill rank holds no head any decode rank takes
+    from it (a replica the routing does not use): it has nothing to send to that decode
+    instance, so a host does not start the instance's rooms there.
+
+    :param dst: any decode rank's layout (for its head information); default ``src``'s.
+    :raises ValueError: the layouts cannot be routed (see :func:`head_routes`).
+    """
+    heads = layout_heads(src) if dst is None else _route_heads(src, dst)
+    return tuple(
+        sorted(
+            {
+                r.dst_rank
+                for r in head_routes(src.tp_size, dst_tp_size, heads)
+                if r.src_rank == src.tp_rank
             }
         )
     )

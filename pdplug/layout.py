@@ -59,6 +59,12 @@ def entry_map(src: KVLayout, dst: KVLayout) -> np.ndarray:
     return np.arange(src.num_entries, dtype=np.int64) + (lo - dst.first_layer) * epl
 
 
+def _layers(lay: KVLayout) -> str:
+    if lay.num_layers <= 0:
+        return f"{lay.num_entries} entries (no layer range)"
+    return f"[{lay.first_layer}, {lay.first_layer + lay.num_layers})"
+
+
 def layout_mismatches(local: KVLayout, remote: KVLayout) -> list[str]:
     """Every reason two layouts cannot exchange KV, each naming the field and both values.
 
@@ -107,7 +113,10 @@ def layout_mismatches(local: KVLayout, remote: KVLayout) -> list[str]:
     try:
         emap = entry_map(src, dst)
     except ValueError as e:
-        out.append(str(e))
+        held = str(e).startswith("source layers")
+        out.append(
+            f"layers: local {_layers(local)} vs remote {_layers(remote)} ({e})" if held else str(e)
+        )
         return out
     names = ("local", "remote") if src is local else ("remote", "local")
     if geo:

@@ -189,19 +189,33 @@ class KVSender(Protocol):
     * if the rank's engine thread dies, every room fails with the cause, :meth:`wait` returns,
       and ``stats()["engine_thread_died"]`` says why.
 
-    **Peers.** A decode rank is identified by its full position (instance, TP, DCP and PP
-    rank). A decode TP rank is fed by the prefill ranks of the same TP rank (equal TP sizes);
-    other TP ratios are refused at the handshake. A peer that is slow, stops answering or
+    **Peers and heads.** A decode rank is identified by its full position (instance, TP, DCP
+    and PP rank). Prefill and decode TP sizes may differ: a prefill rank writes a decode rank
+    exactly the KV heads :func:`pdplug.heads.routed_heads` says it owes it (each decode rank
+    receives each of its heads once; a replicated head from one replica, vLLM #45330), and a
+    decode rank it owes nothing is refused at the handshake, never planned for or notified. A
+    room waits for a DestInfo from every DCP rank of every decode TP rank this rank feeds
+    (:func:`pdplug.heads.fed_ranks`); a prefill rank that feeds no rank of a decode instance
+    has nothing to send it: the host does not start that instance's rooms there (it reports
+    the request finished at once). A peer that is slow, stops answering or
     handshakes again affects only its own rooms: destinations are served round-robin, a peer's
     writes hold at most its share of the pack regions, and a re-handshake from the same decode
     process keeps its rooms going.
     """
 
-    def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
-        """Register the rank's KV entries (contiguous tensors, ``layout`` order) and the pack
-        buffer once; publish the rank at ``KVConfig.bootstrap_endpoint`` when set.
+    def register_kv(self, entries: Sequence[Any]) -> None:
+        """Register the rank's KV entries (``layout`` order) and the pack buffer once, without
+        copies; publish the rank at ``KVConfig.bootstrap_endpoint`` when set.
 
-        :raises ValueError: entry count, contiguity or size (named).
+        One item per entry (:func:`pdplug.registration.resolve_kv`): a tensor whose shape and
+        strides match the entry's :class:`~pdplug.kvtypes.KVEntry` (vLLM per-layer views
+        ``(num_blocks, H, block_size, C)``, several layers in one storage; vLLM CPU's K and V
+        slab views, :func:`pdplug.geometry.slab_views`), or a raw region ``(address, nbytes[,
+        page_stride])`` / :class:`pdplug.registration.KVRegion` (SGLang). Memory shared by
+        several entries is registered with the engine once.
+
+        :raises ValueError: entry count, strides that do not match the entry, a page stride
+            that differs, an entry below one page (named).
         :raises pdplug.errors.TransferError: the engine or the rendezvous refused.
         """
         ...
@@ -211,8 +225,9 @@ class KVSender(Protocol):
         ...
 
     def start(self, room: int) -> int:
-        """Lease ``room``: ``Bootstrapping`` until every decode DCP rank's DestInfo arrived
-        (``bootstrap_timeout_s``), then ``WaitingForInput``. Returns the lease generation.
+        """Lease ``room``: ``Bootstrapping`` until the DestInfo of every decode rank this rank
+        feeds arrived (``bootstrap_timeout_s``), then ``WaitingForInput``. Returns the lease
+        generation.
 
         :raises ValueError: ``room`` is already leased (clear it first).
         """
@@ -237,8 +252,8 @@ class KVSender(Protocol):
         ...
 
     def dest(self, room: int) -> list[DestInfo]:
-        """The DestInfos received for ``room``, one per destination DCP rank (sorted); all
-        carry the same ``decode_prefix_len`` and ``num_tokens``."""
+        """The DestInfos received for ``room``, one per destination (TP rank, DCP rank) this
+        rank feeds (sorted); all carry the same ``decode_prefix_len`` and ``num_tokens``."""
         ...
 
     def capacity_tokens(self, room: int) -> int | None:
@@ -312,9 +327,10 @@ class KVReceiver(Protocol):
     fails with the cause and :meth:`wait` returns.
     """
 
-    def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
-        """Register the rank's KV entries (contiguous tensors, ``layout`` order) once; draft
-        entries hold whole virtual pages (``page_size * dcp_size`` tokens each)."""
+    def register_kv(self, entries: Sequence[Any]) -> None:
+        """Register the rank's KV entries (``layout`` order) once, without copies: items as
+        for :meth:`KVSender.register_kv`; draft entries hold whole virtual pages
+        (``page_size * dcp_size`` tokens each)."""
         ...
 
     def peer_info(self) -> PeerInfo:
@@ -322,13 +338,18 @@ class KVReceiver(Protocol):
         ...
 
     def connect(self, prefill: Sequence[PeerInfo], timeout_s: float | None = None) -> None:
-        """Handshake with every rank of a prefill instance (bounded by ``timeout_s``, default
-        ``bootstrap_timeout_s``) that feeds this rank: the ranks of this rank's TP rank (a
-        different TP size is refused). Connecting to an instance again (a re-handshake) keeps
-        the rooms in flight with the prefill processes that are still the same.
+        """Handshake with the ranks of a prefill instance that feed this rank (bounded by
+        ``timeout_s``, default ``bootstrap_timeout_s``). Pass every rank of the instance
+        (:func:`pdplug.bootstrap.resolve`); the receiver keeps the (PP, TP) ranks that hold its
+        heads (:func:`pdplug.transfer.handshake.feeding_peers`, whatever the two TP sizes) and
+        completes a room once each of them delivered its chunks. Connecting to an instance
+        again (a re-handshake) keeps the rooms in flight with the prefill processes that are
+        still the same. After a refusal, rooms expected from that instance fail at once naming
+        it.
 
-        :raises pdplug.errors.CompatError: naming every mismatch (page size, bytes per token,
-            dtype, layout version, backend, plugin vetoes) from both sides.
+        :raises pdplug.errors.CompatError: naming every mismatch (model, dtype, head counts,
+            head size, layers, page size, entry geometry, layout version, backend, DCP size,
+            plugin vetoes, a feeding rank missing from ``prefill``) from both sides.
         :raises pdplug.errors.TransferError: a prefill rank did not answer.
         """
         ...
@@ -343,7 +364,9 @@ class KVReceiver(Protocol):
         instance: str | None = None,
     ) -> int:
         """Lease ``room`` (``WaitingForInput``) and send its DestInfo to every prefill rank of
-        ``instance`` (optional when one is connected); returns the generation.
+        ``instance`` that feeds this rank (optional when one is connected); returns the
+        generation. Every decode (TP, DCP) rank of the instance expects the room with the same
+        ``decode_prefix_len`` and ``num_tokens`` and its own pages.
 
         :param dst_pages: int64 ``[n]`` this rank's destination (virtual) page ids from
             ``decode_prefix_len`` on.

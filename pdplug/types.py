@@ -215,7 +215,9 @@ class ChunkTag(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="
     """Completion (or failure) tag of one chunk, validated strictly by the receiver.
 
     :ivar generation/room/chunk_id/is_last: identify the chunk and its room lease.
-    :ivar src_rank: the source PP rank (a room completes when every source rank sent its last).
+    :ivar src_rank: the source's (PP, TP) position as its flat rank ``pp_rank * tp_size +
+        tp_rank`` (:func:`pdplug.bootstrap.rank_of`); a decode rank completes a room when every
+        source that feeds it (:func:`pdplug.heads.expected_sources`, per PP rank) sent its last.
     :ivar ok: False for an explicit failure notification (the negative twin of a completion).
     :ivar reason: failure reason (empty when ok).
     """

@@ -1,15 +1,17 @@
 """Shared test helpers for every tests/<area>/ (see tests/README.md).
 
-* Backends: mark a test ``@pytest.mark.nixl`` / ``mooncake`` / ``triton`` (or set
+* Backends: mark a test ``@pytest.mark.nixl`` / ``mooncake`` / ``triton`` / ``torch`` (or set
   ``pytestmark``), or call ``pdplug.testing.require("nixl")`` at module level / use the
   ``require_module`` fixture. A missing backend is a skip with a reason, unless
-  ``PDPLUG_REQUIRE=nixl,mooncake,triton`` lists it: then it is a failure.
+  ``PDPLUG_REQUIRE=nixl,mooncake,triton,torch`` lists it: then it is a failure.
+* torch is an optional dependency (extra ``[torch]``): a test module that cannot even be
+  imported without torch is reported as skipped ("needs torch"), under the same rule.
 * ``plugin_manager``: a fresh PluginManager (defaults only, autoload off, strict).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from types import ModuleType
 
 import pytest
@@ -23,11 +25,15 @@ from pdplug.testing import (
     required_modules,
 )
 
+#: optional modules a test can be marked with: the backends plus torch
+OPTIONAL = (*BACKEND_MODULES, "torch")
+TORCH_MISSING = "No module named 'torch'"
+
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """One line per backend: available or why not, and what PDPLUG_REQUIRE demands."""
+    """One line per optional module: available or why not, and what PDPLUG_REQUIRE demands."""
     lines = []
-    for name in BACKEND_MODULES:
+    for name in OPTIONAL:
         mod, why = probe_module(name)
         lines.append(f"pdplug backend {name}: " + (mod.__name__ if mod else f"missing ({why})"))
     lines.append(f"{REQUIRE_ENV}={','.join(sorted(required_modules())) or '(unset)'}")
@@ -35,10 +41,32 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Apply the PDPLUG_REQUIRE rule to tests marked with a backend's name."""
-    for name in BACKEND_MODULES:
+    """Apply the PDPLUG_REQUIRE rule to tests marked with an optional module's name."""
+    for name in OPTIONAL:
         if item.get_closest_marker(name) is not None:
             require(name)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """A test module that fails to import only because torch is missing is skipped with that
+    reason (the ``py3XX-core`` envs install no torch), unless PDPLUG_REQUIRE lists torch."""
+    report = yield
+    if (
+        report.failed
+        and isinstance(collector, pytest.Module)
+        and TORCH_MISSING in str(report.longrepr)
+        and "torch" not in required_modules()
+    ):
+        report.outcome = "skipped"
+        report.longrepr = (
+            str(collector.path),
+            0,
+            "Skipped: needs torch (pip install 'pdplug[torch]'; the core envs have none)",
+        )
+    return report
 
 
 @pytest.fixture

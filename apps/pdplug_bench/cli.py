@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from importlib import import_module
+from typing import Any
 
 import click
 
@@ -24,14 +25,23 @@ class _Benches(click.Group):
         cmd: click.Command = import_module(f"pdplug_bench.{name}").cli
         return cmd
 
+    def invoke(self, ctx: click.Context) -> Any:
+        # A configuration the plugin manager refuses is one line and exit 1, not a traceback.
+        from pdplug import PdplugError
+
+        try:
+            return super().invoke(ctx)
+        except PdplugError as e:
+            raise click.ClickException(f"{type(e).__name__}: {e}") from None
+
 
 @click.group(cls=_Benches)
 def bench() -> None:
     """Benchmarks (each prints a ratio measured side by side in one run).
 
-    Sets ``OMP_WAIT_POLICY=PASSIVE`` unless already set: torch's OpenMP workers otherwise spin
-    for a while after every parallel op (a baseline ``copy_``), taking the cores from pdplug's
-    own threads (pack threads, engine progress) that run right after; on 2 cores that halved
-    the threaded CPU packer (5.1 vs 9.5 GB/s). The value used is printed with the machine.
+    Sets OMP_WAIT_POLICY=PASSIVE unless already set: torch's OpenMP workers otherwise spin for
+    a while after every parallel op (a baseline copy), taking the cores from pdplug's own
+    threads (pack threads, engine progress) that run right after; on 2 cores that halved the
+    threaded CPU packer (5.1 vs 9.5 GB/s). The value used is printed with the machine.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

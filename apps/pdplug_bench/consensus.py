@@ -304,10 +304,13 @@ def _parse_pp(value: str) -> list[int]:
 
 @click.command()
 @click.option("--pp", "pp", default="2,4,8", show_default=True, help="pp_size values, comma list")
-@click.option("--iter-ms", default=5.0, show_default=True, type=float, help="loop iteration (ms)")
-@click.option("--requests", default=200, show_default=True, type=int, help="requests per run")
+@click.option("--iter-ms", default=5.0, show_default=True, help="loop iteration (ms)",
+              type=click.FloatRange(min=0, min_open=True, max=1000))  # fmt: skip
+@click.option("--requests", default=200, show_default=True, type=click.IntRange(1, 100_000),
+              help="requests per run")  # fmt: skip
 @click.option("--impl", "impls", default="pp0,ring", show_default=True, help="consensus names")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="seed of the readiness schedule (same for every implementation)")  # fmt: skip
 @click.option(
     "--phases",
     type=click.Choice(["pipeline", "random"]),
@@ -327,13 +330,10 @@ def cli(
 ) -> None:
     """Admission latency of pp0 vs ring at several pp_size (real processes per rank)."""
     from pdplug_bench.machine import machine_line, write_json
+    from pdplug_bench.options import component_names
 
     sizes = _parse_pp(pp)
-    names = [x.strip() for x in impls.split(",") if x.strip()]
-    if iter_ms <= 0:
-        raise click.BadParameter(f"--iter-ms={iter_ms}: must be > 0")
-    if requests < 1:
-        raise click.BadParameter(f"--requests={requests}: must be >= 1")
+    names = component_names(impls, "consensus", "--impl")  # before any rank is spawned
     click.echo(machine_line())
     click.echo(
         f"sizes: pp_size {sizes}, iteration {iter_ms} ms, {requests} requests per run, "

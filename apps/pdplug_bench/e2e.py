@@ -33,13 +33,14 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     from rich.table import Table
 
     from pdplug_bench.machine import console, machine_line, write_json
+    from pdplug_bench.options import variant_pairs
     from pdplug_host.cli import options_from_kwargs
     from pdplug_host.driver import run_demo
 
     rows = []
-    for v in variants.split(","):
-        cons, _, kv = v.strip().partition("+")
-        args = dict(kw, consensus=cons or None, kv_sender=kv or None)
+    for cons, kv in variant_pairs(variants, "--variants"):
+        v = f"{cons}+{kv}"
+        args = dict(kw, consensus=cons, kv_sender=kv)
         opts = options_from_kwargs(args, requests)
         click.echo(f"running {v} ...", err=True)
         rep = run_demo(opts)

@@ -217,9 +217,11 @@ def _run(
     "--layers",
     default=4,
     show_default=True,
+    type=click.IntRange(1, 128),
     help="Layers of 576 B/token (the field used 61; fewer keep each mode to seconds).",
 )
-@click.option("--repeats", default=3, show_default=True, help="Timed runs per mode and shape.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="Timed runs per mode and shape.")  # fmt: skip
 @json_option
 def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
     """Cached-prefix sends over the KV backend: per-token vs packed vs plain TP->TP."""
@@ -227,9 +229,9 @@ def cli(backend: str, layers: int, repeats: int, json_path: str | None) -> None:
     from rich.table import Table
 
     from pdplug_bench.machine import machine_line, write_json
+    from pdplug_bench.options import component_names
 
-    if layers <= 0 or repeats <= 0:
-        raise click.BadParameter(f"--layers={layers} and --repeats={repeats} must be > 0")
+    (backend,) = component_names(backend, "kv_sender", "--backend")
     console = Console(width=120)  # tables stay whole when piped
     console.print(machine_line())
     console.print(

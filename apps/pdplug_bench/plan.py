@@ -162,20 +162,25 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
     return res
 
 
-def _ints(text: str, name: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]``.
+class IntList(click.ParamType):
+    """A comma-separated list of integers in ``[lo, hi]`` (``"1,2,4"`` -> ``[1, 2, 4]``)."""
 
-    :raises click.BadParameter: not positive integers separated by commas.
-    """
-    try:
-        vals = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError as e:
-        raise click.BadParameter(
-            f"{name} must be integers separated by commas, got {text!r}"
-        ) from e
-    if not vals or min(vals) <= 0:
-        raise click.BadParameter(f"{name} must be positive integers, got {text!r}")
-    return vals
+    name = "ints"
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> list[int]:
+        if isinstance(value, list):
+            return value
+        try:
+            vals = [int(x) for x in str(value).split(",") if x.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not integers separated by commas", param, ctx)
+        bad = [v for v in vals if not self.lo <= v <= self.hi]
+        if not vals or bad:
+            self.fail(f"{value!r}: each must be {self.lo}<=x<={self.hi}", param, ctx)
+        return vals
 
 
 def _shape_report(args: dict[str, Any], device: str, pack_repeats: int, pl: dict[str, Any],
@@ -276,29 +281,38 @@ def _summary(device: str, shapes: list[dict[str, Any]]) -> None:
     show_default=True,
     help="Where KV and the pack buffer live for the packer benchmark.",
 )
-@click.option("--repeats", default=200, show_default=True, help="Timed planner sends.")
-@click.option("--pack-repeats", default=31, show_default=True, help="Timed packs/copies.")
-@click.option("--cached", default=83_264, show_default=True, help="Cached-prefix tokens.")
-@click.option("--unique", default=6_720, show_default=True, help="New tokens.")
-@click.option("--dcp", default="4", show_default=True, help="Decode DCP size(s), e.g. 1,2,4,8.")
-@click.option("--page", default=64, show_default=True, help="Page size (tokens).")
-@click.option("--layers", default=61, show_default=True, help="KV entries (MLA: one per layer).")
+@click.option("--repeats", default=200, show_default=True, type=click.IntRange(1, 100_000),
+              help="Timed planner sends.")  # fmt: skip
+@click.option("--pack-repeats", default=31, show_default=True, type=click.IntRange(1, 10_000),
+              help="Timed packs/copies.")  # fmt: skip
+@click.option("--cached", default=83_264, show_default=True, type=click.IntRange(0, 1 << 22),
+              help="Cached-prefix tokens.")  # fmt: skip
+@click.option("--unique", default=6_720, show_default=True, type=click.IntRange(1, 1 << 22),
+              help="New tokens.")  # fmt: skip
+@click.option("--dcp", default="4", show_default=True, type=IntList(1, 64),
+              help="Decode DCP size(s), e.g. 1,2,4,8.")  # fmt: skip
+@click.option("--page", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="Page size (tokens).")  # fmt: skip
+@click.option("--layers", default=61, show_default=True, type=click.IntRange(1, 1024),
+              help="KV entries (MLA: one per layer).")  # fmt: skip
 @click.option(
     "--row-bytes",
     default="576",
     show_default=True,
+    type=IntList(1, 1 << 20),
     help="Bytes per token per entry (MLA), or a list, e.g. 128,256,576,656,1152,4096.",
 )
 @click.option(
     "--chunk-bound",
     default=8192,
     show_default=True,
+    type=click.IntRange(1, 1 << 22),
     help="Chunk bound (tokens) sizing the regions: chunk_bound/dcp per rank.",
 )
 @click.option(
     "--pack-layers",
     default=None,
-    type=int,
+    type=click.IntRange(1, 1024),
     help="Entries in the packer benchmark [default: 16 on cpu, --layers on cuda].",
 )
 @click.option("--planner", default="dcp", show_default=True, help="Pack planner name.")
@@ -333,8 +347,10 @@ def cli(
     """Planner time per send (p50) and the whole-segment pack's GB/s vs a plain copy of the
     same bytes (and vs packing rank by rank), for one shape or a sweep of row sizes x DCP."""
     from pdplug_bench.machine import machine_line, write_json
+    from pdplug_bench.options import component_names
     from pdplug_bench.plan_pack import packer_bench, prep_bench
 
+    (args["planner"],) = component_names(args["planner"], "pack_planner", "--planner")
     if device == "cuda":
         import torch
 
@@ -342,11 +358,7 @@ def cli(
             raise click.UsageError("--device cuda: no CUDA device is available here")
     from pdplug_bench.plan_layouts import bench_layouts
 
-    combos = [
-        {**args, "row_bytes": rb, "dcp": d}
-        for rb in _ints(args["row_bytes"], "--row-bytes")
-        for d in _ints(args["dcp"], "--dcp")
-    ]
+    combos = [{**args, "row_bytes": rb, "dcp": d} for rb in args["row_bytes"] for d in args["dcp"]]
     try:
         for a in combos:
             bench_layouts(a)

@@ -264,8 +264,10 @@ def _bench_backend(backend: str, sizes: list[int], repeats: int) -> list[dict[st
 @click.option(
     "--backend", default="nixl,mooncake", show_default=True, help="Comma-separated KV sender names."
 )
-@click.option("--sizes", default="1,4,16,64,256", show_default=True, help="Sizes in MiB.")
-@click.option("--repeats", default=9, show_default=True, help="Timed runs per size (min).")
+@click.option("--sizes", default="1,4,16,64,256", show_default=True,
+              help="Sizes in MiB, comma-separated (each at least one page).")  # fmt: skip
+@click.option("--repeats", default=9, show_default=True, type=click.IntRange(1, 1000),
+              help="Timed runs per size.")  # fmt: skip
 @json_option
 def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
     """pdplug's KV sender vs the raw engine call on the same descriptors, and vs memcpy."""
@@ -273,11 +275,13 @@ def cli(backend: str, sizes: str, repeats: int, json_path: str | None) -> None:
     from rich.table import Table
 
     from pdplug_bench.machine import machine_line, write_json
+    from pdplug_bench.options import component_names, number_list
 
-    size_list = [int(float(s) * MIB) for s in sizes.split(",") if s.strip()]
-    if not size_list or min(size_list) < sum(BPT) * PAGE:
-        raise click.BadParameter(f"sizes must be >= one page ({sum(BPT) * PAGE} bytes)")
-    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    page_mib = sum(BPT) * PAGE / MIB
+    size_list = [int(s * MIB) for s in number_list(sizes, "--sizes", "MiB", page_mib)]
+    if max(size_list) > 4096 * MIB:
+        raise click.BadParameter(f"{sizes!r}: at most 4096 MiB", param_hint="'--sizes'")
+    backends = component_names(backend, "kv_sender", "--backend")
     console = Console(width=120)  # tables stay whole when piped
     console.print(machine_line())
     console.print(

@@ -3,142 +3,253 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from typing import Any
 
 import click
 
 from pdplug.manager import EXTENSION_POINTS
+from pdplug_host.options import BOUNDS, DEFAULT_REQUESTS, SCALES
 
 __all__ = ["demo", "demo_options", "options_from_kwargs", "print_report"]
 
 
+def _int_range(field: str) -> click.IntRange:
+    lo, hi = BOUNDS[field]
+    return click.IntRange(int(lo), int(hi))
+
+
+def _float_range(field: str) -> click.FloatRange:
+    lo, hi = BOUNDS[field]
+    return click.FloatRange(lo, hi)
+
+
 def demo_options(f: Any) -> Any:
-    """Options shared by ``pdplug demo`` and ``pdplug bench e2e``."""
+    """Options shared by ``pdplug demo`` and ``pdplug bench e2e`` (every size and wait
+    bounded; click refuses a value out of range naming the option)."""
+    scales = ", ".join(map(str, SCALES))
     opts = [
-        click.option("--prefill-pp", default=2, show_default=True, type=click.IntRange(min=1),
-                     help="Prefill PP ranks."),
-        click.option("--decode-dcp", default=2, show_default=True, type=click.IntRange(min=1),
-                     help="Decode DCP ranks."),
+        click.option("--prefill-pp", default=2, show_default=True, type=_int_range("prefill_pp"),
+                     help="Prefill PP ranks (one process each; the tiny model has 4 layers and "
+                          "every rank needs one)."),
+        click.option("--decode-dcp", default=2, show_default=True, type=_int_range("decode_dcp"),
+                     help="Decode DCP ranks (one process each)."),
         click.option("--trace", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="Trace JSONL (Mooncake FAST'25 format); default: bundled sample."),
-        click.option("--scale", default=32, show_default=True, type=click.IntRange(1, 512),
-                     help="Divide trace lengths by this (512-token blocks -> 512/scale tokens)."),
-        click.option("--max-output", default=16, show_default=True, type=click.IntRange(min=1),
-                     help="Cap output tokens."),
-        click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0),
+                     help="Trace file: Mooncake records (JSON lines or a JSON array) or ShareGPT "
+                          "conversations (see README, 'Traces'); default: bundled sample."),
+        click.option("--scale", default="32", show_default=True, type=click.Choice(
+                     [str(s) for s in SCALES]),
+                     help=f"Divide trace lengths by this, one of {scales} (a 512-token trace "
+                          "block becomes 512/scale tokens: a whole number of 16-token pages)."),
+        click.option("--max-output", default=16, show_default=True, type=_int_range("max_output"),
+                     help="Cap output tokens per request."),
+        click.option("--time-scale", default=1.0, show_default=True,
+                     type=_float_range("time_scale"),
                      help="Honour trace arrival times multiplied by this factor."),
         click.option("--no-arrivals", is_flag=True, help="Send requests as fast as admitted."),
         *(click.option(p.option, default=None, help=f"Select a {p.label} (default {p.default}).")
           for p in EXTENSION_POINTS.values()),
-        click.option("--chunk-size", default=128, show_default=True, type=click.IntRange(min=1),
+        click.option("--chunk-size", default=128, show_default=True, type=_int_range("chunk_size"),
                      help="Base chunked-prefill size in tokens (dynamic sizing starts here)."),
         click.option("--pack-region-tokens", default=64, show_default=True,
-                     type=click.IntRange(min=1),
+                     type=_int_range("pack_region_tokens"),
                      help="Pack region capacity per destination rank in tokens."),
+        click.option("--num-pages", default=4096, show_default=True,
+                     type=_int_range("num_pages"),
+                     help="KV pages of 16 tokens per worker; a request that can never fit is "
+                          "refused alone, one that fits waits for pages."),
         click.option("--timeout", "timeout_s", default=30.0, show_default=True,
-                     type=click.FloatRange(min=1.0),
-                     help="Bound on every wait (transfer, consensus, gloo), seconds."),
+                     type=_float_range("timeout_s"),
+                     help="Bound on every wait inside the workers (transfer, consensus, gloo, "
+                          "decode pages), seconds."),
+        click.option("--run-timeout", "run_timeout_s", default=600.0, show_default=True,
+                     type=_float_range("run_timeout_s"),
+                     help="Bound on the whole replay, seconds (refused up front when the "
+                          "trace's arrivals alone take longer)."),
         click.option("--log-dir", default=None,
-                     help="Directory for worker logs (default: a new temp dir; '' = terminal)."),
+                     help="Keep worker logs in this directory (default: a temp dir, removed "
+                          "after a clean run; '' = the workers write to stderr)."),
+        click.option("--keep-logs", is_flag=True,
+                     help="Keep the temp worker-log directory after a clean run."),
     ]  # fmt: skip
     for o in reversed(opts):
         f = o(f)
     return f
 
 
-def options_from_kwargs(kw: dict[str, Any], requests: int) -> Any:
-    """The ``DemoOptions`` of a run from the keyword arguments of :func:`demo_options`."""
-    from pdplug_host.driver import DemoOptions
+def options_from_kwargs(kw: dict[str, Any], requests: int | None) -> Any:
+    """The ``DemoOptions`` of a run from the keyword arguments of :func:`demo_options`.
 
+    :param requests: requests to replay; ``None``: the default (all of a shorter trace).
+    """
+    from pdplug_host.options import DemoOptions
+
+    kw = dict(kw)
     time_scale = 0.0 if kw.pop("no_arrivals", False) else kw.pop("time_scale", 0.0)
     kw.pop("time_scale", None)
+    kw["scale"] = int(kw.get("scale", 32))
     return DemoOptions(requests=requests, time_scale=time_scale, **kw)
 
 
 def print_report(rep: dict[str, Any]) -> None:
-    """Print the summary table of one run."""
+    """Print the summary table of one run, each row with what it means."""
     from rich.table import Table
 
     from pdplug_host.console import console
 
+    cfg = rep["config"]
     c = console()
-    t = Table(title="pdplug demo", show_header=False)
+    t = Table(
+        title=f"pdplug demo: prefill PP {cfg['prefill_pp']} -> decode DCP {cfg['decode_dcp']}",
+        caption=(
+            "A tiny 4-layer Llama with random weights (float32 KV, float64 compute), the same "
+            "on every worker; times include this machine's load."
+        ),
+        show_header=False,
+    )
     t.add_column("", style="bold")
-    t.add_column("")
-    t.add_row("requests", str(rep["requests"]))
-    t.add_row("parity OK", f"{rep['parity_ok']} / {rep['requests']}")
-    t.add_row("prefix-hit tokens (prefill)", str(rep["prefix_hit_tokens"]))
-    t.add_row("tokens transferred", str(rep["tokens_transferred"]))
-    t.add_row("bytes transferred", f"{rep['bytes_transferred'] / 2**20:.1f} MiB")
-    t.add_row("segments sent (sends split)", f"{rep['segments']} ({rep['split_sends']})")
+    t.add_column("", no_wrap=True)
+    t.add_column("", style="dim")
+    n = rep["requests"]
+    t.add_row(
+        "requests",
+        str(n),
+        f"inputs scaled 1/{cfg['scale']} (a 512-token trace block -> {512 // cfg['scale']} "
+        f"tokens), outputs capped at {cfg['max_output']} tokens",
+    )
+    t.add_row("parity OK", f"{rep['parity_ok']} / {n}",
+              "requests whose every token equals the single-process reference run's")  # fmt: skip
+    if rep.get("refused"):
+        t.add_row("refused", str(len(rep["refused"])), "too large for the KV cache (--num-pages)")
+    t.add_row("prefix-hit tokens (prefill)", str(rep["prefix_hit_tokens"]),
+              "prompt tokens served from the prefill's prefix cache")  # fmt: skip
+    t.add_row("tokens transferred", str(rep["tokens_transferred"]),
+              "prompt tokens whose KV crossed to the (cold) decode")  # fmt: skip
+    t.add_row("bytes transferred", f"{rep['bytes_transferred'] / 2**20:.1f} MiB",
+              "over every PP rank (each ships its own layers)")  # fmt: skip
+    t.add_row(
+        "segments sent (sends split)",
+        f"{rep['segments']} ({rep['split_sends']})",
+        "KV segments posted; in parentheses the sends cut at the pack-region capacity",
+    )
     ch = rep["chunks"]
-    t.add_row("prefill chunks (tokens)", f"{ch['s']} ({ch['_min']}-{ch['_max']})")
-    t.add_row("TTFT p50 / p99", f"{rep['ttft_ms']['p50']:.1f} / {rep['ttft_ms']['p99']:.1f} ms")
+    t.add_row(
+        "prefill chunks (tokens)",
+        f"{ch['s']} ({ch['_min']}-{ch['_max']})",
+        "chunked-prefill steps on PP0; in parentheses the smallest-largest chunk in tokens",
+    )
+    t.add_row(
+        "TTFT p50 / p99",
+        f"{rep['ttft_ms']['p50']:.1f} / {rep['ttft_ms']['p99']:.1f} ms",
+        "arrival at the driver -> first token ready on decode",
+    )
+    meaning = {
+        "queue": "waiting: decode pages, prefill readiness, a prefill slot",
+        "consensus": "PP ranks agreeing on admission, DCP ranks on the transfer",
+        "prefill": "forward compute of the prompt, summed over PP ranks",
+        "send": "host time inside sender.send (pack and post overlap prefill)",
+        "transfer": "last send -> KV complete on the last decode rank",
+    }
     for k, v in rep["breakdown_ms"].items():
-        t.add_row(f"  {k} p50 / p99", f"{v['p50']:.1f} / {v['p99']:.1f} ms")
+        t.add_row(f"  {k} p50 / p99", f"{v['p50']:.1f} / {v['p99']:.1f} ms", meaning.get(k, ""))
+    t.add_row("", "", "each TTFT part is its own p50 / p99: the parts do not add up to TTFT")
     tp = rep["throughput"]
     t.add_row(
-        "throughput", f"{tp['requests_per_s']:.2f} req/s, {tp['output_tokens_per_s']:.1f} tok/s"
+        "throughput",
+        f"{tp['requests_per_s']:.2f} req/s, {tp['output_tokens_per_s']:.1f} tok/s",
+        "finished requests and output tokens per second of replay",
     )
-    t.add_row("serve time / wall", f"{rep['serve_s']:.1f} s / {rep['wall_s']:.1f} s")
+    t.add_row("serve time / wall", f"{rep['serve_s']:.1f} s / {rep['wall_s']:.1f} s",
+              "the replay / the whole run with start-up and the reference")  # fmt: skip
     for point, d in rep["plugins"].items():
-        t.add_row(f"{point}", f"{d.get('name')} ({d.get('distribution')} {d.get('version', '')})")
+        t.add_row(
+            f"{point}", f"{d.get('name')} ({d.get('distribution')} {d.get('version', '')})", ""
+        )
     c.print(t)
     if rep.get("worker_logs"):
-        c.print(f"worker logs: {rep['worker_logs']}")
+        c.print(f"worker logs: {rep['worker_logs']}", highlight=False, soft_wrap=True)
+
+
+class _Echo(logging.Handler):
+    """``warning: ...`` lines on the current stderr (resolved at each record)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
+
+
+def _log_to_stderr() -> None:
+    """Warnings of the demo and the library as ``warning: ...`` lines on stderr."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _Echo) for h in root.handlers):
+        root.addHandler(_Echo(logging.WARNING))
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
 
 
 @click.command()
 @demo_options
 @click.option(
     "--requests",
-    default=32,
-    show_default=True,
+    default=None,
     type=click.IntRange(min=1),
-    help="Requests from the trace.",
+    help=f"Requests from the trace  [default: {DEFAULT_REQUESTS}, or all of a shorter trace]",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the report as JSON here.")  # fmt: skip
-def demo(requests: int, json_path: str | None, **kw: Any) -> None:
-    """Replay a trace through PP prefill -> DCP decode; check tokens against a reference."""
-    from rich.progress import Progress
+def demo(requests: int | None, json_path: str | None, **kw: Any) -> None:
+    """Replay a trace through PP prefill -> DCP decode; check tokens against a reference.
 
+    Progress shows on a terminal; with output piped, one line per phase. Worker logs go to a
+    temp dir, removed after a clean run unless --keep-logs or --log-dir.
+    """
     from pdplug import PdplugError
+    from pdplug_host.console import console
     from pdplug_host.driver import DemoError, run_demo
+    from pdplug_host.progress import DemoProgress
 
+    _log_to_stderr()
     opts = options_from_kwargs(kw, requests)
-    with Progress(transient=True) as prog:
-        tasks: dict[str, Any] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                label = "starting workers" if phase == "start" else "serving requests"
-                tasks[phase] = prog.add_task(label, total=total)
-            prog.update(tasks[phase], completed=done)
-
+    error = ""
+    rep: dict[str, Any] = {}
+    suffix = (
+        f", prefill PP {opts.prefill_pp} -> decode DCP {opts.decode_dcp}; every output token is "
+        "checked against a single-process reference run"
+    )
+    with DemoProgress(console(), prefix="pdplug demo: ", suffix=suffix) as progress:
         try:
             rep = run_demo(opts, progress)
-        except DemoError as e:
-            click.echo(f"pdplug demo failed: {e}", err=True)
-            sys.exit(1)
-        except (PdplugError, ValueError) as e:  # a clear message, never a traceback
-            click.echo(f"pdplug demo: {type(e).__name__}: {e}", err=True)
-            sys.exit(1)
+        except (DemoError, PdplugError, ValueError) as e:  # a clear line, never a traceback
+            error = str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
+        except Exception as e:  # unexpected: still one line; the traceback when debugging
+            if os.environ.get("PDPLUG_LOG_LEVEL", "").upper() == "DEBUG":
+                raise
+            error = (
+                f"{type(e).__name__}: {e} (unexpected; PDPLUG_LOG_LEVEL=DEBUG shows the traceback)"
+            )
+    if error:  # printed once the bars are gone: one line, nothing after it
+        _fail(error)
     print_report(rep)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rep, f, indent=2)
-    bad = rep["mismatches"]
+    refused = set(rep.get("refused", ()))
+    bad = [m for m in rep["mismatches"] if m["rid"] not in refused]
     if bad:
         first = bad[0]
         if "error" in first:
-            click.echo(f"request {first['rid']} did not finish: {first['error']}", err=True)
-        else:
-            click.echo(
-                f"MISMATCH: request {first['rid']} position {first['position']}: got "
-                f"{first['got']}, reference {first['want']} ({len(bad)} requests differ)",
-                err=True,
-            )
-        sys.exit(1)
+            _fail(f"request {first['rid']} did not finish: {first['error']}")
+        _fail(
+            f"MISMATCH: request {first['rid']} position {first['position']}: got "
+            f"{first['got']}, reference {first['want']} ({len(bad)} requests differ)"
+        )
+    if refused:
+        _fail(
+            f"{rep['parity_ok']} of {rep['requests']} requests token-identical to the "
+            f"reference; {len(refused)} refused (too large for the KV cache: --num-pages)"
+        )
     click.echo(f"all {rep['parity_ok']} requests token-identical to the reference")

@@ -3,11 +3,14 @@
 Every rank holds the full weights and its share of each request's tokens (token i on rank
 ``i % dcp`` at local offset ``i // dcp``). Loop:
 
-1. new requests from the driver: allocate the local share's pages (prompt + output) and vote on
-   the ``prealloc`` stream (``bad`` when out of pages); once every rank allocated (decision
-   ``good``) lease the room with the KV receiver, which sends the destination pages to every
-   prefill rank (a ``bad`` prealloc frees the pages; prefill fails the room at its bootstrap
-   timeout);
+1. new requests from the driver wait in arrival order (the same on every rank) until the local
+   share's pages (prompt + output) can be allocated, then vote ``good`` on the ``prealloc``
+   stream; once every rank allocated (decision ``good``) rank 0 tells the driver (``Leased``).
+   When the driver routes the request to prefill (``Route``), every rank leases the room with
+   the KV receiver, which sends the destination pages to every prefill rank: the receiver's
+   timeouts start once the prefill is about to work on it, never while it queues. A request
+   that waited ``timeout_s`` with no page freed on this rank votes ``bad`` (a ``bad`` prealloc
+   frees the pages and fails the request alone);
 2. a room whose KV arrived (``Success``) and whose first token is known is voted ``good`` on the
    ``transfer`` stream (``Failed`` → ``bad``); decisions are applied in order, exactly once;
 3. the ranks agree (all-reduce MIN) on how many transfer decisions all of them applied; every
@@ -18,6 +21,7 @@ Every rank holds the full weights and its share of each request's tokens (token 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -28,9 +32,11 @@ from pdplug.types import pages_from_bytes
 from pdplug_host.messages import (
     Finished,
     FirstToken,
+    Leased,
     NewRequest,
     Ready,
     RequestFailed,
+    Route,
     Shutdown,
     Timing,
     WorkerStats,
@@ -41,6 +47,7 @@ from pdplug_host.model import (
     build_model,
     decode_step_dcp,
     greedy,
+    pages_needed,
 )
 from pdplug_host.worker import (
     POINTS,
@@ -56,11 +63,13 @@ __all__ = ["decode_main"]
 
 class _Req:
     __slots__ = (
-        "first", "leased", "out", "output_len", "pages", "prompt_len", "rid", "t", "voted",
+        "allocated", "first", "leased", "out", "output_len", "pages", "prompt_len", "reason",
+        "rid", "routed", "t", "voted",
     )  # fmt: skip
 
-    def __init__(self, msg: NewRequest, pages: torch.Tensor | None) -> None:
+    def __init__(self, msg: NewRequest, pages: torch.Tensor | None, reason: str = "") -> None:
         self.rid = msg.rid
+        self.reason = reason
         self.prompt_len = len(pages_from_bytes(msg.tokens))
         self.output_len = msg.output_len
         self.pages = pages
@@ -68,7 +77,9 @@ class _Req:
         self.out: list[int] = []
         self.t: dict[str, float] = {}
         self.voted = False
-        self.leased = False
+        self.allocated = False  # every rank holds pages (prealloc decision good)
+        self.routed = False  # the driver sent it to prefill
+        self.leased = False  # leased with the KV receiver (expect() called)
 
 
 class DecodeRank:
@@ -127,12 +138,20 @@ class DecodeRank:
         self.stopping = False
         self.steps = 0
         self.draining: list[tuple[_Req, float]] = []
+        self.page_wait: deque[tuple[NewRequest, float]] = deque()  # (request, since)
+        self.last_free = time.monotonic()  # a page wait is bounded from the later of the two
+        self.waited_for_pages: set[int] = set()  # requests that found no pages at first
 
     def poll_control(self) -> None:
         """Driver messages, transfer votes and decisions (non-blocking)."""
         for msg in self.link.recv_all():
             if isinstance(msg, NewRequest):
-                self._lease(msg)
+                self.page_wait.append((msg, time.monotonic()))
+            elif isinstance(msg, Route):
+                routed = self.reqs.get(msg.rid)
+                if routed is not None:
+                    routed.routed = True
+                    self._expect(routed)
             elif isinstance(msg, FirstToken):
                 if msg.rid in self.reqs:
                     self.reqs[msg.rid].first = msg.token
@@ -151,6 +170,8 @@ class DecodeRank:
                 self.consensus.offer("transfer", good=[req.rid])
         if self.draining:
             self._free_drained()
+        if self.page_wait:
+            self._lease_waiting()
         for d in self.consensus.poll():
             if d.stream == "prealloc":
                 self._apply_prealloc(d.good, d.bad)
@@ -170,39 +191,65 @@ class DecodeRank:
                         RequestFailed(role="decode", rank=self.rank, rid=rid, reason=reason)
                     )
 
-    def _lease(self, msg: NewRequest) -> None:
-        # Virtual pages of page_size * dcp tokens (SGLang DCP): every rank allocates the same
-        # page count, enough for its share of prompt + output.
-        n = len(pages_from_bytes(msg.tokens))
+    def _lease_waiting(self) -> None:
+        """Allocate pages for waiting requests in arrival order (head of line first, so every
+        rank allocates the same requests in the same order) and vote on ``prealloc``.
+
+        Virtual pages of ``page_size * dcp`` tokens (SGLang DCP): every rank allocates the same
+        page count, enough for its share of prompt + output. The driver refused up front every
+        request that could never fit.
+        """
         vpage = self.spec.page_size * self.size
-        try:
-            pages: torch.Tensor | None = self.cache.alloc(-(-(n + msg.output_len) // vpage))
-        except OutOfPagesError:
-            pages = None
-        self.reqs[msg.rid] = _Req(msg, pages)
-        if pages is None:
-            self.consensus.offer("prealloc", bad=[msg.rid])
-        else:
+        while self.page_wait:
+            msg, since = self.page_wait[0]
+            n = len(pages_from_bytes(msg.tokens))
+            try:
+                pages = self.cache.alloc(pages_needed(n + msg.output_len, vpage))
+            except OutOfPagesError:
+                self.waited_for_pages.add(msg.rid)
+                waited = time.monotonic() - max(since, self.last_free)
+                if waited <= self.spec.timeout_s:
+                    return
+                self.page_wait.popleft()
+                reason = (
+                    f"decode out of pages: waited {waited:.0f} s with no page freed (--timeout "
+                    f"{self.spec.timeout_s:g} s; {self.cache.num_free} of "
+                    f"{self.cache.num_pages} pages free)"
+                )
+                self.reqs[msg.rid] = _Req(msg, None, reason)
+                self.consensus.offer("prealloc", bad=[msg.rid])
+                continue
+            self.page_wait.popleft()
+            self.reqs[msg.rid] = _Req(msg, pages)
             self.consensus.offer("prealloc", good=[msg.rid])
 
     def _apply_prealloc(self, good: tuple[int, ...], bad: tuple[int, ...]) -> None:
-        vpage = self.spec.page_size * self.size
         for rid in good:
             req = self.reqs.get(rid)
             if req is not None and req.pages is not None:
-                req.leased = True
+                req.allocated = True
                 req.t["t_prealloc"] = time.time()
-                n_pages = -(-req.prompt_len // vpage)
-                self.receiver.expect(rid, req.pages[:n_pages].numpy(), num_tokens=req.prompt_len)
+                if self.rank == 0:
+                    self.link.send(Leased(rid=rid))
+                self._expect(req)
         for rid in bad:
             req = self.reqs.pop(rid, None)
             if req is None:
                 continue
             if req.pages is not None:
                 self.cache.free(req.pages)
-            self.link.send(
-                RequestFailed(role="decode", rank=self.rank, rid=rid, reason="decode out of pages")
-            )
+                self.last_free = time.monotonic()
+            reason = req.reason or "another decode rank ran out of pages"
+            self.link.send(RequestFailed(role="decode", rank=self.rank, rid=rid, reason=reason))
+
+    def _expect(self, req: _Req) -> None:
+        """Lease the room with the KV receiver once allocated here and routed to prefill."""
+        if req.leased or not (req.allocated and req.routed):
+            return
+        assert req.pages is not None
+        req.leased = True
+        n_pages = pages_needed(req.prompt_len, self.spec.page_size * self.size)
+        self.receiver.expect(req.rid, req.pages[:n_pages].numpy(), num_tokens=req.prompt_len)
 
     def _release(self, req: _Req) -> None:
         # A failed room's pages may still be written by a late post: free them once drained.
@@ -215,6 +262,7 @@ class DecodeRank:
             if self.receiver.drained(req.rid) or time.monotonic() > deadline:
                 assert req.pages is not None
                 self.cache.free(req.pages)
+                self.last_free = time.monotonic()
                 self.receiver.clear(req.rid)
             else:
                 keep.append((req, deadline))
@@ -229,7 +277,7 @@ class DecodeRank:
         collective (a relayed decision, e.g. ``ring``, may reach ranks at different times).
         """
         n = len(self.admitted)
-        stop = self.stopping and not self.reqs
+        stop = self.stopping and not self.reqs and not self.page_wait
         if self.size == 1:
             return n, stop
         import torch.distributed as dist
@@ -293,7 +341,10 @@ class DecodeRank:
         self.link.send(Ready(role="decode", rank=self.rank, served_by=self.served_by))
         while self.step():
             pass
-        stats: dict[str, Any] = {"decode_steps": self.steps}
+        stats: dict[str, Any] = {
+            "decode_steps": self.steps,
+            "page_waits": len(self.waited_for_pages),
+        }
         stats.update({f"receiver_{k}": v for k, v in self.receiver.stats().items()})
         stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})
         self.link.send(WorkerStats(role="decode", rank=self.rank, stats=stats))

@@ -1,19 +1,7 @@
-"""The reference host's driver: spawns PP prefill and DCP decode workers, replays a trace,
-checks every request's tokens against a single-process reference run, and reports TTFT.
-
-TTFT of a request = arrival at the driver → its transfer decision applied on decode DCP rank 0
-(the first token is then ready to stream). The breakdown (milliseconds):
-
-* ``queue``: arrival → every prefill rank locally ready (decode ranks agreed on preallocation
-  and sent their destinations), plus bootstrap decision → first chunk scheduled on PP0;
-* ``consensus``: last prefill rank ready → bootstrap decision applied on PP0, plus last decode
-  rank's KV complete → transfer decision applied on decode rank 0;
-* ``prefill``: forward compute of the request's chunks, summed over PP ranks;
-* ``send``: the host's time inside the KV sender's ``send`` calls (the hand-off to the sender's
-  engine thread), max over PP ranks. Planning, packing and posting run on the sender's threads:
-  for segments sent while prefill goes on they overlap it and appear in no part; for the final
-  segment they are inside ``transfer``;
-* ``transfer``: last prefill rank's final ``send`` → KV complete on the last decode rank.
+"""The reference host's driver: spawns PP prefill and DCP decode workers, replays a trace
+(routing each request to decode, then to prefill once its pages and a prefill slot are there),
+checks every request's tokens against a single-process reference run, and reports TTFT (see
+:mod:`pdplug_host.report`).
 """
 
 from __future__ import annotations
@@ -22,144 +10,60 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
+import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from pdplug.bootstrap import RendezvousServer
 from pdplug.config import WireConfig
-from pdplug.manager import EXTENSION_POINTS
 from pdplug.ports import free_ports
 from pdplug.types import pages_to_bytes
+from pdplug_host.config import ModelConfig
 from pdplug_host.messages import (
     Fatal,
     Finished,
     FirstToken,
+    Leased,
     NewRequest,
     Ready,
     RequestFailed,
+    Route,
     Shutdown,
     Timing,
     WorkerStats,
     to_driver_codec,
     to_worker_codec,
 )
-from pdplug_host.model import ModelConfig
-from pdplug_host.trace import TraceRequest, block_hash_chain, load_trace, prompt_tokens
+from pdplug_host.options import (
+    DemoError,
+    DemoOptions,
+    check_options,
+    check_schedule,
+    load_requests,
+    need_torch,
+    refuse,
+    selected_names,
+)
+from pdplug_host.report import RunRecord, build_report
+from pdplug_host.trace import TraceRequest, block_hash_chain, prompt_tokens
 from pdplug_host.worker import WorkerSpec
 
-__all__ = ["DemoOptions", "DemoError", "run_demo", "check_options"]
+__all__ = ["DemoOptions", "DemoError", "Progress", "run_demo", "check_options"]
 
 log = logging.getLogger(__name__)
 
-
-class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Options of ``pdplug demo`` / ``pdplug bench e2e`` (see ``pdplug demo --help``)."""
-
-    prefill_pp: int = 2
-    decode_dcp: int = 2
-    requests: int = 32
-    trace: str | None = None
-    scale: int = 32
-    max_output: int = 16
-    time_scale: float = 1.0  # arrival times x this; 0 = as fast as admitted (--no-arrivals)
-    consensus: str | None = None
-    kv_sender: str | None = None
-    pack_planner: str | None = None
-    scheduler: str | None = None
-    page_size: int = 16
-    chunk_size: int = 128
-    pack_region_tokens: int = 64
-    num_pages: int = 4096
-    timeout_s: float = 30.0
-    run_timeout_s: float = 600.0
-    reference: bool = True
-    profile: bool = True
-    log_dir: str | None = None  # worker logs; None: a fresh temp dir; "": inherit the terminal
-
-
-class DemoError(RuntimeError):
-    """The run could not complete (a worker died or reported a fatal error, or a timeout)."""
-
-
-def _names(opts: DemoOptions) -> dict[str, str]:
-    """Explicit selections only (``None`` options fall back to ``PDPLUG_*`` / the defaults in
-    every worker, exactly as in this process)."""
-    chosen = {point: getattr(opts, point) for point in EXTENSION_POINTS}
-    return {k: v for k, v in chosen.items() if v}
-
-
-def check_options(opts: DemoOptions) -> None:
-    """Refuse a configuration before any worker starts (seconds, not a timeout later).
-
-    Resolves every selected name through the plugin manager and dry-runs the pack planner on
-    the demo's prefill and decode layouts, so e.g. the identity ``tp`` planner with a DCP
-    decode is refused with the planner's own message.
-
-    :raises DemoError: an invalid size, an unknown/blocked/failed component, or a planner that
-        cannot plan for this prefill PP / decode DCP geometry.
-    """
-    from pdplug import KVLayout, PdplugError, PlannerConfig
-    from pdplug.manager import PluginManager
-    from pdplug.types import SendChunk
-    from pdplug_host.model import layer_split
-
-    for field in ("prefill_pp", "decode_dcp", "page_size", "chunk_size", "pack_region_tokens"):
-        if getattr(opts, field) < 1:
-            raise DemoError(f"{field} must be >= 1, got {getattr(opts, field)}")
-    if opts.timeout_s <= 0:
-        raise DemoError(f"timeout must be > 0 seconds, got {opts.timeout_s}")
-    block = 512 // max(1, opts.scale)  # trace hash blocks are 512 tokens before scaling
-    if block < opts.page_size or block % opts.page_size:
-        raise DemoError(
-            f"--scale {opts.scale} makes a trace block {block} tokens, not a multiple of the "
-            f"{opts.page_size}-token page (prefix-cache blocks are whole pages); use a scale "
-            f"with 512 / scale a multiple of {opts.page_size}, e.g. 32 or 16"
-        )
-    pm = PluginManager()  # this process's environment now, as every worker will see it
-    names = _names(opts)
-    try:
-        for point in EXTENSION_POINTS:
-            pm.resolve(point, names.get(point))
-        planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
-        cfg = ModelConfig()
-        lo, hi = layer_split(cfg.num_layers, opts.prefill_pp)[0]
-        bpt = (cfg.kv_bytes_per_token,)
-        src = KVLayout(
-            page_size=opts.page_size,
-            entry_bytes_per_token=bpt * 2 * (hi - lo),
-            dtype=cfg.dtype,
-            pp_size=opts.prefill_pp,
-            first_layer=lo,
-            num_layers=hi - lo,
-        )
-        n = opts.page_size * opts.decode_dcp
-        pages = np.arange(1, dtype=np.int64)
-        for r in range(opts.decode_dcp):
-            dst = KVLayout(
-                page_size=opts.page_size,
-                entry_bytes_per_token=bpt * 2 * cfg.num_layers,
-                dtype=cfg.dtype,
-                dcp_size=opts.decode_dcp,
-                dcp_rank=r,
-                num_layers=cfg.num_layers,
-            )
-            chunk = SendChunk(
-                room=0, src_pages=np.arange(opts.decode_dcp), dst_pages=pages, num_tokens=n
-            )
-            planner.plan(chunk, src, dst, r, None)
-    except PdplugError as e:
-        raise DemoError(str(e)) from e
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+#: ``progress(phase, done, total, note)``: phases ``"load"`` (once; ``note`` names the trace),
+#: ``"reference"`` (requests computed by the single-process reference), ``"start"`` (workers
+#: ready), ``"replay"`` (requests finished or failed); ``note`` says what the phase waits for
+#: (e.g. the next arrival)
+Progress = Callable[[str, int, int, str], None]
 
 
 class _Run:
@@ -178,6 +82,7 @@ class _Run:
         self.tx = to_worker_codec(self.wire)
         self.server = RendezvousServer(wire=self.wire).start()
         self.log_dir = opts.log_dir
+        self.temp_logs = self.log_dir is None  # ours to remove after a clean run
         if self.log_dir is None:
             self.log_dir = tempfile.mkdtemp(prefix="pdplug-demo-")
         self.procs: dict[tuple[str, int], mp.process.BaseProcess] = {}
@@ -188,10 +93,18 @@ class _Run:
         self.timings: dict[int, list[Timing]] = {}
         self.stats: dict[tuple[str, int], dict[str, Any]] = {}
         self.sent_at: dict[int, float] = {}
+        # A request goes to the decode ranks at arrival and waits there for pages (Leased);
+        # then here for a prefill slot (at most prefill_pp + 1 at the prefill, a router's
+        # admission control); then to the prefill ranks (and Route to decode).
+        self.waiting_pages: dict[int, NewRequest] = {}
+        self.waiting_slot: dict[int, NewRequest] = {}  # insertion order = arrival order
+        self.routed: set[int] = set()
+        self.prefilled: set[int] = set()  # first token seen: the prefill is done with it
+        self.prefill_slots = opts.prefill_pp + 1
 
     def spawn(self) -> None:
         o = self.opts
-        names = _names(o)
+        names = selected_names(o)
         model = ModelConfig()
         block_tokens = self.requests[0].block_tokens if self.requests else 16
         ports = free_ports(o.prefill_pp + o.decode_dcp + 2)
@@ -255,6 +168,19 @@ class _Run:
             if role is None or key[0] == role:
                 self.send(key, msg)
 
+    def at_prefill(self) -> set[int]:
+        """Requests routed to the prefill whose prompt is not computed yet."""
+        return self.routed - self.prefilled - set(self.failed) - set(self.finished)
+
+    def route(self) -> None:
+        """Send waiting requests (arrival order) to the prefill while it has a free slot."""
+        while self.waiting_slot and len(self.at_prefill()) < self.prefill_slots:
+            rid = next(iter(self.waiting_slot))
+            req = self.waiting_slot.pop(rid)
+            self.routed.add(rid)
+            self.broadcast(Route(rid=rid), role="decode")
+            self.broadcast(req, role="prefill")
+
     def logs_hint(self) -> str:
         return f" (worker logs: {self.log_dir})" if self.log_dir else ""
 
@@ -283,7 +209,12 @@ class _Run:
             msg = self.rx.decode(frame)
             if isinstance(msg, Ready):
                 self.ready[(msg.role, msg.rank)] = msg
+            elif isinstance(msg, Leased):
+                req = self.waiting_pages.pop(msg.rid, None)
+                if req is not None:
+                    self.waiting_slot[msg.rid] = req
             elif isinstance(msg, FirstToken):
+                self.prefilled.add(msg.rid)
                 self.broadcast(msg, role="decode")
             elif isinstance(msg, Finished):
                 self.finished[msg.rid] = list(msg.tokens)
@@ -291,6 +222,8 @@ class _Run:
                 self.timings.setdefault(msg.rid, []).append(msg)
             elif isinstance(msg, RequestFailed):
                 self.failed.setdefault(msg.rid, f"{msg.role} rank {msg.rank}: {msg.reason}")
+                self.waiting_pages.pop(msg.rid, None)
+                self.waiting_slot.pop(msg.rid, None)
             elif isinstance(msg, WorkerStats):
                 self.stats[(msg.role, msg.rank)] = msg.stats
             elif isinstance(msg, Fatal):
@@ -331,63 +264,130 @@ class _Run:
         self.server.stop()
 
 
+def _start_reference(
+    opts: DemoOptions, requests: list[TraceRequest], progress: Progress | None
+) -> Future[dict[int, list[int]]] | None:
+    """The single-process reference run, on a thread while the workers start up."""
+    if not opts.reference:
+        return None
+    from pdplug_host.reference import reference_run
+
+    fut: Future[dict[int, list[int]]] = Future()
+    total = len(requests)
+    done = [0]
+
+    def tick(_rid: int) -> None:
+        done[0] += 1
+        if progress:
+            progress("reference", done[0], total, "")
+
+    def body() -> None:
+        try:
+            fut.set_result(reference_run(requests, page_size=opts.page_size, progress=tick))
+        except BaseException as e:  # surfaced by fut.result() in run_demo
+            fut.set_exception(e)
+
+    if progress:
+        progress("reference", 0, total, "")
+    threading.Thread(target=body, name="pdplug-reference", daemon=True).start()
+    return fut
+
+
+def _open_requests(
+    run: _Run, order: list[TraceRequest], i: int, t0: float, opts: DemoOptions
+) -> str:
+    """Where the unfinished requests are, for the run-timeout message."""
+    done = set(run.finished) | set(run.failed)
+    parts = []
+    for what, rids in (
+        ("waiting for decode pages", run.waiting_pages),
+        ("waiting for a prefill slot", run.waiting_slot),
+        ("in prefill", run.at_prefill()),
+        ("in transfer or decode", run.prefilled - done),
+    ):
+        if rids:
+            parts.append(f"{what}: {sorted(rids)}")
+    if i < len(order):
+        due = (order[i].arrival_ms - order[0].arrival_ms) * opts.time_scale / 1000.0
+        parts.append(
+            f"{len(order) - i} not yet arrived (next due at {due:.0f} s, {time.time() - t0:.0f} s "
+            f"into the replay; --time-scale {opts.time_scale:g})"
+        )
+    return "; ".join(parts) or "none open"
+
+
 def run_demo(
     opts: DemoOptions,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
     on_ready: Callable[[dict[tuple[str, int], int]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the reference host once; returns the report (see ``pdplug demo --json``).
 
-    :param progress: called as ``progress(phase, done, total)``.
+    Every option is checked first (:func:`check_options`, :func:`pdplug_host.options.
+    check_schedule`); requests that can never fit the KV cache are refused alone (reported as
+    failed, never sent) with a ``warning`` log line. The reference run computes on a thread
+    while the workers start. A request goes to the decode ranks at its arrival and to the
+    prefill ranks once every decode rank holds pages for it and the prefill has a free slot (at
+    most ``prefill_pp + 1`` requests not yet prefilled there): requests queue before their KV
+    sessions start, so transfer timeouts bound silence, not queueing.
+
+    :param progress: called as ``progress(phase, done, total, note)`` (see :data:`Progress`).
     :param on_ready: called once every worker is up, with ``{(role, rank): pid}`` (fault
         injection in tests, external monitoring).
-    :raises DemoError: a worker died, reported a fatal error, or the run timed out; the message
-        names the role, rank and the rooms that were in flight.
+    :raises DemoError: a refused option or trace, a worker that died or reported a fatal
+        error, or a run past ``run_timeout_s``; the message names the role, rank and the rooms
+        in flight, or where each open request waits.
     """
     check_options(opts)
-    path = Path(opts.trace) if opts.trace else None
-    try:
-        requests = load_trace(
-            path, limit=opts.requests, scale=opts.scale, max_output=opts.max_output
-        )
-    except (OSError, ValueError) as e:  # TraceFormatError is a ValueError; so is bad UTF-8
-        raise DemoError(f"cannot load the trace: {e}") from e
-    if not requests:
-        raise DemoError(f"the trace {opts.trace or '(bundled sample)'} has no requests")
-    if opts.requests < 1:
-        raise DemoError(f"requests must be >= 1, got {opts.requests}")
-    if len(requests) < opts.requests:
-        log.warning("the trace has %d requests; replaying all of them", len(requests))
+    requests = load_requests(opts)
+    if progress:
+        name = os.path.basename(opts.trace) if opts.trace else "the bundled trace sample"
+        progress("load", len(requests), len(requests), name)
+    check_schedule(opts, requests)
+    refused = refuse(opts, requests)
+    need_torch()
     run = _Run(opts, requests)
     t_start = time.time()
     report: dict[str, Any] = {}
+    clean = False
     try:
         run.spawn()
-        reference: dict[int, list[int]] | None = None
-        if opts.reference:
-            from pdplug_host.reference import reference_run
-
-            reference = reference_run(requests, page_size=opts.page_size)
-        deadline = time.monotonic() + max(120.0, opts.timeout_s * 4)
-        while len(run.ready) < len(run.procs):
+        ref_future = _start_reference(opts, [r for r in requests if r.rid not in refused], progress)
+        startup_s = max(120.0, opts.timeout_s * 4)
+        deadline = time.monotonic() + startup_s
+        n_procs = len(run.procs)
+        if progress:
+            progress("start", 0, n_procs, "")
+        while len(run.ready) < n_procs:
             run.pump(20)
             run.check_alive()
             if progress:
-                progress("start", len(run.ready), len(run.procs))
+                progress("start", len(run.ready), n_procs, "")
             if time.monotonic() > deadline:
                 missing = sorted(set(run.procs) - set(run.ready))
-                raise DemoError(f"workers not ready after start-up timeout: {missing}")
+                raise DemoError(
+                    f"workers not ready {startup_s:.0f} s after start (4 x --timeout, at least "
+                    f"120 s): {missing}{run.logs_hint()}"
+                )
+        reference: dict[int, list[int]] | None = None
+        if ref_future is not None:
+            try:  # the thread reported every request to progress
+                reference = ref_future.result()
+            except Exception as e:
+                raise DemoError(f"the reference run failed: {type(e).__name__}: {e}") from e
         if on_ready:
             on_ready({k: p.pid for k, p in run.procs.items() if p.pid is not None})
+        for rid, why in refused.items():
+            run.failed[rid] = f"refused: {why}"
         t0 = time.time()
-        order = sorted(requests, key=lambda r: r.arrival_ms)
+        order = sorted((r for r in requests if r.rid not in refused), key=lambda r: r.arrival_ms)
         base_ms = order[0].arrival_ms if order else 0.0
         i = 0
         deadline = time.monotonic() + opts.run_timeout_s
         total = len(requests)
         while len(run.finished) + len(run.failed) < total:
             now = time.time()
-            while i < total and (
+            while i < len(order) and (
                 opts.time_scale <= 0
                 or (order[i].arrival_ms - base_ms) * opts.time_scale / 1000.0 <= now - t0
             ):
@@ -400,16 +400,28 @@ def run_demo(
                     arrival=time.time(),
                 )
                 run.sent_at[r.rid] = msg.arrival
-                run.broadcast(msg)
+                run.waiting_pages[r.rid] = msg
+                run.broadcast(msg, role="decode")
                 i += 1
             run.pump(5)
+            run.route()
             run.check_alive()
             if progress:
-                progress("run", len(run.finished) + len(run.failed), total)
+                ended = len(run.finished) + len(run.failed)
+                note = ""
+                if i < len(order) and len(run.sent_at) + len(refused) == ended:
+                    due = (order[i].arrival_ms - base_ms) * opts.time_scale / 1000.0
+                    note = f"next arrival in {max(0.0, due - (time.time() - t0)):.0f} s"
+                elif run.waiting_pages:
+                    note = f"{len(run.waiting_pages)} waiting for decode pages"
+                elif run.waiting_slot:
+                    note = f"{len(run.waiting_slot)} waiting for a prefill slot"
+                progress("replay", ended, total, note)
             if time.monotonic() > deadline:
                 raise DemoError(
-                    f"run timed out after {opts.run_timeout_s} s; rooms in flight: "
-                    f"{run.in_flight()}"
+                    f"the replay did not finish within --run-timeout {opts.run_timeout_s:g} s: "
+                    f"{len(run.finished)} of {total} requests finished, {len(run.failed)} failed; "
+                    f"{_open_requests(run, order, i, t0, opts)}{run.logs_hint()}"
                 )
         t_end = time.time()
         run.stopping = True
@@ -417,102 +429,27 @@ def run_demo(
         deadline = time.monotonic() + opts.timeout_s
         while len(run.stats) < len(run.procs) and time.monotonic() < deadline:
             run.pump(20)
-        report = _report(opts, requests, run, reference, t_end - t0, t_end - t_start)
+        report = build_report(
+            opts,
+            requests,
+            RunRecord(
+                finished=run.finished,
+                failed=run.failed,
+                timings=run.timings,
+                sent_at=run.sent_at,
+                stats=run.stats,
+                served_by=next(iter(run.ready.values())).served_by if run.ready else {},
+                log_dir=run.log_dir,
+            ),
+            reference,
+            t_end - t0,
+            t_end - t_start,
+        )
+        report["refused"] = sorted(refused)
+        clean = all(m["rid"] in refused for m in report["mismatches"])
     finally:
         run.close()
+        if run.temp_logs and clean and not opts.keep_logs and run.log_dir:
+            shutil.rmtree(run.log_dir, ignore_errors=True)
+            report["worker_logs"] = None
     return report
-
-
-def _report(
-    opts: DemoOptions,
-    requests: list[TraceRequest],
-    run: _Run,
-    reference: dict[int, list[int]] | None,
-    serve_s: float,
-    wall_s: float,
-) -> dict[str, Any]:
-    mismatches: list[dict[str, Any]] = []
-    ok = 0
-    for r in requests:
-        got = run.finished.get(r.rid)
-        if got is None:
-            mismatches.append({"rid": r.rid, "error": run.failed.get(r.rid, "not finished")})
-            continue
-        if reference is None:
-            continue
-        want = reference[r.rid]
-        if got == want:
-            ok += 1
-            continue
-        pos = next(
-            (i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want))
-        )
-        mismatches.append(
-            {
-                "rid": r.rid,
-                "position": pos,
-                "got": got[pos] if pos < len(got) else None,
-                "want": want[pos] if pos < len(want) else None,
-            }
-        )
-    ttft: list[float] = []
-    parts: dict[str, list[float]] = {
-        k: [] for k in ("queue", "consensus", "prefill", "send", "transfer")
-    }
-    for r in requests:
-        ts = run.timings.get(r.rid, [])
-        pre = [t.fields for t in ts if t.role == "prefill"]
-        dec = [t.fields for t in ts if t.role == "decode"]
-        arrival = run.sent_at.get(r.rid)
-        d0 = next((t.fields for t in ts if t.role == "decode" and t.rank == 0), None)
-        if not pre or not dec or arrival is None or d0 is None or "t_decided" not in d0:
-            continue
-        ttft.append((d0["t_decided"] - arrival) * 1e3)
-        ready = max(f.get("t_ready", arrival) for f in pre)
-        p0 = next(t.fields for t in ts if t.role == "prefill" and t.rank == 0)
-        admit = p0.get("t_admit", ready)
-        first_chunk = p0.get("t_first_chunk", admit)
-        success = max(f.get("t_success", d0["t_decided"]) for f in dec)
-        last_send = max(f.get("t_last_send", admit) for f in pre)
-        parts["queue"].append(((ready - arrival) + max(0.0, first_chunk - admit)) * 1e3)
-        parts["consensus"].append(
-            (max(0.0, admit - ready) + max(0.0, d0["t_decided"] - success)) * 1e3
-        )
-        parts["prefill"].append(sum(f.get("compute_s", 0.0) for f in pre) * 1e3)
-        parts["send"].append(max(f.get("send_s", 0.0) for f in pre) * 1e3)
-        parts["transfer"].append(max(0.0, success - last_send) * 1e3)
-    prefill_stats = [s for (role, _), s in run.stats.items() if role == "prefill"]
-    bytes_tx = sum(int(s.get("sender_bytes", 0)) for s in prefill_stats)
-    # every PP rank ships the same tokens (its own layers): count them once
-    tokens_tx = max((int(s.get("tokens_sent", 0)) for s in prefill_stats), default=0)
-    segments = max((int(s.get("segments", 0)) for s in prefill_stats), default=0)
-    split_sends = max((int(s.get("split_sends", 0)) for s in prefill_stats), default=0)
-    p0 = run.stats.get(("prefill", 0), {})
-    hit_tokens = max((int(s.get("hit_tokens", 0)) for s in prefill_stats), default=0)
-    served = next(iter(run.ready.values())).served_by if run.ready else {}
-    out_tokens = sum(len(v) for v in run.finished.values())
-    return {
-        "requests": len(requests),
-        "finished": len(run.finished),
-        "failed": len(run.failed),
-        "parity_ok": ok,
-        "mismatches": mismatches,
-        "plugins": served,
-        "ttft_ms": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
-        "breakdown_ms": {k: {"p50": _pct(v, 50), "p99": _pct(v, 99)} for k, v in parts.items()},
-        "prefix_hit_tokens": hit_tokens,
-        "tokens_transferred": tokens_tx,
-        "bytes_transferred": bytes_tx,
-        "segments": segments,
-        "split_sends": split_sends,
-        "chunks": {k: int(p0.get(f"chunk{k}", 0)) for k in ("s", "_min", "_max")},
-        "serve_s": serve_s,
-        "wall_s": wall_s,
-        "throughput": {
-            "requests_per_s": len(run.finished) / serve_s if serve_s > 0 else 0.0,
-            "output_tokens_per_s": out_tokens / serve_s if serve_s > 0 else 0.0,
-        },
-        "config": msgspec.to_builtins(opts),
-        "worker_logs": run.log_dir,
-        "worker_stats": {f"{k[0]}{k[1]}": v for k, v in run.stats.items()},
-    }

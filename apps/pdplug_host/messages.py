@@ -13,7 +13,9 @@ __all__ = [
     "NewRequest",
     "FirstToken",
     "Shutdown",
+    "Route",
     "Ready",
+    "Leased",
     "Timing",
     "Finished",
     "RequestFailed",
@@ -48,6 +50,13 @@ class FirstToken(msgspec.Struct, frozen=True, kw_only=True, tag="first"):
     token: int
 
 
+class Route(msgspec.Struct, frozen=True, kw_only=True, tag="route"):
+    """The request now goes to the prefill ranks (sent to every decode rank, which then leases
+    the room with its KV receiver: its transfer timeouts start only now)."""
+
+    rid: int
+
+
 class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag="shutdown"):
     """Stop after the current iteration."""
 
@@ -58,6 +67,14 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True, tag="ready"):
     role: str
     rank: int
     served_by: dict[str, dict[str, str]] = {}
+
+
+class Leased(msgspec.Struct, frozen=True, kw_only=True, tag="leased"):
+    """Every decode DCP rank holds pages for request ``rid`` (the prealloc decision was good):
+    the driver may route it to the prefill ranks (:class:`Route`), so a request waiting for
+    decode pages never starts a transfer timeout."""
+
+    rid: int
 
 
 class Timing(msgspec.Struct, frozen=True, kw_only=True, tag="timing"):
@@ -104,7 +121,12 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
 def to_worker_codec(wire: WireConfig) -> Codec:
     """Codec of driver -> worker frames."""
     return Codec(
-        NewRequest, FirstToken, Shutdown, max_bytes=wire.max_message_bytes, hmac_key=wire.hmac_key
+        NewRequest,
+        FirstToken,
+        Route,
+        Shutdown,
+        max_bytes=wire.max_message_bytes,
+        hmac_key=wire.hmac_key,
     )
 
 
@@ -112,6 +134,7 @@ def to_driver_codec(wire: WireConfig) -> Codec:
     """Codec of worker -> driver frames."""
     return Codec(
         Ready,
+        Leased,
         FirstToken,
         Timing,
         Finished,

@@ -24,8 +24,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
+
+from pdplug_host.config import ModelConfig, OutOfPagesError, layer_split, pages_needed
 
 __all__ = [
     "DTYPES",
@@ -64,66 +65,6 @@ DTYPES: dict[str, torch.dtype] = {
 # Query rows per attention block: bounds the score matrix to
 # num_heads * _Q_BLOCK * context * 8 bytes (8 MiB per 1,000 context tokens).
 _Q_BLOCK = 128
-
-
-class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Shape and numerics of the tiny model (msgspec Struct, so it can cross the wire).
-
-    ``dtype`` is the storage dtype: weights are drawn in it and the KV cache holds it.
-    ``compute_dtype`` is the activation dtype (see the module docstring for why float64).
-
-    Raises:
-        ValueError: a non-positive size, heads not divisible by KV heads, odd ``head_dim``,
-            or an unknown dtype name.
-    """
-
-    num_layers: int = 4
-    hidden: int = 256
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    intermediate: int = 512
-    vocab: int = 4096
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    dtype: str = "float32"
-    compute_dtype: str = "float64"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("intermediate", "vocab"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        for name in ("dtype", "compute_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(
-                    f"ModelConfig.{name} {getattr(self, name)!r} is not one of {sorted(DTYPES)}"
-                )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """Storage dtype of weights as drawn and of the KV cache."""
-        return DTYPES[self.dtype]
-
-    @property
-    def torch_compute_dtype(self) -> torch.dtype:
-        """Activation dtype."""
-        return DTYPES[self.compute_dtype]
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of one token row of one KV entry (one layer's K or V)."""
-        return self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -204,34 +145,11 @@ def build_model(config: ModelConfig | None = None) -> TinyLlama:
     )
 
 
-def layer_split(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer ranges for ``pp_size`` PP ranks; earlier ranks take the
-    remainder. Raises ValueError unless ``1 <= pp_size <= num_layers``."""
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"pp_size must be in [1, num_layers={num_layers}], got {pp_size}")
-    base, extra = divmod(num_layers, pp_size)
-    ranges, start = [], 0
-    for rank in range(pp_size):
-        end = start + base + (1 if rank < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold ``num_tokens`` tokens (ceil division)."""
-    return -(-num_tokens // page_size)
-
-
 def dcp_local_len(num_tokens: int, dcp_rank: int, dcp_size: int) -> int:
     """How many of tokens ``[0, num_tokens)`` live on ``dcp_rank`` (token i on rank i % size)."""
     if not 0 <= dcp_rank < dcp_size:
         raise ValueError(f"dcp_rank {dcp_rank} out of range for dcp_size {dcp_size}")
     return max(0, (num_tokens - dcp_rank + dcp_size - 1) // dcp_size)
-
-
-class OutOfPagesError(RuntimeError):
-    """The page allocator cannot satisfy a request (nothing was allocated)."""
 
 
 class PagedKVCache:

@@ -9,7 +9,9 @@ Loop (one iteration = one forward chunk at most):
    ``release`` → free the request's pages (prefix-cache references dropped);
 3. PP0 picks the next chunk (dynamic chunk size from the scheduler) and hands
    ``(rid, start, end, hit)`` plus hidden states to PP1 over gloo; rank k>0 waits for that
-   hand-off while still polling consensus and transfers;
+   hand-off while still polling consensus and transfers. A request's pages are taken at its
+   first chunk; when they cannot all be had, PP0 waits (head of line) until finished requests
+   give pages back;
 4. after computing its layers for a chunk, every rank sends the chunk's KV of *its* layers:
    the send ``[sent, end)`` (end floored to a page unless it is the last chunk) is split by the
    scheduler at ``min(grid, pack capacity)`` and each segment goes to the KV sender, which plans,
@@ -17,7 +19,9 @@ Loop (one iteration = one forward chunk at most):
 5. once its sender reports ``Success`` (or ``Failed``) a rank votes on the ``release`` stream.
 
 The prefix cache is matched when PP0 schedules a request's first chunk, and every other rank
-matches when it processes that same chunk, so all ranks see the same cache contents.
+matches when it processes that same chunk. Only PP0 chooses blocks to evict; the hand-off names
+them and the other ranks evict the same ones (waiting, if needed, until their own sends of those
+blocks drained), so all ranks see the same cache contents and agree on every hit.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ __all__ = ["prefill_main"]
 
 log = logging.getLogger("pdplug_host.prefill")
 
-SCHED_LEN = 5  # (rid, start, end, hit_tokens, flags)
+SCHED_LEN = 6  # (rid, start, end, hit_tokens, flags, evicted blocks that follow)
 STOP = 1
 
 
@@ -187,10 +191,11 @@ class PrefillRank:
         self.split_sends = 0  # sends the scheduler cut into more than one segment
         self.tokens_sent = 0
         self.chunk_sizes: list[int] = []
+        self.waited_for_pages: set[int] = set()  # PP0: requests that found no pages at first
         self.pending_work: list[Any] = []
         self.draining: list[tuple[_Req, float]] = []
         self._next_dump = 0.0
-        self.handoff: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.handoff: queue.Queue[tuple[Any, Any, Any]] = queue.Queue()
         if spec.rank > 0:
             threading.Thread(target=self._handoff_rx, name="pp-handoff", daemon=True).start()
         if spec.rank == 0 and spec.profile:
@@ -310,19 +315,59 @@ class PrefillRank:
         self.draining = keep
 
     # ------------------------------------------------------------------ data plane
-    def _admit_pages(self, req: _Req, hit_expected: int | None) -> None:
-        """Match the prefix cache and allocate the rest of the prompt's pages."""
+    def _admit_pages(self, req: _Req) -> list[int] | None:
+        """PP0: match the prefix cache and allocate the rest of the prompt's pages.
+
+        :returns: chain hashes of the blocks evicted for it (the other ranks evict the same),
+            or None when its pages cannot all be had yet (nothing taken; try again later).
+        """
         n = int(req.tokens.numel())
+        got = self.pcache.admit(req.chain, pages_needed(n, self.spec.page_size), max_tokens=n - 1)
+        if got is None:
+            return None
+        req.hit, req.pages, evicted = got
+        req.computed = req.hit
+        return evicted
+
+    def _follow_pages(self, req: _Req, hit_expected: int, evicted: list[int]) -> None:
+        """Rank k>0: take the same prefix hit and evict the same blocks as PP0, then allocate.
+
+        Pages come back here once this rank's own sends drained, possibly later than on PP0:
+        wait for them (bounded) while the control plane keeps moving.
+
+        :raises RuntimeError: the hit differs from PP0's (caches diverged), or the pages did
+            not come back within twice the timeout.
+        """
+        n = int(req.tokens.numel())
+        deadline = time.monotonic() + self._page_wait_s
+        while not self.pcache.evict_blocks(evicted):
+            self._wait_pages(deadline, req)
         hit, hit_pages = self.pcache.match(req.chain, max_tokens=n - 1)
-        if hit_expected is not None and hit != hit_expected:
+        if hit != hit_expected:
             raise RuntimeError(
                 f"prefill rank {self.rank}: prefix-cache hit for request {req.rid} is {hit} "
                 f"tokens, PP0 found {hit_expected}; caches diverged"
             )
-        extra = self.pcache.alloc(pages_needed(n, self.spec.page_size) - hit_pages.numel())
-        req.pages = torch.cat([hit_pages, extra])
+        extra = pages_needed(n, self.spec.page_size) - hit_pages.numel()
+        while self.cache.num_free < extra:
+            self._wait_pages(deadline, req)
+        req.pages = torch.cat([hit_pages, self.cache.alloc(extra)])
         req.hit = hit
         req.computed = hit
+
+    @property
+    def _page_wait_s(self) -> float:
+        # a release decision plus the drain of its writes, each bounded by the timeout
+        return 2 * self.spec.timeout_s + 5.0
+
+    def _wait_pages(self, deadline: float, req: _Req) -> None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"prefill rank {self.rank}: pages for request {req.rid} did not come back "
+                f"within {self._page_wait_s:.0f} s although PP0 had them"
+            )
+        self.poll_control()
+        time.sleep(0.0005)
 
     def _compute(
         self, req: _Req, start: int, end: int, hidden: torch.Tensor | None
@@ -394,15 +439,21 @@ class PrefillRank:
         if self.stopping and not self.run_queue and not self.inflight and not self.waiting_boot:
             if self.size > 1:
                 self._drain_sends()
-                self._isend(torch.tensor([0, 0, 0, 0, STOP], dtype=torch.int64), 1)
+                self._isend(torch.tensor([0, 0, 0, 0, STOP, 0], dtype=torch.int64), 1)
                 self._drain_sends()
             return False
         if not self.run_queue:
             time.sleep(0.001)
             return True
         req = self.reqs[self.run_queue[0]]
+        evicted: list[int] = []
         if req.pages is None:
-            self._admit_pages(req, None)
+            got = self._admit_pages(req)
+            if got is None:  # waits for pages that finished requests give back
+                self.waited_for_pages.add(req.rid)
+                time.sleep(0.001)
+                return True
+            evicted = got
             req.t["t_first_chunk"] = time.time()
         n = int(req.tokens.numel())
         start = req.computed
@@ -414,11 +465,19 @@ class PrefillRank:
         hidden = self._compute(req, start, end, None)
         if self.size > 1:
             self._drain_sends()
-            sched = torch.tensor([req.rid, start, end, req.hit, 0], dtype=torch.int64)
-            self._isend(sched, 1)
-            self._isend(hidden.contiguous(), 1)
+            sched = torch.tensor([req.rid, start, end, req.hit, 0, len(evicted)])
+            self._pass_on(sched, torch.tensor(evicted, dtype=torch.int64), hidden, 1)
         self._after_chunk(req, end, hidden)
         return True
+
+    def _pass_on(
+        self, sched: torch.Tensor, evicted: torch.Tensor, hidden: torch.Tensor, dst: int
+    ) -> None:
+        """Hand a chunk to PP rank ``dst``: schedule, evicted block hashes (when any), hidden."""
+        self._isend(sched, dst)
+        if evicted.numel():
+            self._isend(evicted, dst)
+        self._isend(hidden.contiguous(), dst)
 
     def _handoff_rx(self) -> None:
         """Receiver thread (rank k>0): blocking gloo receives from rank k-1 into a queue.
@@ -433,20 +492,23 @@ class PrefillRank:
                 sched = torch.empty(SCHED_LEN, dtype=torch.int64)
                 dist.recv(sched, self.rank - 1)
                 start, end, flags = int(sched[1]), int(sched[2]), int(sched[4])
+                evicted = torch.empty(int(sched[5]), dtype=torch.int64)
                 if flags & STOP:
-                    self.handoff.put((sched, None))
+                    self.handoff.put((sched, evicted, None))
                     return
+                if evicted.numel():
+                    dist.recv(evicted, self.rank - 1)
                 hidden = torch.empty(end - start, self.spec.model.hidden, dtype=self.model_dtype)
                 dist.recv(hidden, self.rank - 1)
-                self.handoff.put((sched, hidden))
+                self.handoff.put((sched, evicted, hidden))
         except Exception as e:  # surfaced by step_follower
-            self.handoff.put((None, e))
+            self.handoff.put((None, None, e))
 
     def step_follower(self) -> bool:
         """PP rank k>0: receive one chunk from rank k-1, run it, pass it on."""
         while True:
             try:
-                sched, hidden = self.handoff.get_nowait()
+                sched, evicted, hidden = self.handoff.get_nowait()
                 break
             except queue.Empty:
                 # Idle is legitimate: a dead PP0 surfaces through consensus (peer timeout) and
@@ -456,7 +518,7 @@ class PrefillRank:
         if sched is None:
             raise RuntimeError(f"prefill rank {self.rank}: hand-off from PP rank "
                                f"{self.rank - 1} failed: {hidden}")  # fmt: skip
-        rid, start, end, hit, flags = (int(x) for x in sched.tolist())
+        rid, start, end, hit, flags, _ = (int(x) for x in sched.tolist())
         if flags & STOP:
             while self.inflight or self.waiting_boot:  # let in-flight transfers conclude
                 self.poll_control()
@@ -476,12 +538,11 @@ class PrefillRank:
             time.sleep(0.0005)
         req = self.reqs[rid]
         if req.pages is None:
-            self._admit_pages(req, hit)
+            self._follow_pages(req, hit, evicted.tolist())
         out = self._compute(req, start, end, hidden)
         if self.rank < self.size - 1:
             self._drain_sends()
-            self._isend(sched, self.rank + 1)
-            self._isend(out.contiguous(), self.rank + 1)
+            self._pass_on(sched, evicted, out, self.rank + 1)
         self._after_chunk(req, end, out)
         return True
 
@@ -503,6 +564,8 @@ class PrefillRank:
             "chunk_max": max(self.chunk_sizes, default=0),
             "tokens_sent": self.tokens_sent,
             "hit_tokens": self.pcache.hit_tokens,
+            "page_waits": len(self.waited_for_pages),
+            "evicted_blocks": self.pcache.evicted_blocks,
         }
         stats.update({f"sender_{k}": v for k, v in self.sender.stats().items()})
         stats.update({f"consensus_{k}": v for k, v in self.consensus.stats().items()})

@@ -15,7 +15,10 @@ Lifecycle of a request with chain ``c`` (``trace.block_hash_chain``) and prompt 
    drops its refs and frees its private pages.
 
 PP ranks stay in agreement on hits as long as each applies the same calls in the same order to
-equally sized caches (everything here is deterministic).
+equally sized caches (everything here is deterministic). Pages come back at different times on
+different ranks (each frees once its own sends drained), so only PP0 chooses what to evict
+(:meth:`PrefixCache.admit` reports the evicted blocks) and the other ranks evict exactly those
+(:meth:`PrefixCache.evict_blocks`), never on their own.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class PrefixCache:
         self._lru: OrderedDict[int, None] = OrderedDict()  # refs == 0, oldest first
         self.hit_tokens = 0  # tokens served from cache by match()
         self.evicted_blocks = 0
+        self._evicted_log: list[int] | None = None  # chain hashes evicted inside admit()
 
     # -- queries -----------------------------------------------------------------------------------
     @property
@@ -192,6 +196,64 @@ class PrefixCache:
         if to_free:
             self.allocator.free(to_free)
 
+    def admit(
+        self, chain: Sequence[int], num_pages: int, max_tokens: int | None = None
+    ) -> tuple[int, torch.Tensor, list[int]] | None:
+        """Match ``chain`` and allocate the rest of a request's ``num_pages`` pages, or do
+        nothing when they cannot all be had now (the caller waits for pages to come back).
+
+        :param num_pages: pages of the whole request (matched ones included).
+        :returns: ``(hit_tokens, page_ids, evicted)``: ``page_ids`` int64 [num_pages] in token
+            order (matched blocks first); ``evicted`` the chain hashes of the blocks evicted to
+            make room (oldest first); ``None`` when free plus evictable pages (blocks this
+            request matches excluded) are fewer than it needs, leaving the cache unchanged.
+        """
+        limit = (
+            len(chain) if max_tokens is None else min(len(chain), max_tokens // self.block_tokens)
+        )
+        hit_blocks, matched_lru = 0, 0
+        while hit_blocks < limit and (blk := self._blocks.get(chain[hit_blocks])) is not None:
+            matched_lru += blk.refs == 0
+            hit_blocks += 1
+        extra = num_pages - hit_blocks * self.pages_per_block
+        evictable = self.num_evictable_pages - matched_lru * self.pages_per_block
+        if extra > self.allocator.num_free + evictable:
+            return None
+        hit, pages = self.match(chain, max_tokens)
+        evicted: list[int] = []
+        self._evicted_log = evicted
+        try:
+            rest = self.alloc(max(0, extra))
+        finally:
+            self._evicted_log = None
+        return hit, torch.cat([pages, rest]), evicted
+
+    def evict_blocks(self, hashes: Sequence[int]) -> bool:
+        """Evict exactly the blocks ``hashes`` (another rank's :meth:`admit` choice), once none
+        of them is referenced here.
+
+        :returns: True when evicted; False (nothing evicted) while one is still referenced
+            (its request has not released it on this rank yet: call again later).
+        :raises ValueError: a block is not cached here (the caches diverged).
+        """
+        for h in hashes:
+            blk = self._blocks.get(h)
+            if blk is None:
+                raise ValueError(f"evict_blocks(): block {h} is not cached here")
+            if blk.refs:
+                return False
+        freed: list[int] = []
+        for h in hashes:
+            del self._lru[h]
+            blk = self._blocks.pop(h)
+            for p in blk.pages:
+                del self._page_owner[p]
+            freed.extend(blk.pages)
+            self.evicted_blocks += 1
+        if freed:
+            self.allocator.free(freed)
+        return True
+
     # -- allocation --------------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor:
         """Allocate ``n`` pages, evicting least-recently-released unreferenced blocks if needed.
@@ -214,6 +276,8 @@ class PrefixCache:
         freed: list[int] = []
         while len(freed) < num_pages and self._lru:
             h, _ = self._lru.popitem(last=False)
+            if self._evicted_log is not None:
+                self._evicted_log.append(h)
             blk = self._blocks.pop(h)
             for p in blk.pages:
                 del self._page_owner[p]

@@ -1,10 +1,12 @@
-"""Mooncake FAST'25 trace loader: JSONL records → scaled ``TraceRequest``s with seeded tokens.
+"""Trace loader: Mooncake FAST'25 records or ShareGPT conversations → scaled ``TraceRequest``s.
 
-Each line is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-"hash_ids": [...]}`` with one hash id per 512-token block. ``scale`` shrinks everything by the
-same factor (default 32: a 512-token block becomes 16 tokens, one default page). A block's token
-ids are drawn from a numpy Generator seeded with ``(seed, hash_id)``, so equal hash ids give equal
-tokens and the trace's prefix reuse becomes real prefix-cache hits.
+A Mooncake record is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
+"hash_ids": [...]}`` with one hash id per 512-token block, one per line or in a JSON array;
+ShareGPT conversations are converted to such records (see :func:`parse_trace_text`). ``scale``
+shrinks everything by the same factor (default 32: a 512-token block becomes 16 tokens, one
+default page). A block's token ids are drawn from a numpy Generator seeded with
+``(seed, hash_id)``, so equal hash ids give equal tokens and the trace's prefix reuse becomes
+real prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
@@ -21,16 +23,28 @@ import msgspec
 import numpy as np
 
 __all__ = [
+    "CHARS_PER_TOKEN",
+    "EXPECTED",
     "TRACE_BLOCK_TOKENS",
     "TraceFormatError",
     "TraceRequest",
     "block_hash_chain",
     "load_trace",
     "parse_trace_lines",
+    "parse_trace_text",
     "prompt_tokens",
 ]
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash block in the unscaled trace
+#: characters per token when a ShareGPT conversation's lengths are estimated (no tokenizer)
+CHARS_PER_TOKEN = 4
+#: the accepted formats, named in every format error
+EXPECTED = (
+    'expected Mooncake trace records {"timestamp": ms, "input_length": tokens, '
+    '"output_length": tokens, "hash_ids": [ids]} one per line or in a JSON array, or ShareGPT '
+    'conversations [{"conversations": [{"from": "human", "value": ...}, '
+    '{"from": "gpt", "value": ...}]}]'
+)
 
 _NonNeg = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Pos = Annotated[int, msgspec.Meta(ge=1)]
@@ -103,6 +117,93 @@ def _check_scale(scale: int, max_output: int) -> int:
     return TRACE_BLOCK_TOKENS // scale
 
 
+def _request(rec: _Record, rid: int, scale: int, max_output: int, block: int) -> TraceRequest:
+    return TraceRequest(
+        rid=rid,
+        arrival_ms=float(rec.timestamp),
+        input_len=max(1, -(-rec.input_length // scale)),
+        output_len=max(1, min(rec.output_length, max_output)),
+        hash_ids=tuple(rec.hash_ids),
+        block_tokens=block,
+        raw_input_length=rec.input_length,
+        raw_output_length=rec.output_length,
+    )
+
+
+def _text_hash_ids(text: str) -> list[int]:
+    # One id per 512-token block of the prompt (CHARS_PER_TOKEN chars per token), chained so
+    # equal ids at a position mean an equal prefix: shared system prompts become cache hits.
+    step = TRACE_BLOCK_TOKENS * CHARS_PER_TOKEN
+    ids, prev = [], b""
+    for start in range(0, len(text), step):
+        prev = hashlib.blake2b(prev + text[start : start + step].encode(), digest_size=8).digest()
+        ids.append(int.from_bytes(prev, "little") & ((1 << 63) - 1))
+    return ids
+
+
+def _sharegpt_record(obj: dict[str, object], where: str) -> _Record | None:
+    turns = obj.get("conversations")
+    if not isinstance(turns, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns
+    ):
+        raise TraceFormatError(
+            f'{where}: field \'conversations\' must be a list of {{"from": ..., "value": '
+            f"text}} turns; {EXPECTED}"
+        )
+    if len(turns) < 2 or not turns[0]["value"]:
+        return None  # no prompt/answer pair: skipped, as serving benchmarks do
+    prompt, answer = str(turns[0]["value"]), str(turns[1]["value"])
+    n_in = max(1, -(-len(prompt) // CHARS_PER_TOKEN))
+    n_out = max(1, -(-len(answer) // CHARS_PER_TOKEN))
+    return _Record(0.0, n_in, n_out, _text_hash_ids(prompt) or [0])
+
+
+def _record(obj: object, where: str) -> _Record | None:
+    if not isinstance(obj, dict):
+        raise TraceFormatError(
+            f"{where}: Expected `object` (one trace record), got {type(obj).__name__}; {EXPECTED}"
+        )
+    if "conversations" in obj:
+        return _sharegpt_record(obj, where)
+    try:
+        rec = msgspec.convert(obj, _Record)
+    except msgspec.ValidationError as e:
+        raise TraceFormatError(f"{where}: {_describe(obj, e)}") from None
+    want = -(-rec.input_length // TRACE_BLOCK_TOKENS)
+    if len(rec.hash_ids) != want:
+        raise TraceFormatError(
+            f"{where}: field 'hash_ids' has {len(rec.hash_ids)} ids, expected "
+            f"ceil(input_length={rec.input_length} / {TRACE_BLOCK_TOKENS}) = {want}"
+        )
+    return rec
+
+
+def _requests(
+    objs: Iterable[tuple[str, object]], scale: int, max_output: int, limit: int | None
+) -> list[TraceRequest]:
+    block = _check_scale(scale, max_output)
+    out: list[TraceRequest] = []
+    for where, obj in objs:
+        if limit is not None and len(out) >= limit:
+            break
+        rec = _record(obj, where)
+        if rec is not None:
+            out.append(_request(rec, len(out), scale, max_output, block))
+    return out
+
+
+def _jsonl(lines: Iterable[str | bytes], source: str) -> Iterator[tuple[str, object]]:
+    decoder = msgspec.json.Decoder()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = decoder.decode(line)
+        except msgspec.DecodeError as e:
+            raise TraceFormatError(f"{source}:{lineno}: invalid JSON: {e}; {EXPECTED}") from None
+        yield f"{source}:{lineno}", obj
+
+
 def parse_trace_lines(
     lines: Iterable[str | bytes],
     *,
@@ -111,49 +212,56 @@ def parse_trace_lines(
     max_output: int = 16,
     limit: int | None = None,
 ) -> list[TraceRequest]:
-    """Parse JSONL trace lines (blank lines skipped) into scaled requests.
+    """Parse JSON-lines trace records (blank lines skipped) into scaled requests.
 
-    Raises:
-        TraceFormatError: invalid JSON, a missing/mistyped/negative field, or ``hash_ids`` whose
-            length is not ``ceil(input_length / 512)``; the message is
-            ``"{source}:{line}: field '{name}' = {value!r}: …"``.
-        ValueError: ``scale`` not a positive divisor of 512, or ``max_output < 1``.
+    A line is a Mooncake record or a ShareGPT conversation (see :func:`parse_trace_text`).
+
+    :raises TraceFormatError: invalid JSON, a record that is not an object, a
+        missing/mistyped/negative field, or ``hash_ids`` whose length is not
+        ``ceil(input_length / 512)``; the message is ``"{source}:{line}: ..."`` and names the
+        field and its value.
+    :raises ValueError: ``scale`` not a positive divisor of 512, or ``max_output < 1``.
     """
-    block_tokens = _check_scale(scale, max_output)
-    decoder = msgspec.json.Decoder()
-    out: list[TraceRequest] = []
-    for lineno, line in enumerate(lines, start=1):
-        if limit is not None and len(out) >= limit:
-            break
-        if not line.strip():
-            continue
+    return _requests(_jsonl(lines, source), scale, max_output, limit)
+
+
+def parse_trace_text(
+    text: str,
+    *,
+    source: str = "<trace>",
+    scale: int = 32,
+    max_output: int = 16,
+    limit: int | None = None,
+) -> list[TraceRequest]:
+    """Parse a whole trace: JSON lines, or one JSON array, of records of either kind.
+
+    * Mooncake (FAST'25) records: ``{"timestamp": ms, "input_length": tokens,
+      "output_length": tokens, "hash_ids": [one id per 512-token block]}``.
+    * ShareGPT conversations: ``{"conversations": [{"from": "human", "value": prompt},
+      {"from": "gpt", "value": answer}, ...]}``; the first turn is the prompt and the second the
+      output. Without a tokenizer, tokens are ``ceil(characters / 4)``
+      (:data:`CHARS_PER_TOKEN`); every conversation arrives at time 0; hash ids chain the
+      prompt's 2,048-character blocks, so equal prompt prefixes share ids (prefix-cache hits).
+      Conversations with fewer than two turns or an empty prompt are skipped.
+
+    :raises TraceFormatError: as :func:`parse_trace_lines`, records named ``{source}:{line}``
+        (JSON lines) or ``{source}: record {n}`` (array); the message ends with the expected
+        format.
+    """
+    if text.lstrip().startswith("["):
         try:
-            obj = decoder.decode(line)
+            arr = msgspec.json.decode(text)
         except msgspec.DecodeError as e:
-            raise TraceFormatError(f"{source}:{lineno}: invalid JSON: {e}") from None
-        try:
-            rec = msgspec.convert(obj, _Record)
-        except msgspec.ValidationError as e:
-            raise TraceFormatError(f"{source}:{lineno}: {_describe(obj, e)}") from None
-        want = -(-rec.input_length // TRACE_BLOCK_TOKENS)
-        if len(rec.hash_ids) != want:
-            raise TraceFormatError(
-                f"{source}:{lineno}: field 'hash_ids' has {len(rec.hash_ids)} ids, expected "
-                f"ceil(input_length={rec.input_length} / {TRACE_BLOCK_TOKENS}) = {want}"
-            )
-        out.append(
-            TraceRequest(
-                rid=len(out),
-                arrival_ms=float(rec.timestamp),
-                input_len=max(1, -(-rec.input_length // scale)),
-                output_len=max(1, min(rec.output_length, max_output)),
-                hash_ids=tuple(rec.hash_ids),
-                block_tokens=block_tokens,
-                raw_input_length=rec.input_length,
-                raw_output_length=rec.output_length,
-            )
+            raise TraceFormatError(f"{source}: invalid JSON array: {e}; {EXPECTED}") from None
+        if not isinstance(arr, list):  # pragma: no cover - a "[" always decodes to a list
+            raise TraceFormatError(f"{source}: not a JSON array; {EXPECTED}")
+        objs: Iterable[tuple[str, object]] = (
+            (f"{source}: record {i}", o) for i, o in enumerate(arr, start=1)
         )
-    return out
+        return _requests(objs, scale, max_output, limit)
+    return parse_trace_lines(
+        text.splitlines(), source=source, scale=scale, max_output=max_output, limit=limit
+    )
 
 
 def load_trace(
@@ -164,16 +272,23 @@ def load_trace(
 ) -> list[TraceRequest]:
     """Load a trace file (``None``: the bundled 64-request sample) and scale it.
 
-    ``limit`` keeps the first N requests. Raises OSError if the file cannot be read, plus the
-    errors of ``parse_trace_lines``."""
+    :param limit: keep the first ``limit`` requests.
+    :raises OSError: the file cannot be read.
+    :raises TraceFormatError: the file is not UTF-8 text, or as :func:`parse_trace_text`; the
+        message names the file and the expected format.
+    """
     if path is None:
         res = importlib.resources.files("pdplug_host") / "data" / "conversation_sample.jsonl"
-        text, source = res.read_text(encoding="utf-8"), "conversation_sample.jsonl"
+        data, source = res.read_bytes(), "conversation_sample.jsonl"
     else:
-        text, source = Path(path).read_text(encoding="utf-8"), str(path)
-    return parse_trace_lines(
-        text.splitlines(), source=source, scale=scale, max_output=max_output, limit=limit
-    )
+        data, source = Path(path).read_bytes(), str(path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(
+            f"{source}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); {EXPECTED}"
+        ) from None
+    return parse_trace_text(text, source=source, scale=scale, max_output=max_output, limit=limit)
 
 
 @lru_cache(maxsize=1 << 16)

@@ -13,8 +13,8 @@ import zmq
 
 from pdplug.config import WireConfig
 from pdplug.manager import EXTENSION_POINTS
+from pdplug_host.config import ModelConfig
 from pdplug_host.messages import Fatal, to_driver_codec, to_worker_codec
-from pdplug_host.model import ModelConfig
 
 __all__ = [
     "POINTS",
@@ -34,25 +34,30 @@ def setup_logging(log_path: str = "") -> None:
     """Worker log level from ``PDPLUG_LOG_LEVEL`` (default WARNING).
 
     With ``log_path``, the process's stdout and stderr (file descriptors 1 and 2, so native
-    transfer-engine logs too) go to that file instead of the terminal.
+    transfer-engine logs too) go to that file; without, both go to the driver's stderr, so the
+    report on the driver's stdout stays clean. Mooncake's transfer engine logs at ``ERROR``
+    only (``MC_LOG_LEVEL``, read when its engine starts) unless ``PDPLUG_LOG_LEVEL=DEBUG`` or
+    ``MC_LOG_LEVEL`` is set.
     """
     import logging
     import os
     import sys
 
+    sys.stdout.flush()
+    sys.stderr.flush()
     if log_path:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        sys.stdout.flush()
-        sys.stderr.flush()
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    else:
+        os.dup2(2, 1)
 
     level = os.environ.get("PDPLUG_LOG_LEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     # Transfer engines are chatty at INFO; keep the demo's terminal readable unless asked.
     if level != "DEBUG":
-        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake (glog), read at load time
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake
         logging.getLogger("NIXL").setLevel(logging.WARNING)
 
 

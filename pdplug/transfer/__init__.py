@@ -20,8 +20,11 @@ Prefill rank (one :class:`~pdplug.config.KVConfig` with ``role="prefill"`` and
 ``bootstrap_endpoint=endpoint``)::
 
     sender = pm.make_kv_sender(cfg)            # planner: the selected pack planner
-    sender.register_kv(kv_entries)             # registers KV + pack buffer, publishes the rank
-    # per request (room):
+    sender.register_kv(kv_entries)             # views / raw regions, no copy (resolve_kv);
+                                               # registers KV + pack buffer, publishes the rank
+    # per request (room) for a decode instance of TP size dtp:
+    if not pdplug.heads.fed_ranks(cfg.layout, dtp, decode_layout):
+        ...                                    # this rank owes that instance nothing: done
     sender.start(room)                         # Bootstrapping until decode's DestInfos arrive
     ... sender.poll(room) == KVPoll.WaitingForInput     # (with PP: decided by consensus;
                                                #  or sender.wait(room, (WaitingForInput,)))
@@ -36,12 +39,13 @@ Prefill rank (one :class:`~pdplug.config.KVConfig` with ``role="prefill"`` and
     ... sender.drained(room)                   # no write still reads the pages
     sender.clear(room)
 
-Decode rank (``role="decode"``, one per DCP rank)::
+Decode rank (``role="decode"``, one per (TP rank, DCP rank))::
 
     recv = pm.make_kv_receiver(cfg)
     recv.register_kv(kv_entries)
     recv.connect(resolve(endpoint, "prefill-0", timeout_s=cfg.bootstrap_timeout_s))
-    # raises CompatError naming every mismatch (page size, bytes per token, dtype, …)
+    # every rank of the instance: keeps the (PP, TP) ranks holding this rank's KV heads;
+    # raises CompatError naming every mismatch (page size, heads, dtype, layers, …)
     # per request (room):
     recv.expect(room, dst_pages, decode_prefix_len=p, num_tokens=n)   # sends DestInfo
     ... recv.poll(room) in (Success, Failed)
@@ -50,7 +54,10 @@ Decode rank (``role="decode"``, one per DCP rank)::
     recv.abort(room, "reason")                 # any time: prefill ranks stop and report back
 
 Segments of a room go in order with ``chunk_id`` 0, 1, … (the scheduler numbers them); the
-decode side completes a room when every prefill rank delivered chunks ``0..last``. A prefill
+decode side completes a room when every prefill rank that feeds it delivered chunks ``0..last``.
+Prefill and decode TP sizes may differ: each decode rank receives exactly its KV heads, each
+once, from the prefill ranks :mod:`pdplug.heads` routes them from (``ChunkTag.src_rank`` is the
+source's flat ``pp_rank * tp_size + tp_rank``). A prefill
 rank with several PP ranks runs one sender per rank; each publishes itself and is a separate
 source for the decode ranks.
 

@@ -3,7 +3,7 @@
 A decode rank sends :class:`~pdplug.transfer.messages.Hello` (its
 :class:`~pdplug.types.PeerInfo`) to every prefill rank it connects to; each answers
 :class:`~pdplug.transfer.messages.HelloAck`, accepted or refused naming every mismatch. Both
-sides check: role, backend, TP pairing (:func:`tp_pairing`), the host's compat function
+sides check: role, backend, TP routing (:func:`tp_routing`), the host's compat function
 (:data:`Compat`; :func:`layout_compat` when the builder of the session gives none — a plugin
 manager passes its own ``check_compat``, layout checks plus every plugin's veto), and on the
 prefill side what its planner and pack buffer can serve (:func:`check_decode_peer`). The
@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pdplug.errors import PlanError
+from pdplug.heads import expected_sources, routed_heads
 from pdplug.layout import entry_map, layout_mismatches
 from pdplug.protocols import PackPlanner
 from pdplug.types import KVLayout, PdplugEvent, PeerInfo
@@ -26,7 +27,8 @@ __all__ = [
     "Compat",
     "Emit",
     "layout_compat",
-    "tp_pairing",
+    "tp_routing",
+    "feeding_peers",
     "check_decode_peer",
     "check_prefill_peer",
     "merge_refusals",
@@ -45,24 +47,75 @@ def layout_compat(local: PeerInfo, remote: PeerInfo) -> list[str]:
     return layout_mismatches(local.layout, remote.layout)
 
 
-def tp_pairing(prefill: KVLayout, decode: KVLayout) -> str | None:
-    """Why a prefill rank cannot feed a decode rank by TP position, or ``None``.
+def tp_routing(prefill: KVLayout, decode: KVLayout) -> str | None:
+    """Why a prefill rank must not feed a decode rank by TP position, or ``None``.
 
-    A decode TP rank is fed by the prefill ranks of the same TP rank (equal TP sizes; each
-    rank holds the same heads). Other TP ratios need a planner that maps heads between ranks
-    (vLLM #45330) and are refused here.
+    A decode TP rank is fed by exactly the prefill TP ranks that :func:`pdplug.heads.head_routes`
+    routes its heads from (each head once; a replicated head from one replica), whatever the
+    two TP sizes (vLLM #45330). A prefill rank that owes the decode rank no head is refused, so
+    it is never planned for or notified. Layouts whose heads cannot be routed at all (opaque
+    token rows at unequal TP, head counts that differ) are named by the layout check
+    (:func:`pdplug.layout.layout_mismatches`) and the planner, not here.
     """
-    if prefill.tp_size != decode.tp_size:
-        return (
-            f"tp_size: prefill {prefill.tp_size} vs decode {decode.tp_size} (a decode TP rank "
-            "is fed by the prefill TP rank of the same index; other ratios are not supported)"
+    try:
+        heads = routed_heads(prefill, decode)
+    except ValueError:
+        return None  # reported by layout_mismatches / the planner
+    if heads is not None:
+        return None
+    srcs = expected_sources(decode, prefill.tp_size, prefill)
+    return (
+        f"tp_rank: prefill tp_rank {prefill.tp_rank} of tp_size {prefill.tp_size} holds none of "
+        f"the KV heads decode tp_rank {decode.tp_rank} of tp_size {decode.tp_size} takes from "
+        f"it (it takes them from prefill tp_ranks {list(srcs)}: pdplug.heads.expected_sources)"
+    )
+
+
+def feeding_peers(
+    decode: KVLayout, prefill: Sequence[PeerInfo]
+) -> tuple[list[PeerInfo], list[str]]:
+    """The ranks of one prefill instance that feed decode rank ``decode``, and what is missing.
+
+    A rank feeds ``decode`` when its TP rank is in :func:`pdplug.heads.expected_sources` for its
+    PP rank. Every PP rank of the instance (``pp_size`` of the given layouts) must be given with
+    all of its feeding TP ranks, otherwise the room would complete without some layers or heads.
+    When the heads cannot be routed at all every rank is returned, for the compat check to name
+    why.
+
+    :param decode: this decode rank's layout.
+    :param prefill: the prefill instance's ranks (:func:`pdplug.bootstrap.resolve`).
+    :returns: ``(feeding ranks, problems)``; a problem names the missing (PP, TP) rank.
+    """
+    peers = list(prefill)
+    try:
+        want = {
+            (p.layout.pp_rank, p.layout.tp_rank)
+            for p in peers
+            if p.layout.tp_rank in expected_sources(decode, p.layout.tp_size, p.layout)
+        }
+    except ValueError:
+        return peers, []
+    keep = [p for p in peers if (p.layout.pp_rank, p.layout.tp_rank) in want]
+    problems: list[str] = []
+    sizes = {(p.layout.pp_size, p.layout.tp_size) for p in peers}
+    if len(sizes) > 1:
+        problems.append(
+            f"prefill ranks: (pp_size, tp_size) differ across the ranks given: {sorted(sizes)}"
         )
-    if prefill.tp_rank != decode.tp_rank:
-        return (
-            f"tp_rank: prefill {prefill.tp_rank} vs decode {decode.tp_rank} (connect a decode "
-            "TP rank to the prefill ranks of its own TP rank)"
+        return keep, problems
+    if not peers:
+        return keep, problems
+    pp_size, tp_size = sizes.pop()
+    srcs = expected_sources(decode, tp_size, peers[0].layout)
+    have = {(p.layout.pp_rank, p.layout.tp_rank) for p in peers}
+    missing = [(k, t) for k in range(pp_size) for t in srcs if (k, t) not in have]
+    if missing:
+        problems.append(
+            f"prefill ranks: (pp_rank, tp_rank) {missing} feed decode tp_rank {decode.tp_rank} "
+            f"(tp_size {decode.tp_size}) but were not given to connect; pass every rank of the "
+            "instance (pdplug.bootstrap.resolve)"
         )
-    return None
+    return keep, problems
 
 
 def _identity(remote: PeerInfo, role: str, backend: str, tp: str | None) -> list[str]:
@@ -83,6 +136,10 @@ def _compat(compat: Compat, local: PeerInfo, remote: PeerInfo) -> list[str]:
         return [f"compat check raised {type(e).__name__}: {e}"]
 
 
+def _dcp_too_large(dcp: int, limit: int) -> str:
+    return f"dcp_size: remote {dcp} exceeds this prefill rank's KVConfig.max_dst_dcp={limit}"
+
+
 def check_decode_peer(
     local: PeerInfo,
     remote: PeerInfo,
@@ -93,7 +150,9 @@ def check_decode_peer(
     max_dst_dcp: int,
     region_nbytes: int | None,
 ) -> tuple[list[str], np.ndarray | None, bool]:
-    """The prefill side's check of a decode rank's Hello.
+    """The prefill side's check of a decode rank's Hello: every reason it cannot serve the
+    peer (identity, TP routing, the compat function, entry bases, DCP size), then what its
+    planner and pack buffer find about the pair when nothing else did.
 
     :param local: this prefill rank's PeerInfo; ``remote``: the decode rank's.
     :param backend: this rank's engine name.
@@ -103,22 +162,21 @@ def check_decode_peer(
     :param region_nbytes: bytes of one pack region, ``None`` without a pack buffer.
     :returns: ``(mismatches, entry map, relayout)``; the map is ``None`` when refused.
     """
-    tp = tp_pairing(local.layout, remote.layout)
+    tp = tp_routing(local.layout, remote.layout)
     out = _identity(remote, "decode", backend, tp) + _compat(compat, local, remote)
-    if out:
-        return out, None, False
     rl, ll = remote.layout, local.layout
     if len(remote.entry_base) != rl.num_entries:
         out.append(f"entry_base: {len(remote.entry_base)} addresses for {rl.num_entries} entries")
+    if out:  # the planner cannot judge such a pair; name what it would have found alone
+        if rl.dcp_size > max_dst_dcp:  # a DCP destination is always packed
+            out.append(_dcp_too_large(rl.dcp_size, max_dst_dcp))
+        return out, None, False
     try:
         emap = entry_map(ll, rl)
         relayout = planner.needs_relayout(ll, rl)
         if relayout:
             if rl.dcp_size > max_dst_dcp:
-                out.append(
-                    f"dcp_size: remote {rl.dcp_size} exceeds this prefill rank's "
-                    f"KVConfig.max_dst_dcp={max_dst_dcp}"
-                )
+                out.append(_dcp_too_large(rl.dcp_size, max_dst_dcp))
             elif region_nbytes is not None:
                 planner.capacity_tokens(ll, rl, region_nbytes)
             else:
@@ -134,7 +192,7 @@ def check_prefill_peer(
 ) -> list[str]:
     """The decode side's check of a prefill rank it is about to connect to (from the
     rendezvous): role, backend, a control endpoint, and the host's compat function."""
-    out = _identity(remote, "prefill", backend, tp_pairing(remote.layout, local.layout))
+    out = _identity(remote, "prefill", backend, tp_routing(remote.layout, local.layout))
     if not remote.control_endpoint:
         out.append("control_endpoint: empty")
     return out + _compat(compat, local, remote)

@@ -2,8 +2,10 @@
 
 A room started by the host becomes a :class:`~pdplug.transfer.records.Lease`. DestInfos that
 arrive before ``start`` wait in an inbox for ``bootstrap_timeout_s``. The lease turns
-``WaitingForInput`` once every DCP rank of its decode instance sent its DestInfo; each segment
-becomes one job per destination for the :class:`~pdplug.transfer.pipeline.SendPipeline`.
+``WaitingForInput`` once every decode rank this prefill rank feeds sent its DestInfo: every DCP
+rank of every decode TP rank the head routing gives it (:func:`pdplug.heads.fed_ranks`); each
+segment becomes one job per destination for the :class:`~pdplug.transfer.pipeline.SendPipeline`,
+planned with exactly the heads that decode rank takes from this one.
 
 Every way a room ends reaches the decode side within one round trip:
 
@@ -368,7 +370,7 @@ class SendLeases:
                 self._counts["dest_next_lease"] += 1
             return
         lease.instance = d.decode_instance
-        lease.expected = peer.info.layout.dcp_size
+        lease.expected = peer.fed * peer.info.layout.dcp_size
         lease.dests[peer.key] = d
         lease.peers[peer.key] = peer
         if len(lease.dests) < lease.expected:

@@ -3,12 +3,13 @@
 A decode rank becomes a :class:`~pdplug.transfer.records.Peer` of a prefill rank when its
 :class:`~pdplug.transfer.messages.Hello` passes
 :func:`~pdplug.transfer.handshake.check_decode_peer` and the engine loaded its agent blob.
-Peers are keyed by full position (:func:`~pdplug.transfer.records.peer_key`). A second Hello
-from the same position is a re-handshake: from the same decode process (same agent blob) the
-rooms in flight continue on the new connection; from a new process the old peer is dropped and
-its rooms fail. A peer silent for ``transfer_timeout_s`` is dropped. An engine handle is
-released only once no write uses it any more (a shared NIXL remote agent stays loaded while a
-newer connection or an in-flight write needs it). Runs on the engine thread.
+Peers are keyed by full position (:func:`~pdplug.transfer.records.peer_key`); a decode rank
+this prefill rank owes no KV head is refused (:func:`~pdplug.transfer.handshake.tp_routing`).
+A second Hello from the same position is a re-handshake: from the same decode process (same
+agent blob) the rooms in flight continue on the new connection; from a new process the old peer
+is dropped and its rooms fail. A peer silent for ``transfer_timeout_s`` is dropped. An engine
+handle is released only once no write uses it any more (a shared NIXL remote agent stays loaded
+while a newer connection or an in-flight write needs it). Runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pdplug.heads import fed_ranks
 from pdplug.transfer.channel import Liveness, RouterChannel
 from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.messages import Heartbeat, Hello, HelloAck
@@ -91,6 +93,12 @@ class DecodePeers:
         key = peer_key(remote.instance, remote.layout)
         mismatches, emap, relayout = self._check(remote)
         handle = None
+        fed = 0
+        if not mismatches:
+            try:
+                fed = len(fed_ranks(self._local().layout, remote.layout.tp_size, remote.layout))
+            except ValueError as e:  # the checks route heads already; kept for a custom check
+                mismatches.append(str(e))
         if not mismatches:
             try:
                 handle = self._engine().connect(remote)
@@ -113,6 +121,7 @@ class DecodePeers:
             dst_base=np.asarray(remote.entry_base, dtype=np.int64),
             relayout=relayout,
             last_seen=now,
+            fed=fed,
         )
         olds = [self.get(i) for i in {self.by_key.get(key, ident), ident}]
         for old in {id(p): p for p in olds if p is not None}.values():

@@ -108,7 +108,7 @@ class SendPipeline:
         self._on_idle = on_idle
         self.regions: list[PackRegion] = []
         self.pool = RegionPool(0, 1)
-        self._entries: list[torch.Tensor] = []
+        self._entries: list[Any] = []
         self._src_base = np.zeros(0, dtype=np.int64)
         self._pack: torch.Tensor | None = None
         self._pack_base = 0
@@ -135,14 +135,15 @@ class SendPipeline:
 
     def set_memory(
         self,
-        entries: list[torch.Tensor],
+        entries: list[Any],
         src_base: np.ndarray,
         pack: torch.Tensor | None,
         regions: list[PackRegion],
         depth: int,
         packer: Packer,
     ) -> None:
-        """The registered KV entries, the pack buffer and its region table."""
+        """The registered KV entries (tensors, or raw addresses of regions), the pack buffer
+        and its region table."""
         self._entries = entries
         self._src_base = src_base
         self._pack = pack

@@ -21,32 +21,34 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from pdplug.bootstrap import rank_of
 from pdplug.config import KVConfig
 from pdplug.errors import CompatError, TransferError
+from pdplug.registration import RegisteredKV, resolve_kv
 from pdplug.rooms import Rooms
 from pdplug.transfer.arrivals import RecvLease, RecvLeases
 from pdplug.transfer.channel import DealerChannel, Liveness
-from pdplug.transfer.engine import TransferEngine, dedup_regions
+from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.handshake import (
     Compat,
     Emit,
     check_prefill_peer,
+    feeding_peers,
     layout_compat,
     merge_refusals,
 )
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Done, Heartbeat, HelloAck, control_codec, tag_codec
-from pdplug.transfer.session import RoomSession, entries_geometry
+from pdplug.transfer.session import RoomSession
 from pdplug.transfer.sources import PrefillSources
 from pdplug.types import DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = ["KVReceiverSession"]
 
@@ -92,6 +94,7 @@ class KVReceiverSession(RoomSession):
         self._codec = control_codec(w, name=f"{name}/control")
         self._tags = tag_codec(w, name=f"{name}/tags")
         self._num_pages = 0
+        self._refused: dict[str, str] = {}  # instance -> why its last connect was refused
         self._info: PeerInfo | None = None
         self._next_periodic = 0.0
         self._live = Liveness(config.transfer_timeout_s)
@@ -124,22 +127,21 @@ class KVReceiverSession(RoomSession):
         self._loop.start()
 
     # ================================================================== host-facing API
-    def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
-        """Register the rank's KV entries (``layout`` order) once.
+    def register_kv(self, entries: Sequence[Any]) -> None:
+        """Register the rank's KV entries (``layout`` order) once, without copying them.
 
-        Sharded entries hold ``[num_pages * page_size]`` token rows; draft entries hold
-        ``[num_pages * page_size * dcp_size]`` (whole virtual pages).
+        Items are as for :meth:`pdplug.transfer.sender.KVSenderSession.register_kv`
+        (:func:`pdplug.registration.resolve_kv`: strided tensors matching the entry geometry,
+        layers sharing one storage, raw ``(address, nbytes[, page_stride])`` regions); draft
+        entries hold whole virtual pages (``page_size * dcp_size`` tokens). Memory shared by
+        several entries is registered once. The memory must outlive the session.
 
-        :raises ValueError: entry count/shape/contiguity (named).
+        :raises ValueError: entry count, a tensor whose strides do not match its entry, a
+            region with another page stride, an entry below one page (each named).
         :raises TransferError: the engine refused the memory.
         """
-        lay = self.layout
-        drafts = set(lay.draft_entries)
-        per_page = [
-            lay.page_size * (lay.dcp_size if e in drafts else 1) for e in range(lay.num_entries)
-        ]
-        base, nbytes, pages = entries_geometry(entries, lay.entry_bytes_per_token, per_page)
-        self._loop.call(lambda: self._register(base, nbytes, pages), 60.0)
+        reg = resolve_kv(self.layout, list(entries))
+        self._loop.call(lambda: self._register(reg), 60.0)
 
     def peer_info(self) -> PeerInfo:
         """What this rank sends to prefill ranks at the handshake (after :meth:`register_kv`).
@@ -169,13 +171,17 @@ class KVReceiverSession(RoomSession):
             raise ValueError(f"KVReceiver.connect: peers span several instances {sorted(inst)}")
         instance = peers[0].instance
         local = self.peer_info()
-        lay = self.layout
-        # a decode TP rank is fed by the prefill ranks of its own TP rank (handshake.tp_pairing)
-        peers = [
-            p for p in peers if p.layout.tp_size != lay.tp_size or p.layout.tp_rank == lay.tp_rank
-        ]
-        if not peers:
-            raise CompatError([f"tp_rank: no rank of prefill {instance} has tp_rank {lay.tp_rank}"])
+        # a decode rank is fed by the prefill (PP, TP) ranks that hold its heads (head routing)
+        peers, gaps = feeding_peers(self.layout, peers)
+        if not peers or gaps:
+            self._refuse(
+                instance,
+                [f"prefill {instance}: {m}" for m in gaps]
+                or [
+                    f"tp_rank: no rank of prefill {instance} holds a KV head of decode tp_rank "
+                    f"{self.layout.tp_rank} (tp_size {self.layout.tp_size})"
+                ],
+            )
         mine = [
             f"prefill {instance} rank {rank_of(p.layout)}: {m}"
             for p in peers
@@ -200,7 +206,14 @@ class KVReceiverSession(RoomSession):
         merged = merge_refusals(mine, theirs)
         if merged:
             self._loop.call(lambda: self._sources.disconnect(instance), 10.0)
-            raise CompatError(merged)
+            self._refuse(instance, merged)
+        self._refused.pop(instance, None)
+
+    def _refuse(self, instance: str, mismatches: list[str]) -> NoReturn:
+        """Remember why ``instance`` refused this rank (later rooms for it fail naming it) and
+        raise the CompatError."""
+        self._refused[instance] = "; ".join(mismatches)[:1024]
+        raise CompatError(mismatches)
 
     def expect(
         self,
@@ -218,7 +231,9 @@ class KVReceiverSession(RoomSession):
         :param decode_prefix_len: tokens decode already holds (a multiple of the virtual page,
             ``page_size * dcp_size`` tokens).
         :param num_tokens: the prompt length in tokens (0: unknown, unchecked).
-        :param instance: the prefill instance; optional when only one is connected.
+        :param instance: the prefill instance; optional when only one is connected (or, with
+            none connected, when exactly one refused this rank: then the room is leased and
+            fails at once, naming the refusal, rather than raising).
         :raises ValueError: a page id out of range, too few pages for ``num_tokens``, an
             unaligned prefix, an unknown instance or an already-leased room (each named).
         """
@@ -247,6 +262,11 @@ class KVReceiverSession(RoomSession):
         if room in self.rooms:
             raise ValueError(f"KVReceiver.expect: room {room} is already leased; clear it first")
         gen = self.rooms.lease(room, KVPoll.WaitingForInput)
+        if inst in self._refused and inst not in self._sources.by_instance:
+            why = f"prefill {inst} refused this decode rank at connect: {self._refused[inst]}"
+            self.rooms.fail(room, why, gen)
+            self.counts["rooms_refused"] += 1
+            return gen
         dest = DestInfo(
             room=room,
             generation=gen,
@@ -291,6 +311,8 @@ class KVReceiverSession(RoomSession):
     # ================================================================== helpers
     def _instance(self, instance: str | None) -> str:
         names = list(self._sources.by_instance)
+        if not names and len(self._refused) == 1 and instance in (None, *self._refused):
+            return next(iter(self._refused))
         if instance is None:
             if len(names) != 1:
                 raise ValueError(
@@ -306,11 +328,11 @@ class KVReceiverSession(RoomSession):
         return 0.001 if (self.engine.notifications and self._leases) else 0.005
 
     # ================================================================== engine thread
-    def _register(self, base: np.ndarray, nbytes: np.ndarray, pages: int) -> None:
+    def _register(self, reg: RegisteredKV) -> None:
         if self._info is not None:
             raise TransferError("KVReceiver.register_kv: already registered")
-        self.engine.register(dedup_regions([(int(b), int(n)) for b, n in zip(base, nbytes)]))
-        self._num_pages = pages
+        self.engine.register(list(reg.regions))
+        self._num_pages = reg.num_pages
         cfg = self.config
         self._info = PeerInfo(
             instance=cfg.instance,
@@ -318,7 +340,7 @@ class KVReceiverSession(RoomSession):
             layout=cfg.layout,
             backend=self.engine.name,
             agent=self.engine.agent(),
-            entry_base=tuple(int(b) for b in base),
+            entry_base=reg.base,
             extra={"agent_name": self.engine.agent_name()},
         )
 

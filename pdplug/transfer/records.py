@@ -41,6 +41,9 @@ class Peer(msgspec.Struct, kw_only=True):
     :ivar inflight: writes (packing or posted) that use ``handle``; the handle is released
         only once it is 0 and the peer is gone.
     :ivar gone: dropped or replaced by a new handshake; ``released``: handle released.
+    :ivar fed: decode TP ranks of the peer's instance this prefill rank writes
+        (:func:`pdplug.heads.fed_ranks`): a room waits for a DestInfo from each of their DCP
+        ranks.
     """
 
     ident: bytes
@@ -55,6 +58,7 @@ class Peer(msgspec.Struct, kw_only=True):
     inflight: int = 0
     gone: bool = False
     released: bool = False
+    fed: int = 1
 
 
 class Lease(msgspec.Struct, kw_only=True):

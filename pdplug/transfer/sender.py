@@ -38,6 +38,7 @@ from pdplug.config import KVConfig
 from pdplug.errors import TransferError
 from pdplug.packing import pack_buffer_nbytes, pack_bytes_per_token, pack_regions
 from pdplug.protocols import Packer, PackPlanner
+from pdplug.registration import RegisteredKV, resolve_kv
 from pdplug.rooms import Rooms
 from pdplug.transfer.channel import Liveness, RouterChannel
 from pdplug.transfer.engine import TransferEngine, dedup_regions
@@ -47,7 +48,7 @@ from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Abort, Heartbeat, Hello, control_codec, tag_codec
 from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import Lease, SendPipeline
-from pdplug.transfer.session import RoomSession, entries_geometry
+from pdplug.transfer.session import RoomSession
 from pdplug.types import DestInfo, KVPoll, PackRegion, PdplugEvent, PeerInfo, Segment
 
 if TYPE_CHECKING:
@@ -185,21 +186,29 @@ class KVSenderSession(RoomSession):
             self._pipe.engine = engine
 
     # ================================================================== host-facing API
-    def register_kv(self, entries: Sequence[torch.Tensor]) -> None:
-        """Register the rank's KV entries (``layout`` order) and the pack buffer, once; then
-        publish this rank at the rendezvous when ``config.bootstrap_endpoint`` is set.
+    def register_kv(self, entries: Sequence[Any]) -> None:
+        """Register the rank's KV entries (``layout`` order) and the pack buffer, once, without
+        copying them; then publish this rank at the rendezvous when
+        ``config.bootstrap_endpoint`` is set.
 
-        :param entries: one contiguous tensor per entry holding ``[num_pages * page_size]``
-            token rows of ``entry_bytes_per_token[e]`` bytes (any dtype).
-        :raises ValueError: entry count/shape/contiguity (named).
+        Each item is what the engine hands over (:func:`pdplug.registration.resolve_kv`): a
+        tensor of any dtype whose shape and strides match the entry's geometry (a vLLM
+        per-layer view ``(num_blocks, H, block_size, C)``, several layers sharing one storage,
+        or one K or V slab view of vLLM's CPU cache), a contiguous block of whole pages, or a
+        raw region ``(address, nbytes[, page_stride])`` / :class:`pdplug.registration.KVRegion`
+        (SGLang; the CPU packer reads it by address). Memory shared by several entries is
+        registered with the engine once. The memory must outlive the session.
+
+        :raises ValueError: entry count, a tensor whose strides do not match its entry, a
+            region with another page stride, an entry below one page (each named).
         :raises TransferError: the engine refused the memory, or the rendezvous did not
             answer within ``bootstrap_timeout_s``.
         """
-        lay = self.layout
-        base, nbytes, pages = entries_geometry(
-            entries, lay.entry_bytes_per_token, [lay.page_size] * lay.num_entries
-        )
-        self._loop.call(lambda: self._register(list(entries), base, nbytes, pages), 60.0)
+        items = list(entries)
+        reg = resolve_kv(self.layout, items)
+        # the packer reads tensors through their storage, raw regions by address
+        mem = [t if hasattr(t, "data_ptr") else b for t, b in zip(items, reg.base)]
+        self._loop.call(lambda: self._register(mem, reg), 60.0)
         if self.config.bootstrap_endpoint:
             bootstrap.register(
                 self.config.bootstrap_endpoint,
@@ -315,15 +324,13 @@ class KVSenderSession(RoomSession):
         return out
 
     # ================================================================== engine thread
-    def _register(
-        self, entries: list[torch.Tensor], base: np.ndarray, nbytes: np.ndarray, pages: int
-    ) -> None:
+    def _register(self, entries: list[Any], reg: RegisteredKV) -> None:
         import torch
 
         if self._info is not None:
             raise TransferError("KVSender.register_kv: already registered")
         cfg, lay = self.config, self.layout
-        regions = [(int(b), int(n)) for b, n in zip(base, nbytes)]
+        regions = list(reg.regions)
         if pack_bytes_per_token(lay) > 0:
             nb = pack_buffer_nbytes(
                 lay,
@@ -340,7 +347,8 @@ class KVSenderSession(RoomSession):
             )
             regions.append((int(self._pack.data_ptr()), nb))
         self.engine.register(dedup_regions(regions))
-        self._num_pages = pages
+        self._num_pages = reg.num_pages
+        base = np.asarray(reg.base, dtype=np.int64)
         packer = self._packer or self.planner.packer(cfg.device)
         self._pipe.set_memory(entries, base, self._pack, self._regions, cfg.pack_depth, packer)
         self._info = PeerInfo(

@@ -1,8 +1,8 @@
 """What the KV sender and receiver sessions share: room-facing host calls and session ends.
 
 The host calls on rooms (poll, wait, failure reason, drained), the end of a session (closed, or
-its engine thread died), the event queue that keeps observers off the data path, and the checks
-of registered KV entries.
+its engine thread died), and the event queue that keeps observers off the data path (registered
+KV entries are checked by :func:`pdplug.registration.resolve_kv`).
 
 Subclasses set ``rooms`` (:class:`pdplug.rooms.Rooms`), ``engine``, ``_loop``
 (:class:`~pdplug.transfer.loop.EngineLoop`, built with ``on_death=self._engine_died``),
@@ -14,62 +14,22 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import numpy as np
 
 from pdplug.errors import TransferError
 from pdplug.types import KVPoll, PdplugEvent
 
 if TYPE_CHECKING:
-    import torch
-
     from pdplug.rooms import Rooms
     from pdplug.transfer.engine import TransferEngine
     from pdplug.transfer.loop import EngineLoop
 
-__all__ = ["RoomSession", "entries_geometry"]
+__all__ = ["RoomSession"]
 
 log = logging.getLogger(__name__)
 
 _S = TypeVar("_S", bound="RoomSession")
-
-
-def entries_geometry(
-    entries: Sequence[torch.Tensor], bytes_per_token: Sequence[int], page_tokens: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Check KV entry tensors and return ``(base addresses, nbytes, pages)``.
-
-    :param entries: one contiguous tensor per entry (any dtype).
-    :param bytes_per_token: bytes of one token row per entry.
-    :param page_tokens: tokens per page per entry (``page_size``, or ``page_size * dcp_size``
-        for a decode draft entry).
-    :returns: int64 ``[E]`` base addresses, int64 ``[E]`` sizes (bytes), and the number of
-        whole pages every entry holds (the minimum over entries).
-    :raises ValueError: wrong entry count, a non-contiguous tensor, or an entry smaller than
-        one page (each names the entry index and the value).
-    """
-    if len(entries) != len(bytes_per_token):
-        raise ValueError(
-            f"register_kv: got {len(entries)} entries, layout has {len(bytes_per_token)}"
-        )
-    base = np.zeros(len(entries), dtype=np.int64)
-    nbytes = np.zeros(len(entries), dtype=np.int64)
-    pages = None
-    for i, t in enumerate(entries):
-        if not t.is_contiguous():
-            raise ValueError(f"register_kv: entries[{i}] is not contiguous")
-        base[i] = t.data_ptr()
-        nbytes[i] = t.numel() * t.element_size()
-        n = int(nbytes[i]) // (bytes_per_token[i] * page_tokens[i])
-        if n <= 0:
-            raise ValueError(
-                f"register_kv: entries[{i}] has {int(nbytes[i])} bytes, below one page of "
-                f"{page_tokens[i]} tokens x {bytes_per_token[i]} bytes"
-            )
-        pages = n if pages is None else min(pages, n)
-    return base, nbytes, int(pages or 0)
 
 
 class RoomSession:

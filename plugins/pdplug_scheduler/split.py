@@ -1,12 +1,17 @@
-"""Send splitting at ``min(grid, pack capacity)`` (DESIGN.md §3 "Scheduler").
+"""Send splitting at ``min(grid, pack capacity)``.
 
-Rules (SGLang ``compute_grid_segments`` / staging grid, PRs #30545 and #40376; prior-art
-sglang.md §3.5), in tokens:
+Rules (SGLang ``compute_grid_segments`` / staging grid, PRs #30545 and #40376), in tokens:
 
 * cut points sit at ``decode_prefix_len + k * cut`` with ``cut = min(grid, capacity)``,
   ``grid = max(1, chunk_size // page_size) * page_size``; cuts are absolute, so later sends of
   the same request stay on the same grid;
-* a non-last send ends on a page boundary (the partial page is held back for the next send);
+* the grid starts at ``decode_prefix_len``, which lies on the decode side's virtual page (the
+  receiver checks it), not necessarily on a prefill page: when the prefill page is larger than
+  the decode virtual page (a page-size ratio) every cut sits on a multiple of
+  ``gcd(page_size, decode virtual page)`` tokens, inside a prefill page, and the segment's
+  chunk starts mid-page (:func:`pdplug.packing.segment_to_chunk` sets ``rel_start``);
+* a non-last send ends whole pages after ``decode_prefix_len`` (the rest is held back for the
+  next send);
   the final segment of the last send carries the exact count of a partial last page;
 * only the final segment of the last send has ``is_last`` (state and metadata ride on it);
   a last send with no tokens still yields one empty segment (metadata-only chunk);
@@ -48,9 +53,10 @@ def split_send(
 ) -> list[Segment]:
     """Split the send of tokens ``[token_start, token_end)`` into segments.
 
-    :param token_start: first token (>= ``decode_prefix_len``, page-aligned).
+    :param token_start: first token (>= ``decode_prefix_len``, whole pages after it).
     :param token_end: end token of the send (exclusive); a non-last send is floored to a page.
-    :param decode_prefix_len: tokens decode already holds (the grid origin).
+    :param decode_prefix_len: tokens decode already holds (the grid origin; a multiple of the
+        decode virtual page, which may be smaller than ``page_size``).
     :param is_last_send: whether this send ends the request.
     :param capacity_tokens: largest segment the peer's pack regions take (tokens;
         ``pdplug.packing.send_capacity_tokens``), floored to whole pages; None = no split.
@@ -58,20 +64,17 @@ def split_send(
     :param grid: split grid (tokens, a multiple of ``page_size``; :func:`grid_tokens`).
     :param first_chunk_id: ``chunk_id`` of the first segment; the rest count up.
     :returns: segments in order; ``[]`` for a non-last send with no whole page.
-    :raises ValueError: naming the bad value (negative/unaligned start, end before start,
-        grid not a page multiple, capacity below one page).
+    :raises ValueError: naming the bad value (negative prefix, start not whole pages after the
+        prefix, end before start, grid not a page multiple, capacity below one page).
     """
     if page_size <= 0 or grid <= 0 or grid % page_size:
         raise ValueError(f"grid={grid} must be a positive multiple of page_size={page_size}")
-    if decode_prefix_len < 0 or decode_prefix_len % page_size:
-        raise ValueError(
-            f"decode_prefix_len={decode_prefix_len} must be >= 0 and a multiple of "
-            f"page_size={page_size}"
-        )
+    if decode_prefix_len < 0:
+        raise ValueError(f"decode_prefix_len={decode_prefix_len} must be >= 0")
     if token_start < decode_prefix_len or (token_start - decode_prefix_len) % page_size:
         raise ValueError(
-            f"token_start={token_start} must be >= decode_prefix_len={decode_prefix_len} and on "
-            f"a page boundary (page_size={page_size})"
+            f"token_start={token_start} must be >= decode_prefix_len={decode_prefix_len} and "
+            f"whole pages after it (page_size={page_size})"
         )
     if token_end < token_start:
         raise ValueError(f"token_end={token_end} is before token_start={token_start}")

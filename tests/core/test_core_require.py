@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pdplug.testing import BACKEND_MODULES, probe_module, require, required_modules
@@ -34,8 +40,38 @@ def test_backend_names_map_to_their_modules() -> None:
     assert mod is None and MISSING in why
 
 
-@pytest.mark.parametrize("backend", sorted(BACKEND_MODULES))
+@pytest.mark.parametrize("backend", [*sorted(BACKEND_MODULES), "torch"])
 def test_backends_under_pdplug_require(backend: str, request: pytest.FixtureRequest) -> None:
-    """In the ``all`` envs (PDPLUG_REQUIRE set) every backend must import; else this skips."""
+    """In the ``all`` envs (PDPLUG_REQUIRE set) every backend and torch must import; else this
+    skips."""
     mod = require(backend)
-    assert mod.__name__ in BACKEND_MODULES[backend]
+    assert mod.__name__ in BACKEND_MODULES.get(backend, (backend,))
+
+
+def _run_suite(tmp_path: Path, require: str) -> str:
+    """A one-module suite under tests/conftest.py whose module needs a torch that is missing."""
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_needs_torch.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PDPLUG_REQUIRE"}
+    env["PDPLUG_REQUIRE"] = require
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-ra", "-q", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return res.stdout + res.stderr
+
+
+def test_a_module_that_needs_missing_torch_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    out = _run_suite(tmp_path, require="")
+    assert "1 skipped" in out and "needs torch (pip install 'pdplug[torch]'" in out, out
+
+
+def test_a_module_that_needs_missing_torch_fails_when_torch_is_required(tmp_path: Path) -> None:
+    out = _run_suite(tmp_path, require="torch")
+    assert "1 error" in out and "No module named 'torch'" in out, out

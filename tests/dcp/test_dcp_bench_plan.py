@@ -94,7 +94,7 @@ def test_bench_plan_names_a_bad_page_ratio() -> None:
     res = CliRunner().invoke(cli, [*SMALL, "--page-ratio", "3"])
     assert res.exit_code == 2 and "is not a whole decode page" in res.output
     res = CliRunner().invoke(cli, [*SMALL, "--dcp", "2,x"])
-    assert res.exit_code == 2 and "--dcp must be integers separated by commas" in res.output
+    assert res.exit_code == 2 and "'--dcp': '2,x' is not integers separated by commas" in res.output
 
 
 def test_cuda_report_lines_format_every_cuda_field(capsys) -> None:

@@ -116,6 +116,45 @@ def test_two_pages_per_block() -> None:
     assert n == 64 and got.tolist() == pages[:4].tolist()
 
 
+def test_admit_takes_everything_or_nothing() -> None:
+    cache, pc = _pc(num_pages=6)
+    a = pc.alloc(3)
+    pc.insert([1, 2, 3], a)
+    pc.release([1, 2, 3], a)  # cached, evictable
+    b = pc.alloc(3)  # referenced by a live request
+    assert cache.num_free == 0 and pc.num_evictable_pages == 3
+    # reuses 2 cached blocks, needs 3 more pages: only 1 evictable block besides its own hit
+    assert pc.admit([1, 2, 9], 5) is None
+    assert pc.refs(1) == 0 and pc.hit_tokens == 0 and pc.num_evictable_pages == 3  # untouched
+    got = pc.admit([1, 2, 9], 3)
+    assert got is not None
+    hit, pages, evicted = got
+    assert hit == 32 and pages.tolist() == [*a[:2].tolist(), a[2].item()]
+    assert evicted == [3] and pc.refs(3) == -1  # the only unreferenced block not matched
+    pc.release([1, 2, 9], pages)
+    pc.release([], b)
+    assert pc.admit([7], 6) is not None  # everything evictable: fits
+
+
+def test_followers_evict_exactly_the_leaders_blocks_once_released() -> None:
+    lead_cache, lead = _pc(num_pages=4)
+    _, follow = _pc(num_pages=4)
+    for pc in (lead, follow):
+        p = pc.alloc(2)
+        pc.insert([1, 2], p)
+        pc.release([1, 2], p)
+    live = follow.match([1])[1]  # this rank still uses block 1 (its release comes later)
+    got = lead.admit([5], 4)
+    assert got is not None and got[2] == [2, 1] and lead_cache.num_free == 0  # deepest first
+    assert follow.evict_blocks(got[2]) is False  # block 1 still referenced here: wait
+    assert follow.refs(1) == 1 and follow.refs(2) == 0  # nothing evicted meanwhile
+    follow.release([1], live)
+    assert follow.evict_blocks(got[2]) is True
+    assert follow.num_blocks == 0 and follow.evicted_blocks == 2
+    with pytest.raises(ValueError, match="not cached here"):
+        follow.evict_blocks([3])
+
+
 # -- hit path through the model --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model() -> TinyLlama:

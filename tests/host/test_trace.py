@@ -14,11 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdplug_host.trace import (
+    CHARS_PER_TOKEN,
+    EXPECTED,
     TraceFormatError,
     TraceRequest,
     block_hash_chain,
     load_trace,
     parse_trace_lines,
+    parse_trace_text,
     prompt_tokens,
 )
 
@@ -43,10 +46,14 @@ def test_bundled_sample_loads_64_requests() -> None:
     assert len(load_trace(limit=5)) == 5
 
 
+#: the project's shared traces lie beside the checkout (CI clones next to a copy of them)
+SHARED_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+
+
 def test_bundled_sample_matches_shared_trace_head() -> None:
-    full = Path("/work/shared/traces/conversation_trace.jsonl")
+    full = SHARED_TRACES / "conversation_trace.jsonl"
     if not full.exists():
-        pytest.skip("shared trace not present")
+        pytest.skip(f"no shared traces beside this checkout ({SHARED_TRACES})")
     assert load_trace(full, limit=64) == load_trace()
 
 
@@ -73,6 +80,7 @@ def test_scale_and_max_output() -> None:
         (_line(hash_ids=[1, 2, 3]), "field 'hash_ids' has 3 ids, expected"),
         ("{not json", "invalid JSON"),
         ("[1, 2]", "Expected `object`"),
+        ("7", "Expected `object` (one trace record), got int"),
     ],
 )
 def test_parse_errors_name_line_field_value(tmp_path: Path, line: str, expect: str) -> None:
@@ -143,3 +151,69 @@ def test_scaled_lengths_property(inp: int, out: int, scale: int, max_out: int) -
     assert len(block_hash_chain(r)) == r.input_len // r.block_tokens
     if r.input_len <= 4096:
         assert len(prompt_tokens(r)) == r.input_len
+
+
+def test_a_json_array_of_records_equals_the_same_json_lines(tmp_path: Path) -> None:
+    lines = [_line(timestamp=t, hash_ids=[t, t + 1]) for t in range(3)]
+    arr = tmp_path / "t.json"
+    arr.write_text("[\n" + ",\n".join(lines) + "\n]\n")
+    assert load_trace(arr) == parse_trace_lines(lines)
+    assert len(load_trace(arr, limit=2)) == 2
+
+
+def _conv(*turns: str) -> dict[str, object]:
+    who = ("human", "gpt")
+    return {
+        "id": "x",
+        "conversations": [{"from": who[i % 2], "value": v} for i, v in enumerate(turns)],
+    }
+
+
+def test_sharegpt_conversations_become_requests(tmp_path: Path) -> None:
+    system = "s" * 4096  # two 512-token blocks at 4 characters per token
+    convs = [
+        _conv(system + "first question", "an answer of 40 chars".ljust(40)),
+        _conv("only one turn"),  # no answer: skipped
+        _conv(system + "second question, longer", "x" * 9, "a later turn"),
+        _conv("", "answer to nothing"),  # empty prompt: skipped
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs, indent=2))  # pretty-printed, as ShareGPT files are
+    a, b = load_trace(path, scale=1, max_output=64)
+    assert (a.rid, b.rid) == (0, 1)
+    assert a.raw_input_length == math.ceil((4096 + 14) / CHARS_PER_TOKEN) == 1028
+    assert (a.raw_output_length, b.raw_output_length) == (10, 3)  # ceil(chars / 4)
+    assert a.arrival_ms == b.arrival_ms == 0.0
+    assert len(a.hash_ids) == math.ceil(a.raw_input_length / 512) == 3
+    assert a.hash_ids[:2] == b.hash_ids[:2] and a.hash_ids[2] != b.hash_ids[2]  # shared prefix
+    assert block_hash_chain(a)[:2] == block_hash_chain(b)[:2]
+    assert np.array_equal(prompt_tokens(a)[:1024], prompt_tokens(b)[:1024])
+    # the same records as JSON lines
+    jsonl = tmp_path / "sharegpt.jsonl"
+    jsonl.write_text("\n".join(json.dumps(c) for c in convs))
+    assert load_trace(jsonl, scale=1, max_output=64) == [a, b]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"\xff\xfe{}", "t.json: not UTF-8 text (byte 0xff at offset 0)"),
+        (b'[{"timestamp": 0', "t.json: invalid JSON array"),
+        (b'{\n  "data": []\n}', "t.json:1: invalid JSON"),
+        (b'[{"conversations": [1, 2]}]', "t.json: record 1: field 'conversations' must be"),
+    ],
+)
+def test_other_files_are_refused_with_the_expected_format(
+    tmp_path: Path, content: bytes, needle: str
+) -> None:
+    path = tmp_path / "t.json"
+    path.write_bytes(content)
+    with pytest.raises(TraceFormatError) as exc:
+        load_trace(path)
+    assert needle in str(exc.value)
+    assert str(exc.value).endswith(EXPECTED)
+
+
+def test_parse_trace_text_reads_both_layouts() -> None:
+    one = _line(hash_ids=[5, 6])
+    assert parse_trace_text(one) == parse_trace_text(f"[{one}]") == parse_trace_lines([one])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,6 +51,7 @@ def reference_split(start, end, prefix, is_last, capacity, page, grid, first_id)
     page=st.integers(1, 16),
     chunk_size=st.integers(1, 300),
     prefix_pages=st.integers(0, 5),
+    prefix_off=st.integers(0, 15),
     start_pages=st.integers(0, 20),
     length=st.integers(0, 700),
     is_last=st.booleans(),
@@ -57,9 +59,10 @@ def reference_split(start, end, prefix, is_last, capacity, page, grid, first_id)
     first_id=st.integers(0, 5),
 )
 def test_split_matches_reference(
-    page, chunk_size, prefix_pages, start_pages, length, is_last, cap_pages, first_id
+    page, chunk_size, prefix_pages, prefix_off, start_pages, length, is_last, cap_pages, first_id
 ) -> None:
-    prefix = prefix_pages * page
+    # a prefix inside a prefill page: the decode virtual page is smaller than the prefill page
+    prefix = prefix_pages * page + prefix_off % page
     start = prefix + start_pages * page
     capacity = None if cap_pages is None else cap_pages * page + (cap_pages % 3)  # unaligned too
     sched = make_scheduler(SchedulerConfig(page_size=page, chunk_size=chunk_size))
@@ -153,7 +156,8 @@ def test_plain_tp_peer_is_not_split() -> None:
     [
         (dict(token_start=10), "token_start=10"),
         (dict(token_start=0, decode_prefix_len=16), "decode_prefix_len=16"),
-        (dict(decode_prefix_len=3, token_start=3), "decode_prefix_len=3"),
+        (dict(decode_prefix_len=-16, token_start=0), "decode_prefix_len=-16"),
+        (dict(decode_prefix_len=8, token_start=16), "token_start=16"),
         (dict(token_end=-1), "token_end=-1"),
         (dict(capacity_tokens=15), "capacity_tokens=15"),
         (dict(first_chunk_id=-2), "first_chunk_id=-2"),
@@ -193,3 +197,30 @@ def test_facade_builds_a_scheduler(plugin_manager) -> None:
     sched = plugin_manager.make_scheduler(SchedulerConfig(page_size=64))
     assert isinstance(sched, Scheduler)
     assert sched.next_chunk_size(0) == 8192
+
+
+def test_prefix_inside_a_prefill_page_cuts_on_the_shared_pages() -> None:
+    """Prefill page 128, decode virtual page 64 (page 32 x DCP 2), 64 tokens cached on decode:
+    the send starts inside a prefill page and every cut sits on a multiple of gcd(128, 64) = 64
+    tokens; each segment's chunk starts mid-page where it must (rel_start)."""
+    from pdplug.packing import segment_to_chunk
+
+    sched = make_scheduler(SchedulerConfig(page_size=128, chunk_size=256))
+    segs = sched.split_send(
+        token_start=64, token_end=700, decode_prefix_len=64, is_last_send=True,
+        capacity_tokens=256,
+    )  # fmt: skip
+    assert [(s.token_start, s.token_end) for s in segs] == [
+        (64, 320), (320, 576), (576, 700)
+    ]  # fmt: skip
+    assert all(s.token_start % 64 == 0 for s in segs)
+    pages = np.arange(6, dtype=np.int64)
+    for s in segs:
+        c = segment_to_chunk(1, s, pages[s.token_start // 128 :], np.arange(11), 64, 128)
+        assert c.rel_start == s.token_start - 64
+        assert c.src_pages[0] == s.token_start // 128
+    part = sched.split_send(
+        token_start=64, token_end=300, decode_prefix_len=64, is_last_send=False,
+        capacity_tokens=None,
+    )  # fmt: skip
+    assert [(s.token_start, s.token_end) for s in part] == [(64, 192)]

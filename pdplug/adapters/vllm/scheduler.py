@@ -4,7 +4,7 @@ This is the part of the connector that runs in vLLM's engine-core process. It tu
 scheduler calls into one :class:`StepPlan` per engine step (the connector metadata the
 workers receive) and decides which blocks stay held after a request finishes. It imports no
 vLLM module: the connector passes plain values (request ids, block ids, token counts), so the
-rules can be read and tested on their own; ``tests/vllm`` drives them through vLLM's real
+rules can be read and tested on their own; ``tests/vllm_connector`` drives them through vLLM's real
 ``Scheduler``.
 
 Prefill engine (``kv_producer``), per request carrying a room:

@@ -1,0 +1,72 @@
+"""Checks of ``pdplug bench`` options: an ordinary mistake gets one line and exit status 2
+before anything is spawned or allocated, never a traceback later."""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["component_names", "number_list", "variant_pairs"]
+
+
+def _resolve(point: str, name: str, option: str) -> None:
+    """Refuse ``name`` unless the plugin manager can build it for ``point``."""
+    from pdplug import PdplugError, PluginManager
+
+    try:  # a fresh manager: this environment's PDPLUG_* switches apply
+        PluginManager().resolve(point, name)
+    except PdplugError as e:
+        raise click.BadParameter(str(e), param_hint=f"'{option}'") from None
+
+
+def component_names(value: str, point: str, option: str) -> list[str]:
+    """A comma list of component names of extension point ``point``, each resolvable.
+
+    :raises click.BadParameter: an empty list or entry, or a name no plugin provides (the
+        message lists the available ones).
+    """
+    names = [x.strip() for x in value.split(",")]
+    if not value.strip() or not all(names):
+        raise click.BadParameter(
+            f"{value!r}: expected comma-separated names", param_hint=f"'{option}'"
+        )
+    for name in names:
+        _resolve(point, name, option)
+    return names
+
+
+def number_list(value: str, option: str, unit: str, minimum: float) -> list[float]:
+    """A comma list of numbers, each at least ``minimum``.
+
+    :raises click.BadParameter: an entry that is not a number or below ``minimum``.
+    """
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: expected comma-separated numbers ({unit})", param_hint=f"'{option}'"
+        ) from None
+    if not out or min(out) < minimum:
+        raise click.BadParameter(
+            f"{value!r}: every value must be >= {minimum:g} {unit}", param_hint=f"'{option}'"
+        )
+    return out
+
+
+def variant_pairs(value: str, option: str) -> list[tuple[str, str]]:
+    """``CONSENSUS+KV_SENDER`` pairs, comma-separated, both names resolvable.
+
+    :raises click.BadParameter: an empty list or pair, a pair without ``+``, or an unknown
+        name.
+    """
+    pairs = []
+    for v in value.split(","):
+        cons, plus, kv = v.strip().partition("+")
+        if not plus or not cons.strip() or not kv.strip():
+            raise click.BadParameter(
+                f"{v.strip()!r}: expected CONSENSUS+KV_SENDER, e.g. pp0+nixl",
+                param_hint=f"'{option}'",
+            )
+        _resolve("consensus", cons.strip(), option)
+        _resolve("kv_sender", kv.strip(), option)
+        pairs.append((cons.strip(), kv.strip()))
+    return pairs

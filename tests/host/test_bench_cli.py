@@ -1,0 +1,62 @@
+"""``pdplug bench`` answers ordinary mistakes with one line and a non-zero exit, before it
+spawns a rank, opens an engine or allocates a buffer (never a traceback)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from pdplug.cli import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (("consensus", "--impl", "nope"), ("'--impl'", "no consensus named 'nope'", "pp0")),
+        (("consensus", "--impl", "pp0,nope"), ("'--impl'", "no consensus named 'nope'")),
+        (("consensus", "--impl", ""), ("'--impl'", "expected comma-separated names")),
+        (("consensus", "--requests", "0"), ("'--requests'", "1<=x<=100000")),
+        (("consensus", "--iter-ms", "0"), ("'--iter-ms'",)),
+        (("transfer", "--backend", "nope"), ("'--backend'", "no kv_sender named 'nope'")),
+        (("transfer", "--sizes", "abc"), ("'--sizes'", "expected comma-separated numbers")),
+        (("transfer", "--sizes", "0.01"), ("'--sizes'", "must be >= 0.25 MiB")),
+        (("transfer", "--repeats", "0"), ("'--repeats'", "1<=x<=1000")),
+        (("plan", "--repeats", "0"), ("'--repeats'", "1<=x<=100000")),
+        (("plan", "--dcp", "0"), ("'--dcp'", "1<=x<=64")),
+        (("plan", "--page", "0"), ("'--page'", "1<=x<=4096")),
+        (("plan", "--planner", "nope"), ("'--planner'", "no pack_planner named 'nope'", "dcp")),
+        (("pack", "--backend", "nope"), ("'--backend'", "no kv_sender named 'nope'")),
+        (("pack", "--layers", "0"), ("'--layers'", "1<=x<=128")),
+        (("e2e", "--variants", "foo"), ("'--variants'", "'foo': expected CONSENSUS+KV_SENDER")),
+        (("e2e", "--variants", ""), ("'--variants'", "expected CONSENSUS+KV_SENDER")),
+        (("e2e", "--variants", "pp0+nixl,+nixl"), ("'--variants'", "'+nixl'")),
+        (("e2e", "--variants", "pp0+nope"), ("'--variants'", "no kv_sender named 'nope'")),
+    ],
+)
+def test_ordinary_mistakes_get_one_line_and_exit_2(
+    args: tuple[str, ...], needles: tuple[str, ...]
+) -> None:
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, ["bench", *args])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert "Traceback" not in res.output
+    assert res.output.splitlines()[-1].startswith("Error: Invalid value for"), res.output
+    flat = " ".join(res.output.split())
+    for needle in needles:
+        assert needle in flat, res.output
+    assert time.monotonic() - t0 < 20, "refused late: something was spawned first"
+
+
+def test_help_has_no_rest_markup_and_every_option_is_explained() -> None:
+    runner = CliRunner()
+    top = runner.invoke(main, ["bench", "--help"])
+    assert top.exit_code == 0 and "``" not in top.output and "OMP_WAIT_POLICY" in top.output
+    for cmd in ("consensus", "plan", "pack", "transfer", "e2e"):
+        res = runner.invoke(main, ["bench", cmd, "--help"], terminal_width=200)
+        assert res.exit_code == 0 and "``" not in res.output, res.output
+    res = runner.invoke(main, ["bench", "consensus", "--help"], terminal_width=200)
+    assert "--seed INTEGER seed of the readiness schedule" in " ".join(res.output.split())
