@@ -122,7 +122,7 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
                 for r, (pages, n) in enumerate(zip(cmd["pages"], cmd["tokens"])):
                     kv = kvs[name][r]
                     rows = dst_rows(pages, pages_of[name], n)
-                    if cmd.get("corrupt") and n:  # test hook: one wrong byte landed
+                    if cmd.get("corrupt") and n and r == 0:  # test hook: one wrong byte landed
                         kv[0][int(rows[n // 2]), 0] ^= 0xFF
                     out.append(rows_digest(kv, rows))
                 _send(conn, event="digest", id=cmd["id"], digests=out)
