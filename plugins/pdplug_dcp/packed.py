@@ -137,6 +137,8 @@ class PackedShape(NamedTuple):
     :ivar tok_key: ``(page stride, token stride)`` in units (:func:`pack_group` tokens key).
     :ivar whole_rows: the gather moves whole token rows of contiguous pages (token offsets are
         token slots).
+    :ivar eidx: int64 ``[E * R]``: ``0 .. R - 1`` repeated per entry (one ``take`` spreads a
+        row of ``R`` destination offsets over every entry).
     """
 
     offs: np.ndarray
@@ -153,6 +155,7 @@ class PackedShape(NamedTuple):
     tok_row: np.ndarray
     tok_key: tuple[int, int]
     whole_rows: bool
+    eidx: np.ndarray
 
 
 def packed_shape(
@@ -202,8 +205,9 @@ def packed_shape(
         tok_row=row,
         tok_key=tok_key,
         whole_rows=tok_key == (ps, 1),
+        eidx=_ro(np.tile(np.arange(r, dtype=np.int64), e)),
     )
-    cls.remember_shape(key, out, (2 * e + 1) * r * 8 + row.nbytes)
+    cls.remember_shape(key, out, (3 * e + 1) * r * 8 + row.nbytes)
     return out
 
 
@@ -237,15 +241,14 @@ def rank_block(
     if sh is None:
         sh = packed_shape(cls, pair, n, first, o0, st.s0, region_offset)
     (offs, ecol, src, lens, inpage, qidx, pages, d_ps, tok_pages, per, tok_mul, tok_row,
-     tok_key, whole) = sh  # fmt: skip
+     tok_key, whole, eidx) = sh  # fmt: skip
     pg = st.dst_pages[q0 : q0 + pages]
     if qidx is not None:
         pg = pg[qidx]
     row = np.multiply(pg, d_ps)
     if inpage is not None:
         row += inpage
-    dst = np.empty((offs.shape[0], row.shape[0]), dtype=np.int64)
-    dst[:] = row  # one row per entry: offsets are from each destination entry's base
+    dst = row.take(eidx)  # one row per entry: offsets are from each destination entry's base
     tok = tokens.get(tok_key) if tokens is not None else None
     if tok is None:
         if tok_pages:
@@ -267,4 +270,4 @@ def rank_block(
         page_tokens=pd if cls.head_major else 0,
         first_offset=o0,
     )
-    return (ecol, src, dst.reshape(-1), lens), group, whole
+    return (ecol, src, dst, lens), group, whole

@@ -85,6 +85,7 @@ class DcpPlanner:
                 f"PlannerConfig.packer must be 'auto', 'torch' or 'triton', got "
                 f"{self.config.packer!r}"
             )
+        self._last: tuple[KVLayout, KVLayout, Pair] | None = None
 
     # ------------------------------------------------------------------ Protocol
 
@@ -182,7 +183,12 @@ class DcpPlanner:
     # ------------------------------------------------------------------ internals
 
     def _pair(self, src: KVLayout, dst: KVLayout) -> Pair:
-        return pair_of(src, dst)
+        last = self._last  # a sender passes the same two layout objects with every plan
+        if last is not None and last[0] is src and last[1] is dst:
+            return last[2]
+        pair = pair_of(src, dst)
+        self._last = (src, dst, pair)
+        return pair
 
     def _relayout(self, pair: Pair) -> bool:
         if not pair.main:
