@@ -203,7 +203,7 @@ def _bench_backend(
     failures: list[str] = []
     raw_close: Any = None
     try:
-        peer.wait_ready()
+        peer.wait_ready(300)  # a spawned decode process starts slowly on a loaded machine
         dinfo = peer.infos["bench-decode"][0]
         regions = [(t.data_ptr(), t.numel()) for t in kv]
         prepare, raw_close = (_raw_nixl if backend == "nixl" else _raw_mooncake)(
