@@ -29,6 +29,8 @@ __all__ = ["PackedShape", "check_capacity", "class_packed_runs", "packed_shape",
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
+#: runs (entries x runs per entry) up to which destination offsets are spread with one take
+_TAKE_MAX = 4096
 _AR = np.arange(1 << 16, dtype=np.int64)
 _AR.flags.writeable = False
 
@@ -138,7 +140,8 @@ class PackedShape(NamedTuple):
     :ivar whole_rows: the gather moves whole token rows of contiguous pages (token offsets are
         token slots).
     :ivar eidx: int64 ``[E * R]``: ``0 .. R - 1`` repeated per entry (one ``take`` spreads a
-        row of ``R`` destination offsets over every entry).
+        row of ``R`` destination offsets over every entry), or None for large shapes, where a
+        broadcast copy of the row per entry is cheaper than an indexed gather.
     """
 
     offs: np.ndarray
@@ -155,7 +158,7 @@ class PackedShape(NamedTuple):
     tok_row: np.ndarray
     tok_key: tuple[int, int]
     whole_rows: bool
-    eidx: np.ndarray
+    eidx: np.ndarray | None
 
 
 def packed_shape(
@@ -205,9 +208,9 @@ def packed_shape(
         tok_row=row,
         tok_key=tok_key,
         whole_rows=tok_key == (ps, 1),
-        eidx=_ro(np.tile(np.arange(r, dtype=np.int64), e)),
+        eidx=_ro(np.tile(np.arange(r, dtype=np.int64), e)) if e * r <= _TAKE_MAX else None,
     )
-    cls.remember_shape(key, out, (3 * e + 1) * r * 8 + row.nbytes)
+    cls.remember_shape(key, out, ((3 if e * r <= _TAKE_MAX else 2) * e + 1) * r * 8 + row.nbytes)
     return out
 
 
@@ -248,7 +251,13 @@ def rank_block(
     row = np.multiply(pg, d_ps)
     if inpage is not None:
         row += inpage
-    dst = row.take(eidx)  # one row per entry: offsets are from each destination entry's base
+    # one row per entry: offsets are from each destination entry's base
+    if eidx is not None:
+        dst = row.take(eidx)
+    else:
+        dst = np.empty((offs.shape[0], row.shape[0]), dtype=np.int64)
+        dst[:] = row
+        dst = dst.reshape(-1)
     tok = tokens.get(tok_key) if tokens is not None else None
     if tok is None:
         if tok_pages:
