@@ -294,28 +294,29 @@ def segment_to_chunk(
     :raises ValueError: the segment starts before ``decode_prefix_len``, or ``src_pages`` is
         too short.
     """
-    rel = segment.token_start - decode_prefix_len
+    start, n = segment.token_start, segment.num_tokens
+    rel = start - decode_prefix_len
     if rel < 0 or page_size <= 0:
         raise ValueError(
-            f"segment.token_start={segment.token_start} must be >= decode_prefix_len="
+            f"segment.token_start={start} must be >= decode_prefix_len="
             f"{decode_prefix_len} (page_size={page_size} must be > 0)"
         )
-    skip = segment.token_start % page_size
-    need = -(-(skip + segment.num_tokens) // page_size) if segment.num_tokens else 0
+    skip = start % page_size
+    need = -(-(skip + n) // page_size) if n else 0
     pages = np.asarray(src_pages, dtype=np.int64)
     if pages.shape[0] < need:
         raise ValueError(
-            f"segment of {segment.num_tokens} tokens from in-page offset {skip} needs {need} "
+            f"segment of {n} tokens from in-page offset {skip} needs {need} "
             f"source pages (page_size={page_size}), got {pages.shape[0]}"
         )
-    aligned = rel % page_size == 0 and decode_prefix_len % page_size == 0
+    aligned = not rel % page_size and not decode_prefix_len % page_size
     return SendChunk(
         room=room,
         src_pages=pages[:need],
         dst_pages=np.asarray(dst_pages, dtype=np.int64),
         decode_prefix_len=decode_prefix_len,
         src_page_offset=rel // page_size,
-        num_tokens=segment.num_tokens,
+        num_tokens=n,
         chunk_id=segment.chunk_id,
         is_last=segment.is_last,
         rel_start=-1 if aligned else rel,

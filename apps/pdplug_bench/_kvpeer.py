@@ -4,7 +4,9 @@ The benchmark process is the prefill side (a real :class:`~pdplug.protocols.KVSe
 plugin manager, plus the raw engine for the side-by-side baseline); this spawned process holds
 one real :class:`~pdplug.protocols.KVReceiver` per decode DCP rank of one or more decode
 instances, connected through a rendezvous. Commands and events cross a Pipe as msgspec-JSON
-(no pickle); PeerInfos cross as msgspec-msgpack bytes (hex).
+(no pickle); PeerInfos cross as msgspec-msgpack bytes (hex). For the byte checks
+(:mod:`pdplug_bench.bytecheck`) it poisons expected pages before a checked run and returns
+digests of the rows that landed.
 """
 
 from __future__ import annotations
@@ -41,19 +43,33 @@ def _send(conn: Any, **msg: Any) -> None:
     conn.send_bytes(_enc.encode(msg))
 
 
+def _fill(kv: list[Any], page: int, pages: list[int], value: int) -> None:
+    """Fill every row of ``pages`` (``page`` tokens each) of every entry with ``value``."""
+    import torch
+
+    idx = torch.as_tensor(pages, dtype=torch.int64)
+    for t in kv:
+        t.view(-1, page, t.shape[1])[idx] = value
+
+
 def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -> None:
     import numpy as np
     import torch
 
     from pdplug import KVConfig, KVPoll, PluginManager
     from pdplug.bootstrap import resolve
+    from pdplug_bench.bytecheck import dst_rows, rows_digest
 
     insts = msgspec.msgpack.decode(spec, type=list[DecodeInstance])
     pm = PluginManager()
     recvs: dict[str, list[Any]] = {}
     keep: list[Any] = []
     infos: dict[str, list[str]] = {}
+    kvs: dict[str, list[list[Any]]] = {}
+    pages_of: dict[str, int] = {}
     for inst in insts:
+        kvs[inst.name] = []
+        pages_of[inst.name] = inst.layout.page_size
         peers = resolve(endpoint, inst.prefill or prefill, timeout_s=60)
         recvs[inst.name] = []
         for r in range(inst.layout.dcp_size):
@@ -71,6 +87,7 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
             for t in kv:
                 t.fill_(0x5A)  # touch the pages so the first transfer does not fault them in
             keep.append(kv)
+            kvs[inst.name].append(kv)
             rc.register_kv(kv)
             rc.connect(peers)
             recvs[inst.name].append(rc)
@@ -89,9 +106,26 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
             if cmd["op"] == "expect":
                 name, room = cmd["instance"], cmd["room"]
                 for r, rc in enumerate(recvs[name]):
+                    if cmd.get("poison") is not None:  # before expect: nothing lands yet
+                        _fill(kvs[name][r], pages_of[name], cmd["pages"][r], cmd["poison"])
                     pages = np.asarray(cmd["pages"][r], dtype=np.int64)
                     rc.expect(room, pages, num_tokens=cmd["num_tokens"])
                 watching[room] = name
+            elif cmd["op"] == "fill":
+                name = cmd["instance"]
+                for r, pages in enumerate(cmd["pages"]):
+                    _fill(kvs[name][r], pages_of[name], pages, cmd["value"])
+                _send(conn, event="filled", id=cmd["id"])
+            elif cmd["op"] == "digest":
+                name = cmd["instance"]
+                out = []
+                for r, (pages, n) in enumerate(zip(cmd["pages"], cmd["tokens"])):
+                    kv = kvs[name][r]
+                    rows = dst_rows(pages, pages_of[name], n)
+                    if cmd.get("corrupt") and n and r == 0:  # test hook: one wrong byte landed
+                        kv[0][int(rows[n // 2]), 0] ^= 0xFF
+                    out.append(rows_digest(kv, rows))
+                _send(conn, event="digest", id=cmd["id"], digests=out)
             elif cmd["op"] == "clear":
                 for rc in recvs[cmd["instance"]]:
                     rc.clear(cmd["room"])
@@ -137,6 +171,7 @@ class DecodePeer:
         )
         self.proc.start()
         self.infos: dict[str, list[PeerInfo]] = {}
+        self._seq = 0
 
     def _recv(self, timeout: float) -> dict[str, Any]:
         if not self.conn.poll(timeout):
@@ -154,11 +189,56 @@ class DecodePeer:
             for k, v in msg["infos"].items()
         }
 
-    def expect(self, instance: str, room: int, pages: list[list[int]], num_tokens: int) -> None:
-        """Every receiver of ``instance`` expects ``room`` (``pages[r]`` for DCP rank r)."""
+    def expect(
+        self,
+        instance: str,
+        room: int,
+        pages: list[list[int]],
+        num_tokens: int,
+        poison: int | None = None,
+    ) -> None:
+        """Every receiver of ``instance`` expects ``room`` (``pages[r]`` for DCP rank r); with
+        ``poison``, their pages are first filled with that byte (for a byte check)."""
         _send(
-            self.conn, op="expect", instance=instance, room=room, pages=pages, num_tokens=num_tokens
+            self.conn,
+            op="expect",
+            instance=instance,
+            room=room,
+            pages=pages,
+            num_tokens=num_tokens,
+            poison=poison,
         )
+
+    def _reply(self, event: str, ident: int, timeout: float) -> dict[str, Any]:
+        while True:
+            msg = self._recv(timeout)
+            if msg.get("event") == event and msg.get("id") == ident:
+                return msg
+
+    def fill(
+        self, instance: str, pages: list[list[int]], value: int, timeout: float = 120.0
+    ) -> None:
+        """Fill ``pages[r]`` of DCP rank r of ``instance`` with byte ``value`` (returns once
+        done)."""
+        self._seq += 1
+        _send(self.conn, op="fill", instance=instance, pages=pages, value=value, id=self._seq)
+        self._reply("filled", self._seq, timeout)
+
+    def digest(
+        self,
+        instance: str,
+        pages: list[list[int]],
+        tokens: list[int],
+        corrupt: bool = False,
+        timeout: float = 120.0,
+    ) -> list[str]:
+        """Digests (:func:`pdplug_bench.bytecheck.rows_digest`) of the first ``tokens[r]`` local
+        tokens in ``pages[r]`` of DCP rank r of ``instance``. ``corrupt`` (tests only) flips one
+        landed byte first, as a faulty write would."""
+        self._seq += 1
+        _send(self.conn, op="digest", instance=instance, pages=pages, tokens=tokens,
+              corrupt=corrupt, id=self._seq)  # fmt: skip
+        return list(self._reply("digest", self._seq, timeout)["digests"])
 
     def done(self, room: int, timeout: float = 120.0) -> dict[str, Any]:
         """The decode side's verdict on ``room``."""

@@ -18,7 +18,7 @@ from pdplug import PlanError
 from pdplug.types import SendChunk
 from pdplug_dcp.pairs import Pair
 
-__all__ = ["ChunkState", "chunk_state", "rank_share", "src_offsets", "token_runs"]
+__all__ = ["ChunkState", "chunk_state", "src_offsets", "token_runs"]
 
 
 class ChunkState(msgspec.Struct, frozen=True):
@@ -73,14 +73,6 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
     return ChunkState(chunk, src_pages, dst_pages, rel0, s0, n)
 
 
-def rank_share(st: ChunkState, d: int, rank: int) -> tuple[int, int, int]:
-    """``(first, n, l0)``: rank ``rank`` of ``d`` owns chunk tokens ``first, first + d, …``
-    (``n`` of them), stored from local offset ``l0`` on."""
-    first = (rank - st.rel0) % d
-    n = (st.nt - first + d - 1) // d if st.nt > first else 0
-    return first, n, (st.rel0 + first) // d
-
-
 _INPAGE: dict[tuple[int, int, int, int, int], np.ndarray] = {}
 
 
@@ -106,11 +98,15 @@ def src_offsets(
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     if st.s0 == 0 and ps % step == 0 and first < step:
-        # every page holds the same in-page offsets: one cached row, one broadcast add
+        # every page holds the same in-page offsets: page bases repeated (long loops, no
+        # short broadcast rows) plus one cached row of in-page offsets
         per = ps // step
         npg = -(-n // per)
-        bases = (st.src_pages[:npg] * page_mul).repeat(per)
-        return _inpage(ps, step, first, tok_mul, npg)[:n] + bases[:n]
+        out = np.multiply(st.src_pages[:npg], page_mul).repeat(per)
+        if npg * per != n:
+            out = out[:n]
+        out += _inpage(ps, step, first, tok_mul, npg)[:n]
+        return out
     k = st.s0 + first + step * np.arange(n, dtype=np.int64)
     pg = k // ps
     k -= pg * ps

@@ -14,17 +14,23 @@ the packer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from pdplug.errors import CapacityError
 from pdplug.kvtypes import PackGroup
 from pdplug.types import PackRegion
 from pdplug_dcp.chunks import ChunkState, src_offsets
-from pdplug_dcp.pairs import EntryClass, Pair
+from pdplug_dcp.pairs import EntryClass, Pair, _ro
 
-__all__ = ["check_capacity", "class_packed_runs", "class_packed_block", "pack_group"]
+__all__ = ["PackedShape", "check_capacity", "class_packed_runs", "packed_shape", "rank_block"]
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+#: runs (entries x runs per entry) up to which destination offsets are spread with one take
+_TAKE_MAX = 4096
 _AR = np.arange(1 << 16, dtype=np.int64)
 _AR.flags.writeable = False
 
@@ -110,94 +116,167 @@ def class_packed_runs(
     return np.concatenate(parts_r), np.concatenate(parts_d), np.concatenate(parts_n)
 
 
-def class_packed_block(
-    cls: EntryClass, dst_pages: np.ndarray, n: int, l0: int, offs: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every entry's region->destination runs of ``cls`` (entry-major ``[E * R]``: entry,
-    region offset from the pack-buffer base, destination offset, length), for the rank's
-    ``n`` tokens from local offset ``l0``; ``offs`` int64 ``[E]`` (read-only, cached by
-    :meth:`EntryClass.block_offsets`) are the entries' block offsets.
+class PackedShape(NamedTuple):
+    """What the packed plans of one class share when they have one *shape* (the rank's token
+    count ``n``, first token ``first``, first in-page offsets ``o0`` (destination) and ``s0``
+    (source), and the region): everything but the page ids. Arrays are read-only.
 
-    With one run per page (the common case) only the destination offsets depend on the
-    chunk's pages: the region offsets and lengths depend on the shape alone (``n``, the
-    block offsets, the first page's offset, the page count) and are shared, read-only,
-    between plans of that shape."""
-    pd = cls.d_page
-    q0, q1 = l0 // pd, (l0 + n - 1) // pd
-    o0 = l0 - q0 * pd
-    cl = l0 + n - q1 * pd
-    pages = cls._pages
-    first = pages.get((o0, min(n, pd - o0))) or cls.page_runs(o0, min(n, pd - o0))
-    full = pages.get((0, pd)) or cls.page_runs(0, pd)
-    last = (pages.get((0, cl)) or cls.page_runs(0, cl)) if q1 > q0 else full
-    e = offs.shape[0]
-    if first[0].shape[0] == full[0].shape[0] == last[0].shape[0] == 1:
-        r = q1 - q0 + 1
-        dst = np.multiply(dst_pages[q0 : q1 + 1], cls.d_ps)
-        f1 = int(full[1][0])
-        if f1:
-            dst += f1
-        dst[0] += int(first[1][0]) - f1
-        if r > 1:
-            dst[-1] += int(last[1][0]) - f1
-        out = np.empty((e, r), dtype=np.int64)
-        out[:] = dst
-        key = (id(offs), o0, r, int(first[2][0]), int(last[2][0]))
-        shared = cls._shapes.get(key)
-        if shared is None or shared[0] is not offs:
-            tb = cls.tok_bytes
-            reg = _steps(r, pd * tb, -o0 * tb)
-            reg[0] = 0
-            src = (reg[None, :] + offs[:, None]).reshape(-1)
-            lens = np.empty((e, r), dtype=np.int64)
-            lens[:] = full[2][0]
-            lens[:, 0] = first[2][0]
-            if r > 1:
-                lens[:, -1] = last[2][0]
-            ln = lens.reshape(-1)
-            src.flags.writeable = False
-            ln.flags.writeable = False
-            shared = (offs, src, ln)
-            cls.remember_shape(key, shared)
-        return cls.entry_column(r), shared[1], out.reshape(-1), shared[2]
-    reg, dst, ln = class_packed_runs(cls, dst_pages, n, l0)
+    :ivar offs: int64 ``[E]`` block offsets (:meth:`EntryClass.block_offsets`).
+    :ivar ecol: int64 ``[E * R]`` entry of each run (entry-major).
+    :ivar src: int64 ``[E * R]`` region offset of each run from the pack-buffer base.
+    :ivar lens: int64 ``[E * R]`` run lengths (bytes).
+    :ivar inpage: int64 ``[R]`` destination offset of each run from its page's base (the same
+        for every entry: offsets are from each destination entry's base), or None when all 0.
+    :ivar qidx: int64 ``[R]`` destination page of each run (from the first), or None when run
+        ``k`` lies in page ``k`` (one run per page).
+    :ivar pages: destination pages spanned.
+    :ivar d_ps: int64 0-d: the destination page stride (a 0-d array multiplies faster than a
+        Python int).
+    :ivar tok_pages/tok_per/tok_mul/tok_row: when every source page holds the rank's tokens at
+        the same in-page offsets: the source pages spanned, tokens per page, the page stride
+        in units (int64 0-d) and the in-page offsets, int64 ``[n]`` tiled; else ``tok_pages``
+        is 0 and the token offsets are computed from scratch.
+    :ivar tok_key: ``(page stride, token stride)`` in units (:func:`pack_group` tokens key).
+    :ivar whole_rows: the gather moves whole token rows of contiguous pages (token offsets are
+        token slots).
+    :ivar eidx: int64 ``[E * R]``: ``0 .. R - 1`` repeated per entry (one ``take`` spreads a
+        row of ``R`` destination offsets over every entry), or None for large shapes, where a
+        broadcast copy of the row per entry is cheaper than an indexed gather.
+    """
+
+    offs: np.ndarray
+    ecol: np.ndarray
+    src: np.ndarray
+    lens: np.ndarray
+    inpage: np.ndarray | None
+    qidx: np.ndarray | None
+    pages: int
+    d_ps: np.ndarray
+    tok_pages: int
+    tok_per: int
+    tok_mul: np.ndarray
+    tok_row: np.ndarray
+    tok_key: tuple[int, int]
+    whole_rows: bool
+    eidx: np.ndarray | None
+
+
+def packed_shape(
+    cls: EntryClass, pair: Pair, n: int, first: int, o0: int, s0: int, region_offset: int
+) -> PackedShape:
+    """The :class:`PackedShape` of a rank's ``n > 0`` tokens (cached per class within a byte
+    budget; built once per shape in O(runs + tokens))."""
+    key = (n, first, o0, s0, region_offset)
+    hit = cls._shapes.get(key)
+    if hit is not None:
+        return hit
+    pd, tb = cls.d_page, cls.tok_bytes
+    pages = (o0 + n - 1) // pd + 1
+    reg, tdst, ln = class_packed_runs(cls, np.zeros(pages, dtype=np.int64), n, o0)
+    # the region block is in destination page order: page 0 holds cnt0 tokens, others pd
+    cnt0 = min(n, pd - o0)
+    q = np.where(reg < cnt0 * tb, 0, 1 + (reg - cnt0 * tb) // (pd * tb))
     r = reg.shape[0]
-    blk = np.empty((3, e, r), dtype=np.int64)
-    np.add(reg[None, :], offs[:, None], out=blk[0])
-    blk[1] = dst[None, :]
-    blk[2] = ln[None, :]
-    flat = blk.reshape(3, -1)
-    return cls.entry_column(r), flat[0], flat[1], flat[2]
+    qidx = None if r == pages and bool((q == np.arange(r)).all()) else _ro(q)
+    offs = cls.block_offsets(n, region_offset)
+    e = offs.shape[0]
+    src = np.add(reg[None, :], offs[:, None]).reshape(-1)
+    lens = np.empty((e, r), dtype=np.int64)
+    lens[:] = ln
+    ps, step, unit = pair.src_page, pair.dcp, cls.unit
+    tok_key = (cls.s_ps // unit, cls.s_ts // unit)
+    tok_pages = per = 0
+    row = _EMPTY
+    if s0 == 0 and ps % step == 0 and first < step:
+        # every source page holds the rank's tokens at the same in-page offsets
+        per = ps // step
+        tok_pages = -(-n // per)
+        one = (first + step * np.arange(per, dtype=np.int64)) * tok_key[1]
+        row = _ro(np.tile(one, tok_pages)[:n])
+    out = PackedShape(
+        offs=offs,
+        ecol=cls.entry_column(r),
+        src=_ro(src),
+        lens=_ro(lens.reshape(-1)),
+        inpage=_ro(tdst) if tdst.any() else None,
+        qidx=qidx,
+        pages=pages,
+        d_ps=_ro(np.array(cls.d_ps, dtype=np.int64)),
+        tok_pages=tok_pages,
+        tok_per=per,
+        tok_mul=_ro(np.array(tok_key[0], dtype=np.int64)),
+        tok_row=row,
+        tok_key=tok_key,
+        whole_rows=tok_key == (ps, 1),
+        eidx=_ro(np.tile(np.arange(r, dtype=np.int64), e)) if e * r <= _TAKE_MAX else None,
+    )
+    cls.remember_shape(key, out, ((3 if e * r <= _TAKE_MAX else 2) * e + 1) * r * 8 + row.nbytes)
+    return out
 
 
-def pack_group(
+def rank_block(
     st: ChunkState,
     pair: Pair,
     cls: EntryClass,
-    offsets: np.ndarray,
     first: int,
     n: int,
     l0: int,
-    tokens: dict[tuple[int, int], np.ndarray],
-) -> PackGroup:
-    """The gather of ``cls`` for the rank's tokens (see :class:`pdplug.kvtypes.PackGroup`).
+    region_offset: int,
+    tokens: dict[tuple[int, int], np.ndarray] | None = None,
+) -> tuple[tuple[np.ndarray, ...], PackGroup, bool]:
+    """One class of a rank's packed plan, for the rank's ``n > 0`` chunk tokens ``first,
+    first + D, ...`` stored from local offset ``l0``: its runs (entry-major ``[E * R]``:
+    entry, region offset from the pack-buffer base, destination offset, length), its gather,
+    and whether the gather moves whole token rows (its token offsets are then token slots).
 
-    :param offsets: int64 ``[E]`` byte offset of each entry's block from the pack-buffer base.
+    Per plan only the page ids are new: the destination offsets (one row of ``R`` page
+    offsets, written once per entry) and the token offsets (source page bases repeated per
+    page, plus the shape's cached in-page row) take a few numpy calls on ``E * R`` and ``n``
+    values; the rest is the shape's (:func:`packed_shape`).
+
     :param tokens: token offsets already built for this rank, keyed by ``(page stride, token
-        stride)`` in units (shared by classes with one source geometry).
+        stride)`` in units (shared by classes with one source geometry); None: one class.
     """
-    key = (cls.s_ps // cls.unit, cls.s_ts // cls.unit)
-    tok = tokens.get(key)
+    pd = cls.d_page
+    q0 = l0 // pd
+    o0 = l0 - q0 * pd
+    sh = cls._shapes.get((n, first, o0, st.s0, region_offset))
+    if sh is None:
+        sh = packed_shape(cls, pair, n, first, o0, st.s0, region_offset)
+    (offs, ecol, src, lens, inpage, qidx, pages, d_ps, tok_pages, per, tok_mul, tok_row,
+     tok_key, whole, eidx) = sh  # fmt: skip
+    pg = st.dst_pages[q0 : q0 + pages]
+    if qidx is not None:
+        pg = pg[qidx]
+    row = np.multiply(pg, d_ps)
+    if inpage is not None:
+        row += inpage
+    # one row per entry: offsets are from each destination entry's base
+    if eidx is not None:
+        dst = row.take(eidx)
+    else:
+        dst = np.empty((offs.shape[0], row.shape[0]), dtype=np.int64)
+        dst[:] = row
+        dst = dst.reshape(-1)
+    tok = tokens.get(tok_key) if tokens is not None else None
     if tok is None:
-        tok = src_offsets(st, pair.src_page, first, pair.dcp, n, *key)
-        tokens[key] = tok
-    return PackGroup(
+        if tok_pages:
+            tok = np.multiply(st.src_pages[:tok_pages], tok_mul).repeat(per)
+            if tok.shape[0] != n:
+                tok = tok[:n]
+            tok += tok_row
+        else:
+            tok = src_offsets(st, pair.src_page, first, pair.dcp, n, *tok_key)
+        if tokens is not None:
+            tokens[tok_key] = tok
+    group = PackGroup(
         entries=cls.entries_t,
-        offsets=offsets,
+        offsets=offs,
         tokens=tok,
         cols=cls.cols_t,
         row_bytes=cls.w,
         unit=cls.unit,
-        page_tokens=cls.d_page if cls.head_major else 0,
-        first_offset=l0 % cls.d_page,
+        page_tokens=pd if cls.head_major else 0,
+        first_offset=o0,
     )
+    return (ecol, src, dst, lens), group, whole

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from itertools import pairwise
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -28,6 +29,9 @@ from pdplug.kvtypes import KVEntry
 from pdplug.layout import entry_map
 
 __all__ = ["EntryClass", "Pair", "pair_of", "checked_pair"]
+
+#: bytes of shared plan-shape arrays kept per class
+_SHAPE_BUDGET = 4 << 20
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
@@ -66,7 +70,8 @@ class EntryClass(msgspec.Struct, frozen=True):
     _pages: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
     _ecols: dict[int, np.ndarray] = {}
     _offs: dict[tuple[int, int], np.ndarray] = {}
-    _shapes: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+    _shapes: dict[tuple[int, ...], Any] = {}
+    _shape_bytes: list[int] = []
 
     @property
     def ncols(self) -> int:
@@ -92,18 +97,17 @@ class EntryClass(msgspec.Struct, frozen=True):
             self._offs[key] = out
         return out
 
-    def remember_shape(self, key: tuple[int, ...], arrays: tuple[np.ndarray, ...]) -> None:
-        """Keep read-only arrays a plan shape shares (region offsets, lengths), up to a byte
-        budget (4 MiB per class; the cache starts over when full)."""
-        size = sum(a.nbytes for a in arrays[1:])
-        if self._shape_bytes() + size > 4 << 20:
+    def remember_shape(self, key: tuple[int, ...], shape: Any, nbytes: int) -> None:
+        """Keep the read-only arrays a plan shape shares (``nbytes`` of them), up to a byte
+        budget (4 MiB per class; the cache starts over when full; larger shapes are not kept)."""
+        if nbytes > _SHAPE_BUDGET:
+            return
+        used = self._shape_bytes
+        if used[0] + nbytes > _SHAPE_BUDGET:
             self._shapes.clear()
-        if size <= 4 << 20:
-            self._shapes[key] = arrays
-
-    def _shape_bytes(self) -> int:
-        # list() copies under the GIL: other senders' pack threads may insert meanwhile
-        return sum(a.nbytes for v in list(self._shapes.values()) for a in v[1:])
+            used[0] = 0
+        self._shapes[key] = shape
+        used[0] += nbytes
 
     def entry_column(self, runs: int) -> np.ndarray:
         """Read-only int64 ``[E * runs]``: each entry repeated ``runs`` times (entry-major;
@@ -221,7 +225,7 @@ def _make_class(
         w=w, d_page=d_page, head_major=head_major, unit=unit,
         cum=_ro(np.zeros(len(entries), dtype=np.int64)),
         entries_t=tuple(entries), cols_t=tuple(s_cols), _pages={}, _ecols={}, _offs={},
-        _shapes={},
+        _shapes={}, _shape_bytes=[0],
     )  # fmt: skip
 
 

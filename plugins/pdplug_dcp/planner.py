@@ -37,9 +37,9 @@ from pdplug import KVLayout, PlanError, PlannerConfig
 from pdplug.packing import region_capacity_tokens
 from pdplug.protocols import Packer
 from pdplug.types import PackGroup, PackRegion, SendChunk, TransferPlan
-from pdplug_dcp.chunks import ChunkState, chunk_state, rank_share
+from pdplug_dcp.chunks import ChunkState, chunk_state
 from pdplug_dcp.direct import class_runs, expand_entries
-from pdplug_dcp.packed import check_capacity, class_packed_block, class_packed_runs, pack_group
+from pdplug_dcp.packed import check_capacity, class_packed_runs, rank_block
 from pdplug_dcp.pairs import Pair, pair_of
 
 __all__ = ["DcpPlanner", "TpPlanner", "make_dcp_planner", "make_tp_planner"]
@@ -85,6 +85,7 @@ class DcpPlanner:
                 f"PlannerConfig.packer must be 'auto', 'torch' or 'triton', got "
                 f"{self.config.packer!r}"
             )
+        self._last: tuple[KVLayout, KVLayout, Pair] | None = None
 
     # ------------------------------------------------------------------ Protocol
 
@@ -131,7 +132,9 @@ class DcpPlanner:
         """
         pair = self._pair(src, dst)
         st = chunk_state(chunk, pair)
-        return self._plan_rank(st, pair, dst_dcp_rank, region, _draft_runs(st, pair))
+        return self._plan_rank(
+            st, pair, dst_dcp_rank, region, _draft_runs(st, pair) if pair.drafts else _NONE
+        )
 
     def plan_all(
         self,
@@ -180,7 +183,12 @@ class DcpPlanner:
     # ------------------------------------------------------------------ internals
 
     def _pair(self, src: KVLayout, dst: KVLayout) -> Pair:
-        return pair_of(src, dst)
+        last = self._last  # a sender passes the same two layout objects with every plan
+        if last is not None and last[0] is src and last[1] is dst:
+            return last[2]
+        pair = pair_of(src, dst)
+        self._last = (src, dst, pair)
+        return pair
 
     def _relayout(self, pair: Pair) -> bool:
         if not pair.main:
@@ -203,31 +211,36 @@ class DcpPlanner:
         d = pair.dcp
         if not 0 <= rank < d:
             raise PlanError(f"room {c.room}: dst_dcp_rank={rank} not in [0, dcp_size={d})")
-        first, n, l0 = rank_share(st, d, rank)
-        if not pair.main:
-            n = 0
+        # rank r of d owns chunk tokens first, first + d, ... (n of them), stored from local
+        # offset l0 (see pdplug_dcp.chunks)
+        first = (rank - st.rel0) % d
+        n = (st.nt - first + d - 1) // d if st.nt > first and pair.main else 0
+        l0 = (st.rel0 + first) // d
+        groups: tuple[PackGroup, ...] = ()
+        slots = _EMPTY
+        runs = _NONE
         packed = region is not None and self._relayout(pair)
-        runs: Runs
         if packed:
             assert region is not None
-            check_capacity(st, pair, rank, n, region)
-            groups: tuple[PackGroup, ...] = ()
-            runs, slots = _NONE, _EMPTY
-            if n:
+            if n > region.capacity_tokens or n * pair.pack_bpt > region.nbytes:
+                check_capacity(st, pair, rank, n, region)  # raises, naming the values
+            if n and len(pair.main) == 1:  # the usual case: one class, nothing to concatenate
+                runs, g, whole = rank_block(st, pair, pair.main[0], first, n, l0, region.offset)
+                groups = (g,)
+                if whole:  # whole-row gathers index token slots
+                    slots = g.tokens
+            elif n:
                 runs, groups, slots = _packed_rank(st, pair, first, n, l0, region)
-        else:
-            runs = _NONE
-            if n:
-                runs = _cat(
-                    [
-                        expand_entries(
-                            cls.entries,
-                            *class_runs(st, cls, pair.src_page, st.dst_pages, l0, first, d, n),
-                        )
-                        for cls in pair.main
-                    ]
-                )
-            groups, slots = (), _EMPTY
+        elif n:
+            runs = _cat(
+                [
+                    expand_entries(
+                        cls.entries,
+                        *class_runs(st, cls, pair.src_page, st.dst_pages, l0, first, d, n),
+                    )
+                    for cls in pair.main
+                ]
+            )
         if drafts[0].shape[0]:
             runs = _cat([runs, drafts])
         return TransferPlan(
@@ -252,17 +265,18 @@ class DcpPlanner:
 def _packed_rank(
     st: ChunkState, pair: Pair, first: int, n: int, l0: int, region: PackRegion
 ) -> tuple[Runs, tuple[PackGroup, ...], np.ndarray]:
-    """Runs, pack groups and token slots of one rank's packed plan (``n > 0``)."""
+    """Runs, pack groups and token slots of one rank's packed plan (``n > 0``) with several
+    classes."""
     tokens: dict[tuple[int, int], np.ndarray] = {}
     parts: list[Runs] = []
     groups: list[PackGroup] = []
-    for cls in pair.main:  # a few classes at most (usually one)
-        offs = cls.block_offsets(n, region.offset)
-        parts.append(class_packed_block(cls, st.dst_pages, n, l0, offs))
-        groups.append(pack_group(st, pair, cls, offs, first, n, l0, tokens))
+    for cls in pair.main:  # a few classes at most
+        runs, g, _ = rank_block(st, pair, cls, first, n, l0, region.offset, tokens)
+        parts.append(runs)
+        groups.append(g)
     # whole-row gathers index token slots; sub-row gathers leave the slots to their groups
     slots = tokens.get((pair.src_page, 1), _EMPTY)
-    return (parts[0] if len(parts) == 1 else _cat(parts)), tuple(groups), slots
+    return _cat(parts), tuple(groups), slots
 
 
 def _packing_helps(pair: Pair) -> bool:
