@@ -8,8 +8,8 @@ notification message that the target reads with ``get_new_notifs`` after the dat
 again unchanged (per-token sends, a retransmitted prefix, a benchmark loop) is prepared once
 with ``prep_xfer_dlist`` and re-posted with ``make_prepped_xfer``, which skips the per-post
 descriptor set-up that dominates small descriptors; every other pattern goes through
-``initialize_xfer`` (with 128 KiB descriptors between two processes on this machine, prepared
-lists measured slower: ``pdplug bench transfer`` overhead 13-15% with them vs 6-8% without).
+``initialize_xfer`` (for large descriptors between two processes, prepared lists measured
+slower in ``pdplug bench transfer``).
 The agent is used from the session's engine thread only.
 
 Clean exits. The NIXL 1.5.1 wheel bundles its own ``libnl-route-3``; UCX's EFA transport, which
