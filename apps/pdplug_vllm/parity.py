@@ -20,7 +20,7 @@ import msgspec
 
 from pdplug.ports import free_ports
 from pdplug_vllm.client import Completion, RequestFailed, complete_all, percentile
-from pdplug_vllm.engines import Engine, EngineSpec, kv_transfer_config, running
+from pdplug_vllm.engines import Engine, EngineError, EngineSpec, kv_transfer_config, running
 from pdplug_vllm.proxy import ProxyConfig, make_app
 from pdplug_vllm.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 
@@ -32,6 +32,7 @@ __all__ = [
     "kill_decode_mid_run",
     "proxy_thread",
     "run_parity",
+    "warm_up",
 ]
 
 #: connector label -> (vLLM connector name, proxy mode)
@@ -161,6 +162,28 @@ def proxy_thread(config: ProxyConfig, port: int, timeout_s: float = 30.0) -> Ite
         t.join(timeout=10.0)
 
 
+def warm_up(url: str, prompt: Sequence[int], max_tokens: int, *, timeout_s: float = 300.0) -> float:
+    """Send ``prompt`` to ``url`` until one answer comes back whole (bounded by ``timeout_s``).
+
+    An engine answering ``/health`` has not yet run a forward: the first requests pay for
+    kernel set-up and, through a disaggregated pair, the connector's first handshake (tens of
+    seconds on a loaded 2-core host). Measured request sets start after this.
+
+    :returns: seconds until the first whole answer.
+    :raises pdplug_vllm.engines.EngineError: no whole answer within ``timeout_s`` (the last
+        failure is named).
+    """
+    t0 = time.monotonic()
+    last = "no attempt"
+    while (left := timeout_s - (time.monotonic() - t0)) > 0:
+        (res,) = complete_all(url, [prompt], max_tokens, concurrency=1, timeout_s=left)
+        if isinstance(res, Completion):
+            return time.monotonic() - t0
+        last = res.reason
+        time.sleep(1.0)
+    raise EngineError(f"warm-up through {url} got no answer in {timeout_s:.0f} s: {last}")
+
+
 def kill_decode_mid_run(
     url: str,
     prompts: Sequence[Sequence[int]],
@@ -214,9 +237,10 @@ def run_parity(
     max_tokens: int = 16,
     concurrency: int = 4,
     start_timeout_s: float = 600.0,
-    request_timeout_s: float = 120.0,
+    request_timeout_s: float = 300.0,
     prompts: Sequence[Sequence[int]] | None = None,
     kill_decode: bool = False,
+    kill_timeout_s: float = 60.0,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -224,7 +248,10 @@ def run_parity(
     :param workdir: model checkpoint and engine logs go here.
     :param prompts: token-id prompts (e.g. a trace's); default ``requests`` random prompts of
         ``prompt_tokens`` tokens. Ids must be below the tiny model's vocabulary (1024).
-    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run`.
+    :param request_timeout_s: bound of one request of the parity set (seconds): a hang
+        detector sized to a loaded host, not a latency target.
+    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run`, each request
+        bounded by ``kill_timeout_s``.
     :raises pdplug_vllm.engines.EngineError: an engine did not start.
     """
     t0 = time.monotonic()
@@ -248,19 +275,22 @@ def run_parity(
         d_engine,
     ):
         start_s = time.monotonic() - t0
+        warm = token_prompts(1, prompt_tokens, spec.vocab_size, seed=7919)[0]
+        warm_up(single.url, warm, max_tokens, timeout_s=start_timeout_s)
         t1 = time.monotonic()
         ref = complete_all(single.url, prompts, max_tokens, concurrency=concurrency,
                            timeout_s=request_timeout_s)  # fmt: skip
         single_run_s = time.monotonic() - t1
         config = ProxyConfig(prefill_url=prefill.url, decode_url=decode.url, **proxy_opts)
         with proxy_thread(config, ports[5]) as url:
+            warm_up(url, warm, max_tokens, timeout_s=start_timeout_s)
             t2 = time.monotonic()
             got = complete_all(url, prompts, max_tokens, concurrency=concurrency,
                                timeout_s=request_timeout_s)  # fmt: skip
             disagg_run_s = time.monotonic() - t2
             if kill_decode:
                 kill = kill_decode_mid_run(
-                    url, prompts, max_tokens, p_engine, d_engine, timeout_s=request_timeout_s
+                    url, prompts, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s
                 )
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]

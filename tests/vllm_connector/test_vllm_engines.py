@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_nixl_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tmp_path) -> None:
     res = run_parity(
         "nixl", tmp_path, requests=16, prompt_tokens=256, max_tokens=8, kill_decode=True,
-        request_timeout_s=60.0,
+        kill_timeout_s=60.0,
     )  # fmt: skip
     assert res.failed == [], res.failed
     assert res.identical == res.requests == 16
