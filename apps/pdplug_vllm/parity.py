@@ -65,6 +65,8 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar requests/prompt_tokens/max_tokens: the workload (``prompt_tokens``: the longest).
     :ivar identical: requests whose tokens equal the single engine's.
     :ivar failed: requests that failed (index, reason).
+    :ivar differ: requests answered on both paths with different tokens (index, first
+        differing position, prompt tokens).
     :ivar start_s: launch to all engines ready; ``wall_s``: launch to done.
     :ivar single_run_s/disagg_run_s: wall time of the request phase on each path.
     :ivar ttft_p50_s/ttft_p99_s: TTFT through the proxy; ``single_ttft_p50_s``: single engine.
@@ -84,6 +86,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     identical: int
     failed: list[tuple[int, str]]
+    differ: list[tuple[int, int, int]]
     start_s: float
     wall_s: float
     single_run_s: float
@@ -391,10 +394,16 @@ def run_parity(
                 )
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
-    identical = sum(
-        isinstance(a, Completion) and isinstance(b, Completion) and a.tokens == b.tokens
-        for a, b in zip(ref, got)
-    )
+    pairs = [
+        (a, b) for a, b in zip(ref, got) if isinstance(a, Completion) and isinstance(b, Completion)
+    ]
+    identical = sum(a.tokens == b.tokens for a, b in pairs)
+    differ = [
+        (a.index, next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+         len(prompts[a.index]))
+        for a, b in pairs
+        if a.tokens != b.tokens
+    ]  # fmt: skip
     ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
     ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
     bs = prefill.block_size
@@ -406,6 +415,7 @@ def run_parity(
         max_tokens=max_tokens,
         identical=identical,
         failed=failed,
+        differ=differ,
         start_s=start_s,
         wall_s=time.monotonic() - t0,
         single_run_s=single_run_s,
