@@ -184,7 +184,8 @@ class PushWorker:
 
     # ------------------------------------------------------------------ per step
     def on_plan(self, plan: StepPlan) -> None:
-        """Apply a step's aborts, cancels and receive jobs; queue its send jobs."""
+        """Apply a step's aborts, cancels and receive jobs; queue its send jobs (called before
+        the forward: they are posted by :meth:`post`, once the forward wrote their KV)."""
         for c in plan.cancel:
             self._decline(c)
         for job in plan.recv:
@@ -300,9 +301,8 @@ class PushWorker:
                 log.error("pdplug: room %d of %s not started: %s", job.room, job.req_id, e)
                 st.aborted = True
                 return
-        if not st.aborted:
+        if not st.aborted:  # posted by post(), after this step's forward wrote the KV
             st.pending.append(job)
-            self._post(job.room, st)
 
     def _post(self, room: int, st: _SendRoom) -> None:
         status = self._status(room)
