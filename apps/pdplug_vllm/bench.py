@@ -67,7 +67,7 @@ def cli(
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pdplug-bench-vllm-") as tmp:
         for c in names:
-            console.print(f"[{c}] starting engines ...")
+            console.print(f"{c}: starting engines ...")
             res = run_parity(c, f"{workdir or tmp}/{c}", prompts=prompts, max_tokens=max_tokens,
                              concurrency=concurrency)  # fmt: skip
             results[c] = res
@@ -89,7 +89,9 @@ def cli(
         console.print(f"TTFT p50 ratio pdplug / nixl = {ratio:.2f} (goal <= 1.0)")
     for c, r in results.items():
         for i, why in r.failed[:5]:
-            console.print(f"[{c}] request {i} failed: {why}")
+            console.print(f"{c}: request {i} failed: {why}", markup=False)
+        for i, pos, n in r.differ[:5]:
+            console.print(f"{c}: request {i} ({n} prompt tokens) differs at token {pos}")
     if json_path:
         write_json(json_path, {c: msgspec.to_builtins(r) for c, r in results.items()})
     if not all(r.ok for r in results.values()):

@@ -69,4 +69,8 @@ def print_vllm_report(res: ParityResult, scale: int, console: Any) -> None:
     t.add_row("engines up", f"{res.start_s:.0f} s", "launch to all three engines ready")
     console.print(t)
     for i, why in res.failed[:5]:
-        console.print(f"request {i} failed: {why}")
+        console.print(f"request {i} failed: {why}", markup=False)
+    for i, pos, n in res.differ[:5]:
+        console.print(
+            f"request {i} ({n} prompt tokens) differs from the single engine at token {pos}"
+        )

@@ -233,7 +233,8 @@ class PushWorker:
         if self.session is None:
             return out
         if self.where.side == "prefill":
-            self._finished |= set(finished_req_ids)
+            live = {st.req_id for st in self._send.values()}
+            self._finished |= set(finished_req_ids) & live  # requests without a room: none
             self.post()
             for room, st in list(self._send.items()):
                 if st.req_id not in self._finished:
