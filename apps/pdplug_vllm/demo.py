@@ -38,7 +38,7 @@ def print_vllm_report(res: ParityResult, scale: int, console: Any) -> None:
     from rich.table import Table
 
     spec = TinyLlama()
-    per_token = res.kv_bytes_unit
+    per_token = spec.num_hidden_layers * spec.num_key_value_heads * 2 * spec.head_dim * 4
     t = Table(
         title="pdplug demo (vLLM): prefill engine -> decode engine, PdplugConnector",
         caption=(
@@ -56,7 +56,7 @@ def print_vllm_report(res: ParityResult, scale: int, console: Any) -> None:
     t.add_row("parity OK", f"{res.identical} / {n}",
               "requests whose every token equals the single vLLM engine's")  # fmt: skip
     t.add_row("tokens transferred", str(res.kv_bytes // per_token if per_token else 0),
-              "prompt tokens whose KV crossed to the decode engine (warm-up included)")  # fmt: skip
+              "tokens whose KV crossed to decode (whole blocks, warm-up included)")  # fmt: skip
     t.add_row("bytes transferred", f"{res.kv_bytes / 2**20:.1f} MiB",
               f"checked: {res.kv_bytes_min:,}..{res.kv_bytes_max:,} bytes needed "
               f"({'ok' if res.bytes_ok else 'OUTSIDE'})")  # fmt: skip

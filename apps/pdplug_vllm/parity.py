@@ -407,7 +407,8 @@ def run_parity(
     ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
     ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
     bs = prefill.block_size
-    lo, hi, unit = kv_bytes_bounds([warm, *prompts], spec, bs, 1 if connector == "pdplug" else bs)
+    # both connectors move whole blocks (vLLM CPU attention's K slab is tiled per block)
+    lo, hi, unit = kv_bytes_bounds([warm, *prompts], spec, bs, bs)
     return ParityResult(
         connector=connector,
         requests=requests,

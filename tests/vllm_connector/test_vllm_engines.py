@@ -26,7 +26,7 @@ def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tm
     assert res.failed == [], res.failed
     assert res.identical == res.requests == 16
     assert 0 < res.ttft_p50_s <= res.ttft_p99_s
-    # the prefill engine's counter: whole tokens of KV, exactly what the decode misses
+    # the prefill engine's counter: whole blocks of KV, exactly what the decode misses
     assert res.bytes_ok and res.kv_bytes > 0, (res.kv_bytes, res.kv_bytes_min, res.kv_bytes_max)
     # then the decode engine dies mid-run: every request ends (none hangs past its bound),
     # the ones cut off fail with a reason, and the prefill engine keeps serving

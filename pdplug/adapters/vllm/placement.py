@@ -30,6 +30,9 @@ class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
     :ivar chunk_tokens: split grid (tokens) of the selected scheduler.
     :ivar pack_region_tokens: pack region capacity (tokens).
     :ivar bootstrap_timeout_s/transfer_timeout_s/waiting_timeout_s: room deadlines (seconds).
+    :ivar whole_blocks: move a request's last block whole, not only its prompt tokens: vLLM's
+        CPU attention stores a block's K slab in its own tiled order, so a token is not a row
+        of the slab and only whole blocks can be copied (as vLLM's NixlConnector does).
     """
 
     side: str
@@ -54,6 +57,7 @@ class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
     waiting_timeout_s: float = 120.0
+    whole_blocks: bool = True
 
 
 class TransferResults(msgspec.Struct, kw_only=True):

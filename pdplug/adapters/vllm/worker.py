@@ -323,7 +323,7 @@ class PushWorker:
         for job in jobs:
             if st.posted_last:
                 break
-            end = max(job.token_end, st.sent_upto)
+            end = max(self._tokens(job.token_end) if job.is_last else job.token_end, st.sent_upto)
             try:
                 segs = self._sched.split_send(
                     token_start=st.sent_upto, token_end=end, decode_prefix_len=prefix,
@@ -366,7 +366,8 @@ class PushWorker:
             self._connect(job.prefill_instance, job.bootstrap)
             s.expect(
                 room, np.asarray(job.block_ids, dtype=np.int64),
-                decode_prefix_len=job.decode_prefix_len, num_tokens=job.num_prompt_tokens,
+                decode_prefix_len=job.decode_prefix_len,
+                num_tokens=self._tokens(job.num_prompt_tokens),
                 instance=job.prefill_instance,
             )  # fmt: skip
         except Exception as e:  # a refused peer or bad job fails the request
@@ -386,6 +387,11 @@ class PushWorker:
         self._recv[c.room] = _RecvRoom(req_id="", cancel=True)
 
     # ------------------------------------------------------------------ session wrappers
+    def _tokens(self, n: int) -> int:
+        # tokens a room moves: the prompt, or its last block whole (RankPlacement.whole_blocks)
+        bs = self.where.block_size
+        return -(-n // bs) * bs if self.where.whole_blocks else n
+
     def _status(self, room: int) -> KVPoll:
         if room in self._failed_local:
             return KVPoll.Failed
