@@ -348,8 +348,9 @@ def run_parity(
         ``prompt_tokens`` tokens. Ids must be below the tiny model's vocabulary (1024).
     :param request_timeout_s: bound of one request of the parity set (seconds): a hang
         detector sized to a loaded host, not a latency target.
-    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run`, each request
-        bounded by ``kill_timeout_s``.
+    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run` on the
+        prompts with every id shifted by one (not in any prefix cache), each request bounded by
+        ``kill_timeout_s``.
     :raises pdplug_vllm.engines.EngineError: an engine did not start.
     """
     t0 = time.monotonic()
@@ -389,8 +390,11 @@ def run_parity(
             metric, side = BYTES_METRIC[connector]
             kv_bytes = _settled((prefill if side == "prefill" else decode).url, metric)
             if kill_decode:
+                # fresh prompts: the parity set is in both engines' prefix caches and would
+                # finish before the kill
+                fresh = [[(t + 1) % spec.vocab_size for t in p] for p in prompts]
                 kill = kill_decode_mid_run(
-                    url, prompts, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s
+                    url, fresh, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s
                 )
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
