@@ -85,6 +85,7 @@ class PdplugConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+        self.applied = False  # set by the worker that applied it (one object per step)
 
 
 @dataclass
@@ -152,7 +153,6 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         self.selections = {k: extra.get(k) for k in ("kv_sender", "pack_planner", "scheduler")}
         self._resolve_components()
         self.worker: PushWorker | None = None
-        self._applied: int | None = None  # id of the plan the worker applied
         if role == KVConnectorRole.WORKER:
             self.worker = PushWorker(self._placement(vllm_config, extra))
             return
@@ -319,9 +319,11 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         # once per step, whichever hook comes first (no-forward steps run them too)
         if self.worker is None or not self.has_connector_metadata():
             return
+        # a flag on the step's own object: id() of a freed object is reused by the next one,
+        # which silently dropped a whole step's plan
         meta = self._get_connector_metadata()
-        if id(meta) != self._applied and isinstance(meta, PdplugConnectorMetadata):
-            self._applied = id(meta)
+        if isinstance(meta, PdplugConnectorMetadata) and not meta.applied:
+            meta.applied = True
             self.worker.on_plan(meta.plan)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
