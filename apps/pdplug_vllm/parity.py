@@ -20,7 +20,7 @@ import msgspec
 
 from pdplug.ports import free_ports
 from pdplug_vllm.client import Completion, RequestFailed, complete_all, percentile
-from pdplug_vllm.engines import Engine, EngineSpec, kv_transfer_config, running
+from pdplug_vllm.engines import Engine, EngineError, EngineSpec, kv_transfer_config, running
 from pdplug_vllm.proxy import ProxyConfig, make_app
 from pdplug_vllm.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 
@@ -32,6 +32,9 @@ __all__ = [
     "kill_decode_mid_run",
     "proxy_thread",
     "run_parity",
+    "scrape",
+    "trace_prompts",
+    "warm_up",
 ]
 
 #: connector label -> (vLLM connector name, proxy mode)
@@ -62,10 +65,18 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar requests/prompt_tokens/max_tokens: the workload (``prompt_tokens``: the longest).
     :ivar identical: requests whose tokens equal the single engine's.
     :ivar failed: requests that failed (index, reason).
+    :ivar differ: requests answered on both paths with different tokens (index, first
+        differing position, prompt tokens).
     :ivar start_s: launch to all engines ready; ``wall_s``: launch to done.
     :ivar single_run_s/disagg_run_s: wall time of the request phase on each path.
     :ivar ttft_p50_s/ttft_p99_s: TTFT through the proxy; ``single_ttft_p50_s``: single engine.
     :ivar throughput_rps: disaggregated requests per second.
+    :ivar kv_bytes: KV bytes the connector reported moving in the disaggregated phase
+        (warm-up included): pdplug's prefill ``vllm:pdplug_bytes_transferred_total``, NIXL's
+        decode ``vllm:nixl_bytes_transferred_sum``.
+    :ivar kv_bytes_min/kv_bytes_max: what the prompts need (every decode prefix-cache hit
+        possible .. none); ``kv_bytes_unit``: the transfer unit (pdplug a token's KV, NIXL
+        a block's): ``kv_bytes`` must be a whole number of units inside the range.
     :ivar kill: the decode-killed phase, when run.
     """
 
@@ -75,6 +86,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     identical: int
     failed: list[tuple[int, str]]
+    differ: list[tuple[int, int, int]]
     start_s: float
     wall_s: float
     single_run_s: float
@@ -83,12 +95,98 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     ttft_p99_s: float
     single_ttft_p50_s: float
     throughput_rps: float
+    kv_bytes: int = 0
+    kv_bytes_min: int = 0
+    kv_bytes_max: int = 0
+    kv_bytes_unit: int = 1
     kill: KillResult | None = None
 
     @property
+    def bytes_ok(self) -> bool:
+        """The moved bytes are whole units inside what the prompts need."""
+        return (
+            self.kv_bytes_min <= self.kv_bytes <= self.kv_bytes_max
+            and self.kv_bytes % self.kv_bytes_unit == 0
+        )
+
+    @property
     def ok(self) -> bool:
-        """Every request answered and token-identical."""
-        return not self.failed and self.identical == self.requests
+        """Every request answered and token-identical, and the bytes check holds."""
+        return not self.failed and self.identical == self.requests and self.bytes_ok
+
+
+#: the metric each connector's moved bytes are read from, and the engine that serves it
+BYTES_METRIC = {
+    "pdplug": ("vllm:pdplug_bytes_transferred_total", "prefill"),
+    "nixl": ("vllm:nixl_bytes_transferred_sum", "decode"),
+}
+
+
+def kv_bytes_bounds(
+    prompts: Sequence[Sequence[int]], spec: TinyLlama, block_size: int, unit_tokens: int
+) -> tuple[int, int, int]:
+    """``(min, max, unit)`` bytes a decode engine receives for ``prompts`` sent in order.
+
+    ``max``: no decode prefix-cache hit. ``min``: each prompt hits every full block an
+    earlier prompt shares (vLLM caches full blocks and always computes the last prompt
+    token). ``unit``: ``unit_tokens`` tokens of KV (1 for a token-exact transfer,
+    ``block_size`` when whole blocks move).
+    """
+    per_token = spec.num_hidden_layers * spec.num_key_value_heads * 2 * spec.head_dim
+    per_token *= 4 if spec.dtype == "float32" else 2
+    seen: set[tuple[int, ...]] = set()
+    lo = hi = 0
+    for p in prompts:
+        blocks = [tuple(p[: (i + 1) * block_size]) for i in range(len(p) // block_size)]
+        hit = 0
+        for b in blocks:
+            if b not in seen or len(b) >= len(p):
+                break
+            hit = len(b)
+        seen.update(blocks)
+        units = lambda n: -(-n // unit_tokens) * unit_tokens  # noqa: E731
+        lo += units(len(p) - hit)
+        hi += units(len(p))
+    return lo * per_token, hi * per_token, per_token * unit_tokens
+
+
+def _settled(url: str, metric: str, timeout_s: float = 15.0) -> int:
+    # the engine's stats reach /metrics with its next outputs: read until two reads agree
+    last, deadline = -1.0, time.monotonic() + timeout_s
+    while True:
+        now = scrape(url, [metric])[metric]
+        if now == last or time.monotonic() > deadline:
+            return int(now)
+        last = now
+        time.sleep(1.0)
+
+
+def trace_prompts(limit: int = 16, scale: int = 32, vocab: int = 1024) -> list[list[int]]:
+    """Token-id prompts of the first ``limit`` requests of the bundled trace (the reference
+    demo's, scaled by ``scale``; shared prefixes stay shared), ids below ``vocab``."""
+    from pdplug_host.trace import load_trace, prompt_tokens
+
+    return [prompt_tokens(r, vocab).tolist() for r in load_trace(limit=limit, scale=scale)]
+
+
+def scrape(url: str, names: Sequence[str]) -> dict[str, float]:
+    """Sum of every sample of each Prometheus metric in ``names`` at ``url/metrics`` (missing
+    metrics: 0.0).
+
+    :raises httpx.HTTPError: the engine did not answer.
+    """
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if name in out:
+            out[name] += float(value)
+    return out
 
 
 def disagg_specs(
@@ -121,11 +219,12 @@ def disagg_specs(
         bootstrap = f"tcp://127.0.0.1:{p_side}"
         p_kv = kv_transfer_config(
             name, "kv_producer", engine_id="prefill-0",
-            extra={"instance": "prefill-0", "bootstrap_port": p_side},
+            extra={"instance": "prefill-0", "bootstrap_port": p_side, "bootstrap_timeout_s": 30},
         )  # fmt: skip
         d_kv = kv_transfer_config(
-            name, "kv_consumer", engine_id="decode-0", extra={"instance": "decode-0"}
-        )
+            name, "kv_consumer", engine_id="decode-0",
+            extra={"instance": "decode-0", "bootstrap_timeout_s": 30},
+        )  # fmt: skip
         p_env, d_env = {}, {}
         proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
     prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
@@ -159,6 +258,28 @@ def proxy_thread(config: ProxyConfig, port: int, timeout_s: float = 30.0) -> Ite
     finally:
         server.should_exit = True
         t.join(timeout=10.0)
+
+
+def warm_up(url: str, prompt: Sequence[int], max_tokens: int, *, timeout_s: float = 300.0) -> float:
+    """Send ``prompt`` to ``url`` until one answer comes back whole (bounded by ``timeout_s``).
+
+    An engine answering ``/health`` has not yet run a forward: the first requests pay for
+    kernel set-up and, through a disaggregated pair, the connector's first handshake (tens of
+    seconds on a loaded 2-core host). Measured request sets start after this.
+
+    :returns: seconds until the first whole answer.
+    :raises pdplug_vllm.engines.EngineError: no whole answer within ``timeout_s`` (the last
+        failure is named).
+    """
+    t0 = time.monotonic()
+    last = "no attempt"
+    while (left := timeout_s - (time.monotonic() - t0)) > 0:
+        (res,) = complete_all(url, [prompt], max_tokens, concurrency=1, timeout_s=left)
+        if isinstance(res, Completion):
+            return time.monotonic() - t0
+        last = res.reason
+        time.sleep(1.0)
+    raise EngineError(f"warm-up through {url} got no answer in {timeout_s:.0f} s: {last}")
 
 
 def kill_decode_mid_run(
@@ -214,9 +335,10 @@ def run_parity(
     max_tokens: int = 16,
     concurrency: int = 4,
     start_timeout_s: float = 600.0,
-    request_timeout_s: float = 120.0,
+    request_timeout_s: float = 300.0,
     prompts: Sequence[Sequence[int]] | None = None,
     kill_decode: bool = False,
+    kill_timeout_s: float = 60.0,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -224,7 +346,11 @@ def run_parity(
     :param workdir: model checkpoint and engine logs go here.
     :param prompts: token-id prompts (e.g. a trace's); default ``requests`` random prompts of
         ``prompt_tokens`` tokens. Ids must be below the tiny model's vocabulary (1024).
-    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run`.
+    :param request_timeout_s: bound of one request of the parity set (seconds): a hang
+        detector sized to a loaded host, not a latency target.
+    :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run` on the
+        prompts with every id shifted by one (not in any prefix cache), each request bounded by
+        ``kill_timeout_s``.
     :raises pdplug_vllm.engines.EngineError: an engine did not start.
     """
     t0 = time.monotonic()
@@ -248,28 +374,45 @@ def run_parity(
         d_engine,
     ):
         start_s = time.monotonic() - t0
+        warm = token_prompts(1, prompt_tokens, spec.vocab_size, seed=7919)[0]
+        warm_up(single.url, warm, max_tokens, timeout_s=start_timeout_s)
         t1 = time.monotonic()
         ref = complete_all(single.url, prompts, max_tokens, concurrency=concurrency,
                            timeout_s=request_timeout_s)  # fmt: skip
         single_run_s = time.monotonic() - t1
         config = ProxyConfig(prefill_url=prefill.url, decode_url=decode.url, **proxy_opts)
         with proxy_thread(config, ports[5]) as url:
+            warm_up(url, warm, max_tokens, timeout_s=start_timeout_s)
             t2 = time.monotonic()
             got = complete_all(url, prompts, max_tokens, concurrency=concurrency,
                                timeout_s=request_timeout_s)  # fmt: skip
             disagg_run_s = time.monotonic() - t2
+            metric, side = BYTES_METRIC[connector]
+            kv_bytes = _settled((prefill if side == "prefill" else decode).url, metric)
             if kill_decode:
+                # fresh prompts: the parity set is in both engines' prefix caches and would
+                # finish before the kill
+                fresh = [[(t + 1) % spec.vocab_size for t in p] for p in prompts]
                 kill = kill_decode_mid_run(
-                    url, prompts, max_tokens, p_engine, d_engine, timeout_s=request_timeout_s
+                    url, fresh, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s
                 )
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
-    identical = sum(
-        isinstance(a, Completion) and isinstance(b, Completion) and a.tokens == b.tokens
-        for a, b in zip(ref, got)
-    )
+    pairs = [
+        (a, b) for a, b in zip(ref, got) if isinstance(a, Completion) and isinstance(b, Completion)
+    ]
+    identical = sum(a.tokens == b.tokens for a, b in pairs)
+    differ = [
+        (a.index, next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+         len(prompts[a.index]))
+        for a, b in pairs
+        if a.tokens != b.tokens
+    ]  # fmt: skip
     ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
     ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
+    bs = prefill.block_size
+    # both connectors move whole blocks (vLLM CPU attention's K slab is tiled per block)
+    lo, hi, unit = kv_bytes_bounds([warm, *prompts], spec, bs, bs)
     return ParityResult(
         connector=connector,
         requests=requests,
@@ -277,6 +420,7 @@ def run_parity(
         max_tokens=max_tokens,
         identical=identical,
         failed=failed,
+        differ=differ,
         start_s=start_s,
         wall_s=time.monotonic() - t0,
         single_run_s=single_run_s,
@@ -285,6 +429,10 @@ def run_parity(
         ttft_p99_s=percentile(ttft, 99),
         single_ttft_p50_s=percentile(ref_ttft, 50),
         throughput_rps=len(ttft) / disagg_run_s if disagg_run_s else 0.0,
+        kv_bytes=kv_bytes,
+        kv_bytes_min=lo,
+        kv_bytes_max=hi,
+        kv_bytes_unit=unit,
         kill=kill,
     )
 

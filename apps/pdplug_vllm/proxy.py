@@ -60,6 +60,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     :ivar decode_instance: the decode engine's pdplug instance id (push; "" = any).
     :ivar allocator_id: this proxy's room allocator id (one per proxy replica).
     :ivar timeout_s: upper bound of one upstream request (seconds).
+    :ivar connect_timeout_s: bound of one upstream TCP connect (seconds); size it to the load
+        (a starved event loop on a loaded host misses short bounds even on loopback).
+    :ivar keepalive_s: seconds an idle upstream connection is kept for reuse; 0 (default)
+        opens one connection per upstream request. vLLM's server closes idle connections
+        after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s): a pooled connection reused just as the
+        engine closes it fails the request (``ReadError``), so keep this well below it.
     """
 
     prefill_url: str
@@ -70,6 +76,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_instance: str = ""
     allocator_id: int = 0
     timeout_s: float = 600.0
+    connect_timeout_s: float = 30.0
+    keepalive_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("push", "pull"):
@@ -87,8 +95,12 @@ def make_app(config: ProxyConfig) -> Any:
     :raises ValueError: a bad ``config`` (see :class:`ProxyConfig`).
     """
     rooms = RoomAllocator(config.allocator_id)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(config.timeout_s, connect=10.0)
+    limits = httpx.Limits(
+        max_connections=None,
+        max_keepalive_connections=64 if config.keepalive_s > 0 else 0,
+        keepalive_expiry=config.keepalive_s,
+    )
+    timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
     clients: dict[str, httpx.AsyncClient] = {}
 
     @contextlib.asynccontextmanager

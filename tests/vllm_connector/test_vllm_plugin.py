@@ -12,7 +12,6 @@ pytest.importorskip("vllm")
 
 from _sched import make_scheduler
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -58,14 +57,6 @@ def _kv_cache_config() -> KVCacheConfig:
     return KVCacheConfig(
         num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
     )
-
-
-def test_worker_role_refuses_with_what_is_missing(tiny_model: str) -> None:
-    from pdplug.adapters.vllm.connector import PdplugConnector
-
-    s = make_scheduler(tiny_model, "decode")
-    with pytest.raises(NotImplementedError, match="layout model"):
-        PdplugConnector(s.vllm_config, KVConnectorRole.WORKER, _kv_cache_config())
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,10 @@ the pdplug components it will use (KV sender, pack planner, scheduler, selected 
 ``kv_connector_extra_config`` or ``PDPLUG_*``) so a missing plugin stops the engine before
 its first request.
 
-Worker role: not available yet. Registering vLLM's KV tensors needs pdplug's layout model for
-strided head-major caches and the renovated transfer sessions; until they land, constructing
-the worker side raises :class:`NotImplementedError` naming what is missing, so an engine
-never runs with a connector that would drop its transfers.
+Worker role: :class:`pdplug.adapters.vllm.worker.PushWorker` registers vLLM's KV tensors
+with the selected pdplug KV sender (prefill) or receiver (decode), applies each step's plan
+(aborts and preemptions with a bounded wait until drained, receive jobs, send jobs posted after
+the forward) and reports rooms that ended and drained as vLLM's transfer results.
 
 The prefill engine's scheduler process serves the rendezvous (``pdplug.bootstrap``) at
 ``bootstrap_port``, where every prefill rank (each PP stage, each TP rank) publishes itself
@@ -24,11 +24,15 @@ handshake of every PP stage (vLLM's default refuses ``pp_rank > 0``).
 ``kv_connector_extra_config`` keys: ``instance`` (this engine's pdplug instance id, default
 the vLLM ``engine_id``), ``bootstrap_port`` (prefill: the rendezvous port its scheduler
 process serves), ``bootstrap_host`` (interface it binds, default 127.0.0.1), ``kv_sender``,
-``pack_planner``, ``scheduler`` (pdplug selections).
+``pack_planner``, ``scheduler`` (pdplug selections), ``bootstrap_timeout_s``,
+``transfer_timeout_s``, ``waiting_timeout_s`` (room deadlines, seconds), ``chunk_tokens``
+(split grid, tokens; default the engine's ``max_num_batched_tokens``) and
+``pack_region_tokens``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -36,18 +40,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.request import RequestStatus
 
-from pdplug.adapters.vllm import unsupported_reason
+from pdplug.adapters.vllm import installed_vllm, unsupported_reason
 from pdplug.adapters.vllm.scheduler import PushBook, SendJob, StepPlan
+from pdplug.adapters.vllm.stats import PdplugKVConnectorStats, PdplugPromMetrics
+from pdplug.adapters.vllm.worker import PushWorker, RankPlacement
 from pdplug.bootstrap import RendezvousServer
 from pdplug.config import WireConfig
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -60,15 +71,7 @@ _reason = unsupported_reason()
 if _reason is not None:
     raise ImportError(_reason)
 
-__all__ = ["PdplugConnector", "PdplugConnectorMetadata", "WORKER_MISSING"]
-
-#: what the worker side waits for (see docs/vllm-connector.md "Worker side")
-WORKER_MISSING = (
-    "PdplugConnector's worker side is not available in this pdplug build: registering "
-    "vLLM's KV cache needs pdplug's layout model for strided head-major tensors of shape "
-    "(num_blocks, num_kv_heads, block_size, 2*head_size) and the transfer-session integration; "
-    "the scheduler side is usable (and tested) on its own"
-)
+__all__ = ["PdplugConnector", "PdplugConnectorMetadata", "PdplugHandshakeMetadata"]
 
 _COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -82,6 +85,23 @@ class PdplugConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+        self.applied = False  # set by the worker that applied it (one object per step)
+
+
+@dataclass
+class PdplugHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker reports at vLLM's handshake (the rank publishes its ``PeerInfo`` at the
+    rendezvous itself; the scheduler only checks that every ``(pp_rank, tp_rank)`` reported).
+
+    :ivar instance: the engine's pdplug instance id.
+    :ivar side: ``"prefill"`` or ``"decode"``.
+    :ivar pp_rank/tp_rank: the worker's place.
+    """
+
+    instance: str
+    side: str
+    pp_rank: int
+    tp_rank: int
 
 
 class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
@@ -94,7 +114,6 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
     :raises ValueError: ``kv_both``, several KV cache groups, PP or DCP on the wrong side, or
         a bad ``kv_connector_extra_config`` value (named).
     :raises pdplug.errors.PluginError: a selected pdplug component cannot be built.
-    :raises NotImplementedError: the worker role (see :data:`WORKER_MISSING`).
     """
 
     def __init__(
@@ -133,14 +152,46 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
             self.bootstrap_port = port
         self.selections = {k: extra.get(k) for k in ("kv_sender", "pack_planner", "scheduler")}
         self._resolve_components()
+        self.worker: PushWorker | None = None
         if role == KVConnectorRole.WORKER:
-            raise NotImplementedError(WORKER_MISSING)
+            self.worker = PushWorker(self._placement(vllm_config, extra))
+            return
         self.book = PushBook(self.side)
         self.rendezvous: RendezvousServer | None = None
         self.handshake_ranks: tuple[tuple[int, int], ...] = ()
         if self.side == "prefill":
             host = str(extra.get("bootstrap_host") or "127.0.0.1")
             self.rendezvous = RendezvousServer(WireConfig(bind_host=host), port=port).start()
+
+    def _placement(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> RankPlacement:
+        from vllm.distributed import parallel_state as ps
+
+        par, mc = vllm_config.parallel_config, vllm_config.model_config
+        dcp = par.decode_context_parallel_size
+        host = str(extra.get("bootstrap_host") or "127.0.0.1")
+        knobs: dict[str, Any] = {
+            k: float(extra[k])
+            for k in ("bootstrap_timeout_s", "transfer_timeout_s", "waiting_timeout_s")
+            if k in extra
+        }
+        sizes: dict[str, Any] = {k: int(extra[k]) for k in ("pack_region_tokens",) if k in extra}
+        found = installed_vllm()
+        return RankPlacement(
+            side=self.side, instance=self.instance, model=str(mc.model),
+            engine_version=found[1] if found else "",
+            num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(),
+            block_size=vllm_config.cache_config.block_size,
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_size=par.pipeline_parallel_size, pp_rank=ps.get_pp_group().rank_in_group,
+            dcp_size=dcp, dcp_rank=ps.get_dcp_group().rank_in_group if dcp > 1 else 0,
+            bootstrap=f"tcp://{host}:{self.bootstrap_port}" if self.side == "prefill" else "",
+            kv_sender=self.selections["kv_sender"], pack_planner=self.selections["pack_planner"],
+            scheduler=self.selections["scheduler"],
+            chunk_tokens=int(extra.get("chunk_tokens")
+                             or vllm_config.scheduler_config.max_num_batched_tokens),
+            **knobs, **sizes,
+        )  # fmt: skip
 
     def _resolve_components(self) -> None:
         from pdplug import get_plugin_manager
@@ -240,18 +291,52 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         self.handshake_ranks = tuple(sorted(metadata))
 
     def shutdown(self) -> None:
-        """Stop the rendezvous server (prefill); idempotent."""
+        """Stop the rendezvous server (prefill scheduler) or close the worker's pdplug
+        session (aborting what is left); idempotent."""
+        if self.worker is not None:
+            self.worker.close()
+            return
         if self.rendezvous is not None:
             self.rendezvous.stop()
             self.rendezvous = None
 
     # ------------------------------------------------------------------ worker side
-    # Unreachable until the worker side lands: __init__ refuses the worker role.
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's per-layer KV tensors with the pdplug session (see
+        :meth:`pdplug.adapters.vllm.worker.PushWorker.register`)."""
+        assert self.worker is not None
+        self.worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self.worker is None:
+            return None
+        w = self.worker.where
+        return PdplugHandshakeMetadata(
+            instance=w.instance, side=w.side, pp_rank=w.pp_rank, tp_rank=w.tp_rank
+        )
+
+    def _apply_plan(self) -> None:
+        # once per step, whichever hook comes first (no-forward steps run them too)
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        # a flag on the step's own object: id() of a freed object is reused by the next one,
+        # which silently dropped a whole step's plan
+        meta = self._get_connector_metadata()
+        if isinstance(meta, PdplugConnectorMetadata) and not meta.applied:
+            meta.applied = True
+            self.worker.on_plan(meta.plan)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Abort the step's aborted/preempted rooms and wait (bounded by
+        ``transfer_timeout_s``) until no write reads or lands in their blocks."""
+        if self.worker is not None and isinstance(kv_connector_metadata, PdplugConnectorMetadata):
+            self.worker.preempt(kv_connector_metadata.plan, wait=True)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        raise NotImplementedError(WORKER_MISSING)
+        self._apply_plan()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        raise NotImplementedError(WORKER_MISSING)
+        return  # loads are asynchronous: a request runs only after its room succeeded
 
     def save_kv_layer(
         self,
@@ -260,7 +345,60 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        raise NotImplementedError(WORKER_MISSING)
+        return  # sends are posted per step in wait_for_save
 
     def wait_for_save(self) -> None:
-        raise NotImplementedError(WORKER_MISSING)
+        """Post this step's send jobs: the forward wrote their KV (on a GPU, after the
+        current stream finished it)."""
+        self._apply_plan()
+        if self.worker is None or self.worker.session is None:
+            return
+        if self.worker.session.config.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        self.worker.post()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Rooms that ended and drained: ``finished_sending`` (prefill, blocks may be freed),
+        ``finished_recving`` (decode) and ``failed_recving`` (decode; vLLM applies
+        ``kv_load_failure_policy``)."""
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        self._apply_plan()
+        r = self.worker.results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=r.finished_sending,
+            finished_recving=r.finished_recving,
+            failed_recving=r.failed_recving,
+        )
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Bytes posted and rooms ended on this worker since the last call (None: nothing)."""
+        if self.worker is None:
+            return None
+        stats = PdplugKVConnectorStats(data=self.worker.stats_delta())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return PdplugKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return PdplugPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Always empty: a failed room fails its whole request through ``failed_recving``
+        (which also works with several KV cache groups)."""
+        return set()
