@@ -125,6 +125,9 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     :ivar layout: this rank's KV layout.
     :ivar bootstrap_endpoint: rendezvous endpoint (``tcp://host:port``).
     :ivar bootstrap_timeout_s: a room stuck in Bootstrapping this long fails.
+    :ivar rendezvous_timeout_s: how long ``register_kv`` waits for the rendezvous to confirm
+        this rank's registration (separate from the room deadlines, so a short
+        ``bootstrap_timeout_s`` for fast room failure does not make start-up fragile).
     :ivar waiting_timeout_s: a room stuck in WaitingForInput this long fails.
     :ivar transfer_timeout_s: a room stuck in Transferring this long fails.
     :ivar pack_region_tokens: capacity of one pack region in tokens (rounded down to pages).
@@ -140,6 +143,7 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     layout: KVLayout
     bootstrap_endpoint: str = ""
     bootstrap_timeout_s: float = 30.0
+    rendezvous_timeout_s: float = 30.0
     waiting_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
     pack_region_tokens: int = 8192
@@ -152,3 +156,6 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"KVConfig.role must be 'prefill' or 'decode', got {self.role!r}")
+        if not self.rendezvous_timeout_s > 0:
+            got = self.rendezvous_timeout_s
+            raise ValueError(f"KVConfig.rendezvous_timeout_s must be > 0 seconds, got {got!r}")

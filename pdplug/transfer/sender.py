@@ -215,7 +215,7 @@ class KVSenderSession(RoomSession):
         :raises ValueError: entry count, a tensor whose strides do not match its entry, a
             region with another page stride, an entry below one page (each named).
         :raises TransferError: the engine refused the memory, or the rendezvous did not
-            answer within ``bootstrap_timeout_s``.
+            answer within ``rendezvous_timeout_s``.
         """
         items = list(entries)
         reg = resolve_kv(self.layout, items)
@@ -226,7 +226,7 @@ class KVSenderSession(RoomSession):
             bootstrap.register(
                 self.config.bootstrap_endpoint,
                 self.peer_info(),
-                timeout_s=self.config.bootstrap_timeout_s,
+                timeout_s=self.config.rendezvous_timeout_s,
                 wire=self.config.wire,
             )
 
