@@ -82,6 +82,12 @@ def slab_entries(
     ``vllm/v1/attention/backends/cpu_attn.py``). The V entry's page 0 starts
     ``page_size * head_bytes`` bytes after the K entry's (:func:`slab_views` gives both views).
 
+    The entries describe where each slab lies, and token rows as in the V slab. vLLM's CPU
+    attention (ISA ``vec``) stores the K slab transposed (``head_size`` rows of ``page_size``
+    elements), so one token's K bytes are not one row: a transfer between two such caches must
+    move whole pages (the vLLM connector does: ``RankPlacement.whole_blocks``), never a
+    per-token relayout of the K entry.
+
     :param heads: KV heads on this rank.
     :param head_bytes: bytes of one K (or V) row of one head (``head_size * dtype bytes``).
     :param page_size: tokens per page (block size).
