@@ -51,8 +51,16 @@ def test_digest_sees_one_flipped_byte() -> None:
     assert rows_digest(kv, rows) == d0
 
 
+@pytest.mark.slow
+@pytest.mark.torch
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("backend", "fault"), [("nixl", True), ("mooncake", False)])
+@pytest.mark.parametrize(
+    ("backend", "fault"),
+    [
+        pytest.param("nixl", True, marks=pytest.mark.nixl),
+        pytest.param("mooncake", False, marks=pytest.mark.mooncake),
+    ],
+)
 def test_bench_transfer_checks_the_bytes(backend: str, fault: bool) -> None:
     args = ["transfer", "--backend", backend, "--sizes", "64", "--repeats", "1"]
     res = _bench(*args, *(["--inject-fault"] if fault else []), timeout=360)
@@ -66,6 +74,9 @@ def test_bench_transfer_checks_the_bytes(backend: str, fault: bool) -> None:
         assert "all checked rounds identical" in out, out
 
 
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.nixl
 @pytest.mark.timeout(400)
 def test_bench_pack_exits_nonzero_on_a_wrong_byte() -> None:
     res = _bench("pack", "--layers", "1", "--repeats", "1", "--inject-fault", timeout=360)
