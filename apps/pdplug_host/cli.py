@@ -249,6 +249,10 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
     from pdplug_host.driver import DemoError, run_demo
     from pdplug_host.progress import DemoProgress
 
+    if json_path:  # checked before the run, so a finished run's report is never lost
+        parent = os.path.dirname(os.path.abspath(json_path))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            _fail(f"--json {json_path}: {parent} is not a writable directory")
     if engine == "vllm":
         _vllm_demo(requests, json_path, kw)
         return

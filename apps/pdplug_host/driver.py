@@ -274,10 +274,13 @@ def _start_reference(
     from pdplug_host.reference import reference_run
 
     fut: Future[dict[int, list[int]]] = Future()
+    cancel = threading.Event()
     total = len(requests)
     done = [0]
 
     def tick(_rid: int) -> None:
+        if cancel.is_set():
+            raise _ReferenceCancelled
         done[0] += 1
         if progress:
             progress("reference", done[0], total, "")
@@ -290,8 +293,27 @@ def _start_reference(
 
     if progress:
         progress("reference", 0, total, "")
-    threading.Thread(target=body, name="pdplug-reference", daemon=True).start()
+    # not a daemon: interpreter exit while torch runs on a daemon thread aborts the process
+    # (SIGABRT); a failed demo cancels it at the next finished request and joins it
+    thread = threading.Thread(target=body, name="pdplug-reference")
+    thread.start()
+    _REFERENCES[id(fut)] = (thread, cancel)
     return fut
+
+
+class _ReferenceCancelled(Exception):
+    """The demo ended before its reference run: stop it at the next finished request."""
+
+
+#: the reference thread and its cancel flag of each running demo, by id of its future
+_REFERENCES: dict[int, tuple[threading.Thread, threading.Event]] = {}
+
+
+def _stop_reference(fut: Future[dict[int, list[int]]] | None) -> None:
+    thread, cancel = _REFERENCES.pop(id(fut), (None, None))
+    if thread is not None and cancel is not None:
+        cancel.set()
+        thread.join()
 
 
 def _open_requests(
@@ -351,6 +373,7 @@ def run_demo(
     t_start = time.time()
     report: dict[str, Any] = {}
     clean = False
+    ref_future: Future[dict[int, list[int]]] | None = None
     try:
         run.spawn()
         ref_future = _start_reference(opts, [r for r in requests if r.rid not in refused], progress)
@@ -449,6 +472,7 @@ def run_demo(
         report["refused"] = sorted(refused)
         clean = all(m["rid"] in refused for m in report["mismatches"])
     finally:
+        _stop_reference(ref_future)
         run.close()
         if run.temp_logs and clean and not opts.keep_logs and run.log_dir:
             shutil.rmtree(run.log_dir, ignore_errors=True)

@@ -165,6 +165,21 @@ def check_sizes(opts: DemoOptions) -> None:
         raise DemoError(f"--requests {opts.requests}: must be >= 1")
     if opts.page_size < 1:
         raise DemoError(f"page_size {opts.page_size}: must be >= 1")
+    if opts.pack_region_tokens < opts.page_size:
+        raise DemoError(
+            f"--pack-region-tokens {opts.pack_region_tokens}: must be at least one page "
+            f"({opts.page_size} tokens)"
+        )
+    if opts.log_dir:
+        d = os.path.abspath(opts.log_dir)
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise DemoError(f"--log-dir {opts.log_dir}: not a directory")
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise DemoError(f"--log-dir {opts.log_dir}: cannot create it ({e.strerror})") from e
+        if not os.access(d, os.W_OK):
+            raise DemoError(f"--log-dir {opts.log_dir}: not writable")
     block = TRACE_BLOCK_TOKENS // opts.scale if opts.scale >= 1 else 0
     if (
         opts.scale < 1

@@ -240,3 +240,21 @@ def test_device_cuda_without_cuda_is_refused_in_one_line() -> None:
     assert code != 0
     lines = out.strip().splitlines()
     assert len(lines) == 1 and "--device cuda" in lines[0] and "--device cpu" in lines[0], out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--pack-region-tokens", "8"], "--pack-region-tokens 8: must be at least one page"),
+        (["--log-dir", "/proc/nope"], "--log-dir /proc/nope: cannot create it"),
+        (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: "),
+    ],
+)
+def test_paths_and_region_size_are_checked_before_any_worker_starts(
+    args: list[str], says: str
+) -> None:
+    """A region below one page failed 15 s in inside a worker; a bad --log-dir crashed every
+    worker; a bad --json lost the report of a finished run (found by a new user)."""
+    code, out = _demo(*args, "--requests", "2")
+    assert code == 1, out
+    assert says in out, out
