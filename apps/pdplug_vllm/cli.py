@@ -22,13 +22,13 @@ __all__ = ["proxy"]
 @click.option("--decode-instance", default="", help="Decode engine's pdplug instance (push).")
 @click.option(
     "--allocator-id",
-    type=int,
+    type=click.IntRange(min=0),
     default=0,
     show_default=True,
     help="Room allocator id; give every proxy replica in front of the same engines its own.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 def proxy(
     prefill_url: str,
     decode_url: str,
@@ -41,6 +41,13 @@ def proxy(
     port: int,
 ) -> None:
     """OpenAI-compatible proxy in front of a vLLM prefill engine and a vLLM decode engine."""
+    import importlib.util
+
+    missing = [m for m in ("httpx", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(
+            f"pdplug proxy needs {', '.join(missing)}: pip install 'pdplug[vllm]'"
+        )
     from pdplug_vllm.proxy import ProxyConfig, serve
 
     try:

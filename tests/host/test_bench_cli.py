@@ -60,3 +60,16 @@ def test_help_has_no_rest_markup_and_every_option_is_explained() -> None:
         assert res.exit_code == 0 and "``" not in res.output, res.output
     res = runner.invoke(main, ["bench", "consensus", "--help"], terminal_width=200)
     assert "--seed INTEGER seed of the readiness schedule" in " ".join(res.output.split())
+
+
+def test_vllm_commands_name_what_is_missing_in_one_line() -> None:
+    """`pdplug proxy` and `pdplug bench vllm` after a plain `.[all]` install (no vLLM extras)
+    ended in a ModuleNotFoundError traceback (found by a new user)."""
+    import importlib.util
+
+    if importlib.util.find_spec("httpx") is not None:
+        pytest.skip("the [vllm] extra is installed here")
+    for args in (["proxy", "--prefill", "http://a", "--decode", "http://b"], ["bench", "vllm"]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 1, res.output
+        assert "Traceback" not in res.output and "pdplug[vllm]" in res.output, res.output
