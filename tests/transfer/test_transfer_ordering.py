@@ -228,8 +228,10 @@ def test_a_marker_that_never_completes_fails_its_room_only(backend: str) -> None
     the same decode ranks, completes meanwhile."""
     with rendezvous() as srv:
         pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1, transfer_timeout_s=5.0)
-        dec = Decode(pm, backend, srv.endpoint, dcp=2, transfer_timeout_s=5.0)
+        # only transfer_timeout_s is under test: the others generous for a loaded machine
+        kw = dict(transfer_timeout_s=5.0, waiting_timeout_s=120.0, bootstrap_timeout_s=120.0)
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, **kw)
+        dec = Decode(pm, backend, srv.endpoint, dcp=2, **kw)
         try:
             s = pre.senders[0]
             never = FakeEvent()
