@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from pdplug.protocols import Packer, PackPlanner
@@ -61,6 +62,7 @@ __all__ = [
     "pack_groups",
     "group_rows",
     "plan_all_ranks",
+    "plan_segment",
     "pack_segment",
 ]
 
@@ -406,6 +408,96 @@ def plan_all_ranks(
         planner.plan(chunk, src, dst, r, regions[r] if regions is not None else None)
         for r in range(d)
     ]
+
+
+_RANK_FREE: dict[int, tuple[KVLayout, KVLayout]] = {}
+_INTERNED: dict[KVLayout, KVLayout] = {}
+
+
+def _rank_free(layout: KVLayout) -> KVLayout:
+    """``layout`` with ``dcp_rank`` 0, one object per distinct value (the decode DCP ranks of
+    one instance hand out layouts that differ in ``dcp_rank`` only; plans take the rank
+    apart). Memoised by identity; an entry keeps its layout alive, so ids are not reused."""
+    hit = _RANK_FREE.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    norm = msgspec.structs.replace(layout, dcp_rank=0) if layout.dcp_rank else layout
+    if len(_RANK_FREE) >= 1024:
+        _RANK_FREE.clear()
+        _INTERNED.clear()
+    norm = _INTERNED.setdefault(norm, norm)
+    _RANK_FREE[id(layout)] = (layout, norm)
+    return norm
+
+
+def plan_segment(
+    planner: PackPlanner,
+    src: KVLayout,
+    items: Sequence[tuple[SendChunk, KVLayout, int, PackRegion | None]],
+) -> list[TransferPlan]:
+    """Plans of one segment for every destination ``(chunk, dst_layout, dst_dcp_rank,
+    region)`` in ``items``, in item order: what a KV sender plans between two writes.
+
+    ``D`` consecutive items that are DCP ranks ``0 .. D - 1`` of one decode instance and TP
+    rank (layouts equal but for ``dcp_rank``) with one chunk (equal but for ``dst_pages``:
+    each decode rank sends its own page list) are planned with the planner's batched
+    ``plan_all`` when it has one (per-chunk work done once for the ``D`` ranks); the others
+    with ``plan``, one item at a time. Plans are the same either way.
+
+    :raises pdplug.PlanError, pdplug.CapacityError: as ``PackPlanner.plan``.
+    """
+    batched = getattr(planner, "plan_all", None)
+    out: list[TransferPlan] = []
+    i, total = 0, len(items)
+    while i < total:
+        chunk, dst, rank, region = items[i]
+        d = dst.dcp_size
+        if batched is not None and d > 1 and rank == 0 and _one_instance(items, i, d):
+            group = items[i : i + d]
+            regions = [it[3] for it in group]
+            out.extend(
+                batched(
+                    chunk,
+                    src,
+                    _rank_free(dst),
+                    regions if all(r is not None for r in regions) else None,
+                    [it[0].dst_pages for it in group],
+                )
+            )
+            i += d
+        else:
+            out.append(planner.plan(chunk, src, dst, rank, region))
+            i += 1
+    return out
+
+
+def _one_instance(
+    items: Sequence[tuple[SendChunk, KVLayout, int, PackRegion | None]], i: int, d: int
+) -> bool:
+    """Whether ``items[i : i + d]`` are DCP ranks ``0 .. d - 1`` of one decode layout with
+    one chunk (but for ``dst_pages``), all packed or all direct."""
+    if i + d > len(items):
+        return False
+    c0, l0, _, g0 = items[i]
+    norm = _rank_free(l0)
+    sp = np.asarray(c0.src_pages).tobytes()
+    for r in range(1, d):
+        c, lay, rank, g = items[i + r]
+        if (
+            rank != r
+            or (g is None) != (g0 is None)
+            or _rank_free(lay) is not norm
+            or c.room != c0.room
+            or c.chunk_id != c0.chunk_id
+            or c.num_tokens != c0.num_tokens
+            or c.decode_prefix_len != c0.decode_prefix_len
+            or c.src_page_offset != c0.src_page_offset
+            or c.rel_start != c0.rel_start
+            or c.is_last != c0.is_last
+            or (c.src_pages is not c0.src_pages and np.asarray(c.src_pages).tobytes() != sp)
+        ):
+            return False
+    return True
 
 
 def pack_segment(

@@ -7,10 +7,13 @@ hnd|nhd`` uses fused K|V head sub-rows instead (``--kv-heads``, ``--head-bytes``
 prefill and decode TP (prefill TP rank 0 sends to every decode TP rank it holds heads for),
 ``--page-ratio`` the prefill page over the decode page. One timed "send" =
 ``Scheduler.split_send`` + for every segment, every routed decode TP rank and each DCP rank
-``segment_to_chunk`` + ``plan`` into the rank's ``(rank, chunk_id % 2)`` region (direct plans
-when the pair needs no relayout) — what the KV sender does. ``planner_ms_p50`` keeps a
-segment's plans alive until the segment after next is planned; ``planner_ms_p50_keep_all``
-keeps all; ``planner_ms_p50_plan_all`` plans each segment's ranks in one batched ``plan_all``.
+a plan into the rank's ``(rank, chunk_id % 2)`` region (direct plans when the pair needs no
+relayout) through :func:`pdplug.packing.plan_segment`, each decode rank with its own layout
+(``dcp_rank`` set) and its own ``SendChunk`` — what the KV sender's pack thread does (the
+chunks are built before the timer: the engine thread builds them; their time is printed
+apart). ``planner_ms_p50`` keeps a segment's plans alive until the segment after next is
+planned; ``planner_ms_p50_keep_all`` keeps all; ``planner_ms_p50_per_rank`` calls ``plan``
+once per destination.
 Next to the runs per send: the runs of the same send in NHD at equal TP (1:1) and the ideal
 (one run per head range per destination page). Every plan is checked (runs inside a page, no
 byte written twice, bytes = tokens x bytes per token); a failure exits non-zero.
@@ -47,12 +50,14 @@ def _p50(xs: list[float]) -> float:
 
 
 def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
+    import msgspec
     import numpy as np
 
     from pdplug import PlannerConfig, SchedulerConfig, get_plugin_manager
     from pdplug.packing import (
         pack_regions,
         plan_all_ranks,
+        plan_segment,
         region_index,
         segment_to_chunk,
         send_capacity_tokens,
@@ -80,37 +85,49 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
         capacity_tokens=cap,
     )  # fmt: skip
 
-    def send(keep_all: bool, batched: bool = False, keep: list[Any] | None = None) -> int:
+    # every decode DCP rank hands out its own layout (dcp_rank set) and its own page list,
+    # as peers do in the sender
+    rank_layouts = [[msgspec.structs.replace(dst, dcp_rank=r) for r in range(d)] for dst in dsts]
+
+    def chunks() -> list[list[Any]]:
+        """The engine thread's part: one SendChunk per (segment, destination)."""
+        return [
+            [
+                segment_to_chunk(1, s, src_pages[s.page_start :], dst_pages.copy(), 0, p)
+                for _ in dsts
+                for _ in range(d)
+            ]
+            for s in segs
+        ]
+
+    def send(
+        cs: list[list[Any]], keep_all: bool, per_rank: bool = False,
+        keep: list[Any] | None = None,
+    ) -> int:  # fmt: skip
         alive: list[Any] = []
         runs = 0
-        for s in segs:
+        for s, seg_chunks in zip(segs, cs):
             rset = region_sets[s.chunk_id % 2]
-            for i, dst in enumerate(dsts):
-                rg = rset if relayout[i] else None
-                if batched:
-                    chunk = segment_to_chunk(1, s, src_pages[s.page_start :], dst_pages, 0, p)
-                    out = plan_all_ranks(planner, chunk, src, dst, rg)
-                else:  # the sender's path: each decode rank's own SendChunk, one plan() each
-                    out = [
-                        planner.plan(
-                            segment_to_chunk(1, s, src_pages[s.page_start :], dst_pages, 0, p),
-                            src,
-                            dst,
-                            r,
-                            rg[r] if rg else None,
-                        )
-                        for r in range(d)
-                    ]
-                alive.append(out)
-                if keep is not None:
-                    keep[i].extend(out)
-                runs += sum(pl.num_runs for pl in out)
-            if not keep_all and len(alive) > 2 * len(dsts):
-                del alive[: len(dsts)]
+            items = [
+                (seg_chunks[i * d + r], rank_layouts[i][r], r, rset[r] if relayout[i] else None)
+                for i in range(len(dsts))
+                for r in range(d)
+            ]
+            if per_rank:  # one plan() per destination
+                out = [planner.plan(c, src, dl, r, rg) for c, dl, r, rg in items]
+            else:  # the sender's path (pdplug.transfer.gather.prepare_segment)
+                out = plan_segment(planner, src, items)
+            alive.append(out)
+            if keep is not None:
+                for i in range(len(dsts)):
+                    keep[i].extend(out[i * d : (i + 1) * d])
+            runs += sum(pl.num_runs for pl in out)
+            if not keep_all and len(alive) > 2:
+                del alive[0]
         return runs
 
     kept: list[list[Any]] = [[] for _ in dsts]
-    runs = send(True, keep=kept)
+    runs = send(chunks(), True, keep=kept)
     failures = [f"decode tp {dst.tp_rank}: {f}" for dst, pl in zip(dsts, kept)
                 for f in check_plans(pl, src, dst)]  # fmt: skip
     ideal = sum(ideal_runs(pl, dst) for dst, pl in zip(dsts, kept))
@@ -143,15 +160,16 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
     variants = (
         ("planner_ms_p50", False, False),
         ("planner_ms_p50_keep_all", True, False),
-        ("planner_ms_p50_plan_all", False, True),
+        ("planner_ms_p50_per_rank", False, True),
     )
-    for key, keep, batched in variants:
+    for key, keep, per_rank in variants:
         for _ in range(5):
-            send(keep, batched)
+            send(chunks(), keep, per_rank)
         ts, cpu = [], []
         for _ in range(repeats):
+            cs = chunks()
             c0, t0 = time.thread_time(), time.perf_counter()
-            send(keep, batched)
+            send(cs, keep, per_rank)
             ts.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
         res[key] = _p50(ts) * 1e3
@@ -159,6 +177,12 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
         # CPU time of this thread: what the planner costs, without the waits a loaded
         # machine adds to wall time
         res[key.replace("ms_p50", "cpu_ms_p50")] = _p50(cpu) * 1e3
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        chunks()
+        ts.append(time.perf_counter() - t0)
+    res["chunks_ms_p50"] = _p50(ts) * 1e3
     res["capacity_tokens_per_region"] = regions[0].capacity_tokens
     res["send_capacity_tokens"] = cap or total
     res["send_tokens"] = total
@@ -211,9 +235,11 @@ def _shape_report(args: dict[str, Any], device: str, pack_repeats: int, pl: dict
         f"per page: {pl['ideal_runs_per_send']:,}; {pl['runs_over_ideal']:.3f}x, goal <= 1.1x"
         + (f"; NHD at TP 1:1: {nhd:,}" if nhd is not None else "")
         + f"); per send p50 {pl['planner_ms_p50']:.3f} ms wall, {pl['planner_cpu_ms_p50']:.3f} ms "
-        f"thread CPU (the sender's path: plan() per rank, 2 segments of plans alive; goal < 1 "
-        f"ms), {pl['planner_ms_p50_keep_all']:.3f} ms with "
-        f"all plans alive, {pl['planner_ms_p50_plan_all']:.3f} ms batched (plan_all)"
+        f"thread CPU (the sender's path: plan_segment per segment, every rank's own layout and "
+        f"SendChunk, 2 segments of plans alive; goal < 1 ms), "
+        f"{pl['planner_ms_p50_keep_all']:.3f} ms with all plans alive, "
+        f"{pl['planner_ms_p50_per_rank']:.3f} ms with one plan() per destination; building the "
+        f"SendChunks (engine thread, not timed above) {pl['chunks_ms_p50']:.3f} ms"
     )
     if pk.get("prep_us_p50") is not None and device != "cuda":
         click.echo(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdplug.packing import pack_segment
+from pdplug.packing import pack_segment, plan_segment
 from pdplug.types import KVLayout, PackRegion, TransferPlan
 
 if TYPE_CHECKING:
@@ -206,10 +206,11 @@ def prepare_segment(
     :raises pdplug.PlanError: a plan failed; :raises ValueError: as ``Packer.pack``.
     """
     t0 = time.perf_counter()
-    plans = [
-        planner.plan(job.chunk, layout, peer.info.layout, job.dst_rank, region)
-        for job, peer, region in items
-    ]
+    plans = plan_segment(
+        planner,
+        layout,
+        [(job.chunk, peer.info.layout, job.dst_rank, region) for job, peer, region in items],
+    )
     t1 = time.perf_counter()
     todo = [p for p in plans if p.packed and p.num_runs]
     marker = None

@@ -14,7 +14,7 @@ the packer.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,7 +24,16 @@ from pdplug.types import PackRegion
 from pdplug_dcp.chunks import ChunkState, src_offsets
 from pdplug_dcp.pairs import EntryClass, Pair, _ro
 
-__all__ = ["PackedShape", "check_capacity", "class_packed_runs", "packed_shape", "rank_block"]
+__all__ = [
+    "PackedShape",
+    "check_capacity",
+    "class_packed_runs",
+    "dst_offsets",
+    "packed_shape",
+    "rank_block",
+    "ranks_tokens",
+    "token_bases",
+]
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -214,6 +223,96 @@ def packed_shape(
     return out
 
 
+#: the last destination-offset and token-offset arrays built, shared by every class of the
+#: same geometry (the DCP ranks and the TP ranks of one decode instance share their page ids)
+_LAST: dict[str, tuple[Any, ...]] = {}
+
+
+def _dst_geometry(cls: EntryClass) -> tuple[Any, ...]:
+    geo = cls._reuse.get("geo")
+    if geo is None:
+        geo = (cls.d_ps, cls.d_ts, cls.d_page, cls.w, cls.head_major, cls.tok_bytes,
+               cls.d_cols.tobytes(), cls.entries.shape[0])  # fmt: skip
+        cls._reuse["geo"] = geo
+    return geo
+
+
+def dst_offsets(st: ChunkState, cls: EntryClass, sh: PackedShape, n: int, o0: int, q0: int
+                ) -> np.ndarray:  # fmt: skip
+    """Read-only int64 ``[E * R]``: destination offsets of a packed shape's runs for the chunk's
+    destination pages from page ``q0`` on (one row of ``R`` page offsets per entry: offsets
+    are from each destination entry's base).
+
+    The DCP and TP ranks of one decode instance share their destination pages and geometry,
+    so their offsets are equal: the last array built is reused while geometry and page ids
+    match."""
+    pg = st.dst_pages[q0 : q0 + sh.pages]
+    key = (_dst_geometry(cls), n, o0, pg.tobytes())
+    hit = _LAST.get("dst")
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    if sh.qidx is not None:
+        pg = pg[sh.qidx]
+    row = np.multiply(pg, sh.d_ps)
+    if sh.inpage is not None:
+        row += sh.inpage
+    if sh.eidx is not None:
+        dst = row.take(sh.eidx)
+    else:
+        dst = np.empty((sh.offs.shape[0], row.shape[0]), dtype=np.int64)
+        dst[:] = row
+        dst = dst.reshape(-1)
+    dst.flags.writeable = False
+    _LAST["dst"] = (key, dst)
+    return dst
+
+
+def token_bases(st: ChunkState, cls: EntryClass, sh: PackedShape, n: int) -> np.ndarray:
+    """Read-only int64 ``[n]``: the source page base of each of a rank's ``n`` tokens in units
+    (``sh.tok_pages > 0``: every source page holds the rank's tokens at the same in-page
+    offsets; add ``sh.tok_row`` for the token offsets). Equal for every DCP rank of a chunk:
+    the last array built per class is reused while the source page ids match."""
+    sp = st.src_pages[: sh.tok_pages]
+    key = (sh.tok_pages, sh.tok_per, n, sp.tobytes())
+    reuse = cls._reuse
+    hit = reuse.get("tok")
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    base = np.multiply(sp, sh.tok_mul).repeat(sh.tok_per)
+    if base.shape[0] != n:
+        base = base[:n]
+    base.flags.writeable = False
+    reuse["tok"] = (key, base)
+    return base
+
+
+def ranks_tokens(
+    st: ChunkState, cls: EntryClass, shapes: list[PackedShape], n: int, firsts: list[int]
+) -> np.ndarray:
+    """Read-only int64 ``[D, n]``: the token offsets (units) of every DCP rank of a chunk
+    whose ranks all hold ``n`` tokens (``shapes[r].tok_pages > 0``). Equal for the TP ranks
+    of one decode instance (one source geometry): the last array built is reused while the
+    source geometry and page ids match."""
+    sh0 = shapes[0]
+    sp = st.src_pages[: sh0.tok_pages]
+    key = (sh0.tok_key, sh0.tok_per, n, tuple(firsts), sp.tobytes())
+    hit = _LAST.get("toks")
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    rkey = (n, tuple(firsts))
+    rows_hit = cls._reuse.get("rows")
+    if rows_hit is not None and rows_hit[0] == rkey:
+        rows = rows_hit[1]
+    else:
+        rows = np.stack([sh.tok_row for sh in shapes])
+        rows.flags.writeable = False
+        cls._reuse["rows"] = (rkey, rows)
+    toks = np.add(token_bases(st, cls, sh0, n), rows)
+    toks.flags.writeable = False
+    _LAST["toks"] = (key, toks)
+    return toks
+
+
 def rank_block(
     st: ChunkState,
     pair: Pair,
@@ -243,28 +342,19 @@ def rank_block(
     sh = cls._shapes.get((n, first, o0, st.s0, region_offset))
     if sh is None:
         sh = packed_shape(cls, pair, n, first, o0, st.s0, region_offset)
-    (offs, ecol, src, lens, inpage, qidx, pages, d_ps, tok_pages, per, tok_mul, tok_row,
-     tok_key, whole, eidx) = sh  # fmt: skip
-    pg = st.dst_pages[q0 : q0 + pages]
-    if qidx is not None:
-        pg = pg[qidx]
-    row = np.multiply(pg, d_ps)
-    if inpage is not None:
-        row += inpage
-    # one row per entry: offsets are from each destination entry's base
-    if eidx is not None:
-        dst = row.take(eidx)
-    else:
-        dst = np.empty((offs.shape[0], row.shape[0]), dtype=np.int64)
-        dst[:] = row
-        dst = dst.reshape(-1)
+    offs, ecol, src, lens, tok_key, whole = (
+        sh.offs,
+        sh.ecol,
+        sh.src,
+        sh.lens,
+        sh.tok_key,
+        sh.whole_rows,
+    )
+    dst = dst_offsets(st, cls, sh, n, o0, q0)
     tok = tokens.get(tok_key) if tokens is not None else None
     if tok is None:
-        if tok_pages:
-            tok = np.multiply(st.src_pages[:tok_pages], tok_mul).repeat(per)
-            if tok.shape[0] != n:
-                tok = tok[:n]
-            tok += tok_row
+        if sh.tok_pages:
+            tok = np.add(token_bases(st, cls, sh, n), sh.tok_row)
         else:
             tok = src_offsets(st, pair.src_page, first, pair.dcp, n, *tok_key)
         if tokens is not None:

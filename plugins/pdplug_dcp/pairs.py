@@ -72,6 +72,8 @@ class EntryClass(msgspec.Struct, frozen=True):
     _offs: dict[tuple[int, int], np.ndarray] = {}
     _shapes: dict[tuple[int, ...], Any] = {}
     _shape_bytes: list[int] = []
+    #: the last destination-offset and token-offset arrays built (see ``packed.rank_block``)
+    _reuse: dict[str, tuple[Any, ...]] = {}
 
     @property
     def ncols(self) -> int:
@@ -225,7 +227,7 @@ def _make_class(
         w=w, d_page=d_page, head_major=head_major, unit=unit,
         cum=_ro(np.zeros(len(entries), dtype=np.int64)),
         entries_t=tuple(entries), cols_t=tuple(s_cols), _pages={}, _ecols={}, _offs={},
-        _shapes={}, _shape_bytes=[0],
+        _shapes={}, _shape_bytes=[0], _reuse={},
     )  # fmt: skip
 
 
@@ -265,7 +267,8 @@ def pair_of(src: KVLayout, dst: KVLayout) -> Pair:
     hit = _BY_ID.get((id(src), id(dst)))
     if hit is not None and hit[0] is src and hit[1] is dst:
         return hit[2]
-    p = checked_pair(src, dst)
+    # a pair does not depend on the decode DCP rank: the ranks of one instance share it
+    p = checked_pair(src, msgspec.structs.replace(dst, dcp_rank=0) if dst.dcp_rank else dst)
     if len(_BY_ID) >= 256:
         _BY_ID.clear()
     _BY_ID[(id(src), id(dst))] = (src, dst, p)

@@ -39,7 +39,14 @@ from pdplug.protocols import Packer
 from pdplug.types import PackGroup, PackRegion, SendChunk, TransferPlan
 from pdplug_dcp.chunks import ChunkState, chunk_state
 from pdplug_dcp.direct import class_runs, expand_entries
-from pdplug_dcp.packed import check_capacity, class_packed_runs, rank_block
+from pdplug_dcp.packed import (
+    check_capacity,
+    class_packed_runs,
+    dst_offsets,
+    packed_shape,
+    rank_block,
+    ranks_tokens,
+)
 from pdplug_dcp.pairs import Pair, pair_of
 
 __all__ = ["DcpPlanner", "TpPlanner", "make_dcp_planner", "make_tp_planner"]
@@ -157,11 +164,30 @@ class DcpPlanner:
             if seq is not None and len(seq) != d:
                 raise PlanError(f"{name} has {len(seq)} items, expected dst dcp_size={d}")
         base = chunk_state(chunk, pair)
+        # decode ranks of one instance usually send equal page lists: validate once
+        own = [False] * d
+        if dst_pages is not None:
+            key = base.dst_pages.tobytes()
+            own = [
+                p is not chunk.dst_pages and np.asarray(p, dtype=np.int64).tobytes() != key
+                for p in dst_pages
+            ]
+        if (
+            regions is not None
+            and not any(own)
+            and len(pair.main) == 1
+            and not pair.drafts
+            and self._relayout(pair)
+        ):
+            fast = _packed_ranks(base, pair, regions)
+            if fast is not None:
+                return fast
         drafts = _draft_runs(base, pair)
         out = []
         for r in range(d):
             st, dr = base, drafts
-            if dst_pages is not None:
+            if own[r]:
+                assert dst_pages is not None
                 st = chunk_state(msgspec.structs.replace(chunk, dst_pages=dst_pages[r]), pair)
                 dr = _draft_runs(st, pair)
             out.append(self._plan_rank(st, pair, r, regions[r] if regions else None, dr))
@@ -260,6 +286,77 @@ class DcpPlanner:
             pack_row_bytes=pair.pack_row_bytes if packed else (),
             pack_groups=groups,
         )
+
+
+def _packed_ranks(
+    st: ChunkState, pair: Pair, regions: Sequence[PackRegion | None]
+) -> list[TransferPlan] | None:
+    """Packed plans of every DCP rank for the usual pair (one class, no draft entries, equal
+    page lists, every rank with a token): the ranks share their destination offsets and
+    their source page bases, so the per-rank work is one row of token offsets (all ranks'
+    rows in one add) and two structs. None when the shape needs the general path."""
+    c = st.chunk
+    d = pair.dcp
+    cls = pair.main[0]
+    pd = cls.d_page
+    rel0, nt, s0 = st.rel0, st.nt, st.s0
+    firsts = [(r - rel0) % d for r in range(d)]
+    counts = [(nt - f + d - 1) // d if nt > f else 0 for f in firsts]
+    shapes = []
+    for rank in range(d):
+        region, first, n = regions[rank], firsts[rank], counts[rank]
+        if region is None or n == 0:
+            return None
+        if n > region.capacity_tokens or n * pair.pack_bpt > region.nbytes:
+            check_capacity(st, pair, rank, n, region)  # raises, naming the values
+        l0 = (rel0 + first) // d
+        o0 = l0 % pd
+        sh = cls._shapes.get((n, first, o0, s0, region.offset))
+        if sh is None:
+            sh = packed_shape(cls, pair, n, first, o0, s0, region.offset)
+        if not sh.tok_pages:
+            return None
+        shapes.append((l0 // pd, o0, sh))
+    n = counts[0]
+    q0, o0, sh0 = shapes[0]
+    if counts.count(n) != d or any(q != q0 or o != o0 for q, o, _ in shapes):
+        return None
+    dst = dst_offsets(st, cls, sh0, n, o0, q0)
+    toks = ranks_tokens(st, cls, [sh for _, _, sh in shapes], n, firsts)
+    page_tokens = pd if cls.head_major else 0
+    out = []
+    for rank, (_, _, sh) in enumerate(shapes):
+        tok = toks[rank]
+        group = PackGroup(
+            entries=cls.entries_t,
+            offsets=sh.offs,
+            tokens=tok,
+            cols=cls.cols_t,
+            row_bytes=cls.w,
+            unit=cls.unit,
+            page_tokens=page_tokens,
+            first_offset=o0,
+        )
+        out.append(
+            TransferPlan(
+                room=c.room,
+                chunk_id=c.chunk_id,
+                is_last=c.is_last,
+                dst_dcp_rank=rank,
+                num_tokens=n,
+                packed=True,
+                entry=sh.ecol,
+                src_offset=sh.src,
+                dst_offset=dst,
+                length=sh.lens,
+                region=regions[rank],
+                pack_src_slots=tok if sh.whole_rows else _EMPTY,
+                pack_entries=pair.pack_entries,
+                pack_row_bytes=pair.pack_row_bytes,
+                pack_groups=(group,),
+            )
+        )
+    return out
 
 
 def _packed_rank(

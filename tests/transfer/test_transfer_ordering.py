@@ -131,7 +131,9 @@ def test_kv_is_read_only_after_the_ready_marker(backend: str, dcp: int) -> None:
     (DCP 2: relayout) or written directly (DCP 1)."""
     with rendezvous() as srv:
         pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        # the marker stays false while the test checks nothing moves: a loaded machine must
+        # not time the room out meanwhile (timeouts are tested apart)
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, transfer_timeout_s=120.0)
         dec = Decode(pm, backend, srv.endpoint, dcp=dcp)
         try:
             s = pre.senders[0]
