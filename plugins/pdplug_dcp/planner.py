@@ -40,6 +40,7 @@ from pdplug.types import PackGroup, PackRegion, SendChunk, TransferPlan
 from pdplug_dcp.chunks import ChunkState, chunk_state
 from pdplug_dcp.direct import class_runs, expand_entries
 from pdplug_dcp.packed import (
+    PackedShape,
     check_capacity,
     class_packed_runs,
     dst_offsets,
@@ -167,9 +168,13 @@ class DcpPlanner:
         # decode ranks of one instance usually send equal page lists: validate once
         own = [False] * d
         if dst_pages is not None:
-            key = base.dst_pages.tobytes()
+            # a plan reads only the (virtual) pages its tokens fall in: compare those
+            vp = pair.dst_page * d
+            lo, hi = base.rel0 // vp, -(-(base.rel0 + base.nt) // vp)
+            key = base.dst_pages[lo:hi].tobytes()
             own = [
-                p is not chunk.dst_pages and np.asarray(p, dtype=np.int64).tobytes() != key
+                p is not chunk.dst_pages
+                and (len(p) < hi or np.asarray(p[lo:hi], dtype=np.int64).tobytes() != key)
                 for p in dst_pages
             ]
         if (
@@ -299,33 +304,30 @@ def _packed_ranks(
     d = pair.dcp
     cls = pair.main[0]
     pd = cls.d_page
-    rel0, nt, s0 = st.rel0, st.nt, st.s0
-    firsts = [(r - rel0) % d for r in range(d)]
-    counts = [(nt - f + d - 1) // d if nt > f else 0 for f in firsts]
-    shapes = []
-    for rank in range(d):
-        region, first, n = regions[rank], firsts[rank], counts[rank]
-        if region is None or n == 0:
-            return None
-        if n > region.capacity_tokens or n * pair.pack_bpt > region.nbytes:
-            check_capacity(st, pair, rank, n, region)  # raises, naming the values
-        l0 = (rel0 + first) // d
-        o0 = l0 % pd
-        sh = cls._shapes.get((n, first, o0, s0, region.offset))
-        if sh is None:
-            sh = packed_shape(cls, pair, n, first, o0, s0, region.offset)
-        if not sh.tok_pages:
-            return None
-        shapes.append((l0 // pd, o0, sh))
-    n = counts[0]
-    q0, o0, sh0 = shapes[0]
-    if counts.count(n) != d or any(q != q0 or o != o0 for q, o, _ in shapes):
+    vp = pd * d
+    # the ranks' shapes depend on the chunk's position inside a virtual page, its length, the
+    # source offset and the regions only: the segments of a send repeat a few of them
+    key = (st.rel0 % vp, st.nt, st.s0, *map(id, regions))
+    memo = cls._reuse.get("ranks")
+    if memo is None:
+        memo = cls._reuse["ranks"] = ({},)
+    hit = memo[0].get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], regions)):
+        hit = (tuple(regions), _rank_shapes(st, pair, regions))
+        if len(memo[0]) >= 64:
+            memo[0].clear()
+        memo[0][key] = hit
+    found = hit[1]
+    if found is None:
         return None
+    firsts, n, dq0, o0, shapes = found
+    q0 = st.rel0 // vp + dq0
+    sh0 = shapes[0]
     dst = dst_offsets(st, cls, sh0, n, o0, q0)
-    toks = ranks_tokens(st, cls, [sh for _, _, sh in shapes], n, firsts)
+    toks = ranks_tokens(st, cls, shapes, n, firsts)
     page_tokens = pd if cls.head_major else 0
     out = []
-    for rank, (_, _, sh) in enumerate(shapes):
+    for rank, sh in enumerate(shapes):
         tok = toks[rank]
         group = PackGroup(
             entries=cls.entries_t,
@@ -357,6 +359,47 @@ def _packed_ranks(
             )
         )
     return out
+
+
+def _rank_shapes(
+    st: ChunkState, pair: Pair, regions: Sequence[PackRegion | None]
+) -> tuple[list[int], int, int, int, list[PackedShape]] | None:
+    """For :func:`_packed_ranks`: every rank's first token, the common token count, first
+    destination page (from the chunk's virtual page) and in-page offset, and each rank's
+    packed shape; None when a rank has no token or no region, or the ranks differ in count,
+    page or offset, or a shape needs the general token path.
+
+    :raises CapacityError: a rank's tokens exceed its region.
+    """
+    d = pair.dcp
+    cls = pair.main[0]
+    pd = cls.d_page
+    rel0, nt, s0 = st.rel0, st.nt, st.s0
+    m = rel0 % (pd * d)
+    firsts = [(r - rel0) % d for r in range(d)]
+    n = (nt - firsts[0] + d - 1) // d if nt > firsts[0] else 0
+    shapes = []
+    where = set()
+    for rank in range(d):
+        region, first = regions[rank], firsts[rank]
+        cnt = (nt - first + d - 1) // d if nt > first else 0
+        if region is None or cnt == 0 or cnt != n:
+            return None
+        if n > region.capacity_tokens or n * pair.pack_bpt > region.nbytes:
+            check_capacity(st, pair, rank, n, region)  # raises, naming the values
+        loc = (m + first) // d  # local offset from the chunk's first virtual page
+        o0 = loc % pd
+        sh = cls._shapes.get((n, first, o0, s0, region.offset))
+        if sh is None:
+            sh = packed_shape(cls, pair, n, first, o0, s0, region.offset)
+        if not sh.tok_pages:
+            return None
+        shapes.append(sh)
+        where.add((loc // pd, o0))
+    if len(where) != 1:
+        return None
+    ((dq0, o0),) = where
+    return firsts, n, dq0, o0, shapes
 
 
 def _packed_rank(
