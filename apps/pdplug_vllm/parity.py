@@ -147,11 +147,17 @@ def _settled(url: str, metric: str, timeout_s: float = 15.0) -> int:
 
 
 def disagg_specs(
-    connector: str, model: str, ports: Sequence[int], *, cores: tuple[str, str] = ("0", "1")
+    connector: str,
+    model: str,
+    ports: Sequence[int],
+    *,
+    cores: tuple[str, str] = ("0", "1"),
+    prefill_pp: int = 1,
 ) -> tuple[EngineSpec, EngineSpec, dict[str, Any]]:
     """Prefill and decode engine specs for ``connector`` plus the proxy's settings.
 
     :param ports: at least 4 free ports (prefill HTTP, decode HTTP, two side channels).
+    :param prefill_pp: the prefill engine's PP stages (stage ``i`` on core ``i % 2``).
     :raises ValueError: an unknown connector.
     """
     if connector not in CONNECTORS:
@@ -184,8 +190,10 @@ def disagg_specs(
         )  # fmt: skip
         p_env, d_env = {}, {}
         proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
+    p_cores = cores[0] if prefill_pp == 1 else "|".join(str(i % 2) for i in range(prefill_pp))
     prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
-                         cpu_cores=cores[0], env=p_env)  # fmt: skip
+                         cpu_cores=p_cores, env=p_env,
+                         pipeline_parallel_size=prefill_pp)  # fmt: skip
     decode = EngineSpec(name="decode", model=model, port=d_http, kv_transfer=d_kv,
                         cpu_cores=cores[1], env=d_env)  # fmt: skip
     return prefill, decode, proxy
@@ -253,6 +261,7 @@ def run_parity(
     kill_decode: bool = False,
     kill_timeout_s: float = 60.0,
     fault_prompts: int = 0,
+    prefill_pp: int = 1,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -270,6 +279,7 @@ def run_parity(
         shifted by two) with failing prefill writes, through the decode engine (started with
         ``kv_load_failure_policy="recompute"``) and through a second decode engine started with
         ``"fail"`` (its own proxy); 0: no fault phase, one decode engine with vLLM's default.
+    :param prefill_pp: PP stages of the prefill engine (each stage pushes its layers).
     :raises pdplug_vllm.engines.EngineError: an engine did not start.
     :raises ValueError: bad prompts, or ``fault_prompts`` with another connector.
     """
@@ -280,7 +290,7 @@ def run_parity(
     if fault_prompts and connector != "pdplug":
         raise ValueError(f"run_parity: fault_prompts={fault_prompts} needs connector 'pdplug'")
     ports = free_ports(8)
-    prefill, decode, proxy_opts = disagg_specs(connector, model, ports[:4])
+    prefill, decode, proxy_opts = disagg_specs(connector, model, ports[:4], prefill_pp=prefill_pp)
     single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
     engines = [single, prefill, decode]
     switch = workdir / "fail-writes"
@@ -341,8 +351,9 @@ def run_parity(
                 # finish before the kill
                 fresh = [[(t + 1) % spec.vocab_size for t in p] for p in prompts]
                 kill = kill_decode_mid_run(
-                    url, fresh, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s
-                )
+                    url, fresh, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s,
+                    rooms=connector == "pdplug",
+                )  # fmt: skip
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
     pairs = [
@@ -410,8 +421,10 @@ def _fault_phases(
         )  # fmt: skip
 
     out = [phase(url, "recompute", decodes[0])]
+    # a second proxy in front of the same prefill engine: its own room allocator
     fail_cfg = msgspec.structs.replace(config, decode_url=decodes[1].url,
-                                       decode_instance=decodes[1].name)  # fmt: skip
+                                       decode_instance=decodes[1].name,
+                                       allocator_id=config.allocator_id + 1)  # fmt: skip
     with proxy_thread(fail_cfg, port) as url2:
         warm_up(url2, warm, max_tokens, timeout_s=timeout_s)
         out.append(phase(url2, "fail", decodes[1]))

@@ -143,6 +143,7 @@ def fault_phase(
     switch: str | Path,
     every: int = 2,
     timeout_s: float = 120.0,
+    idle_timeout_s: float = 60.0,
 ) -> FaultResult:
     """Run ``prompts`` through the proxy at ``url`` while every ``every``-th prefill write
     fails (the prefill engine was started with ``PDPLUG_TEST_FAIL_WRITES=switch``).
@@ -150,8 +151,10 @@ def fault_phase(
     :param refs: the single engine's answers to ``prompts``.
     :param policy: the decode engine's ``kv_load_failure_policy`` (reported, not set here).
     :param timeout_s: bound of one request (seconds).
+    :param idle_timeout_s: bound of each :func:`wait_idle` (seconds; a failed room ends at
+        once, a leaked one never).
     """
-    before = wait_idle(prefill_url, rooms=True, timeout_s=timeout_s).metrics
+    before = wait_idle(prefill_url, rooms=True, timeout_s=idle_timeout_s).metrics
     Path(switch).write_text(str(every))
     try:
         t0 = time.monotonic()
@@ -159,8 +162,8 @@ def fault_phase(
         ended_s = time.monotonic() - t0
     finally:
         os.unlink(switch)
-    p_idle = wait_idle(prefill_url, rooms=True, timeout_s=timeout_s)
-    d_idle = wait_idle(decode_url, timeout_s=timeout_s)
+    p_idle = wait_idle(prefill_url, rooms=True, timeout_s=idle_timeout_s)
+    d_idle = wait_idle(decode_url, timeout_s=idle_timeout_s)
     ok = [r for r in got if isinstance(r, Completion)]
     want = {r.index: r.tokens for r in refs if isinstance(r, Completion)}
     identical = sum(want.get(r.index) == r.tokens for r in ok)
@@ -188,6 +191,8 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar ended_s: seconds from the kill until the last request ended (bounded: no hang).
     :ivar prefill_healthy: the prefill engine still answered ``/health`` afterwards.
     :ivar reasons: distinct failure reasons seen (first 3).
+    :ivar held_at_kill: pdplug rooms the prefill ranks held when the decode was killed (-1: the
+        prefill engine has no pdplug room counters, another connector).
     :ivar prefill_idle: :func:`wait_idle` of the prefill engine afterwards (rooms checked):
         every block it held for the dead decode was released.
     """
@@ -198,6 +203,7 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     ended_s: float
     prefill_healthy: bool
     reasons: list[str]
+    held_at_kill: int = -1
     prefill_idle: IdleResult | None = None
 
 
@@ -211,12 +217,20 @@ def kill_decode_mid_run(
     timeout_s: float = 120.0,
     kill_after_s: float = 1.0,
     idle_timeout_s: float = 90.0,
+    rooms: bool = True,
 ) -> KillResult:
     """Send ``prompts`` through the proxy at ``url`` and SIGKILL the decode engine's process
-    group ``kill_after_s`` seconds later; every request must end (answered or failed) within
-    ``timeout_s``, the prefill engine must stay healthy and then release everything it held
-    within ``idle_timeout_s``."""
+    group once the prefill engine holds rooms of them (``rooms``; at most 30 s), or
+    ``kill_after_s`` seconds later (without ``rooms``); every request must end (answered or
+    failed) within ``timeout_s``, the prefill engine must stay healthy and then (``rooms``)
+    release everything it held within ``idle_timeout_s``.
+
+    :param rooms: the prefill engine reports pdplug's room counters (PdplugConnector).
+    """
     import httpx
+
+    p_url = prefill.spec.url
+    started = scrape(p_url, ROOM_METRICS)[ROOM_METRICS[0]] if rooms else 0.0
 
     box: list[list[Completion | RequestFailed]] = []
     t = threading.Thread(
@@ -226,14 +240,23 @@ def kill_decode_mid_run(
         daemon=True,
     )
     t.start()
-    time.sleep(kill_after_s)
+    held = -1
+    if rooms:  # kill while rooms are live on the prefill side, whatever the host's load
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            m = scrape(p_url, ROOM_METRICS)
+            if m[ROOM_METRICS[0]] > started:
+                held = int(m[ROOM_METRICS[0]] - m[ROOM_METRICS[1]] - m[ROOM_METRICS[2]])
+                break
+            time.sleep(0.1)
+    else:
+        time.sleep(kill_after_s)
     decode.kill()
     killed = time.monotonic()
     t.join(timeout_s + 10.0)
     ended_s = time.monotonic() - killed
     res = box[0] if box else []
     reasons = sorted({r.reason[:120] for r in res if isinstance(r, RequestFailed)})
-    p_url = prefill.spec.url
     try:
         healthy = httpx.get(p_url + "/health", timeout=10.0).status_code == 200
     except httpx.HTTPError:
@@ -245,5 +268,8 @@ def kill_decode_mid_run(
         ended_s=ended_s,
         prefill_healthy=healthy,
         reasons=reasons[:3],
-        prefill_idle=wait_idle(p_url, rooms=True, timeout_s=idle_timeout_s) if healthy else None,
+        held_at_kill=held,
+        prefill_idle=(
+            wait_idle(p_url, rooms=True, timeout_s=idle_timeout_s) if healthy and rooms else None
+        ),
     )

@@ -50,6 +50,7 @@ def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tm
     assert k is not None and k.completed + k.failed == k.requests == 16, k
     assert k.failed > 0 and k.reasons, k
     assert k.ended_s < 60.0 + 10.0 and k.prefill_healthy, k
-    # the prefill engine releases every block it held for the dead decode (delay_free) and
-    # every room its ranks started ended
+    # the decode died while the prefill engine held rooms of these requests; it then releases
+    # every block it held for them (delay_free) and every room its ranks started ended
+    assert k.held_at_kill > 0, k
     assert k.prefill_idle is not None and k.prefill_idle.idle, k.prefill_idle
