@@ -157,7 +157,7 @@ def disagg_specs(
     """Prefill and decode engine specs for ``connector`` plus the proxy's settings.
 
     :param ports: at least 4 free ports (prefill HTTP, decode HTTP, two side channels).
-    :param prefill_pp: the prefill engine's PP stages (stage ``i`` on core ``i % 2``).
+    :param prefill_pp: the prefill engine's PP stages (all on the prefill engine's core).
     :raises ValueError: an unknown connector.
     """
     if connector not in CONNECTORS:
@@ -190,7 +190,9 @@ def disagg_specs(
         )  # fmt: skip
         p_env, d_env = {}, {}
         proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
-    p_cores = cores[0] if prefill_pp == 1 else "|".join(str(i % 2) for i in range(prefill_pp))
+    # every PP stage on the prefill core: a stage sharing the decode engine's core was declared
+    # silent by the decode (transfer_timeout_s) and every room failed (docs section 7)
+    p_cores = "|".join([cores[0]] * prefill_pp)
     prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
                          cpu_cores=p_cores, env=p_env,
                          pipeline_parallel_size=prefill_pp)  # fmt: skip

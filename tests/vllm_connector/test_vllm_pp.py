@@ -5,7 +5,9 @@ Each PP stage is its own worker process holding half the tiny Llama's layers: it
 those layers' KV, publishes itself at the prefill scheduler's rendezvous (the scheduler
 accepts both stages' handshakes through ``set_xfer_handshake_metadata_pp_aware``) and pushes
 its layers to the decode engine, which completes a room once both stages sent their last
-chunk. Marked ``pp``: not in the ``vllm`` tox env (CI budget); run it with
+chunk. Both stages run on the prefill engine's core (``VLLM_CPU_OMP_THREADS_BIND=0|0``); a
+stage on the decode engine's core was declared silent by the decode and every room failed.
+Marked ``pp``: not in the ``vllm`` tox env (CI budget); run it with
 ``tox run -e vllm -- tests/vllm_connector -m pp`` or ``pytest tests/vllm_connector -m pp``.
 """
 
@@ -16,22 +18,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from pdplug_host.trace import trace_prompts
-from pdplug_vllm.engines import EngineError
 from pdplug_vllm.parity import run_parity
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.pp]
 
 
-# Known failure, not yet understood (see docs/vllm-connector.md section 7): the PP=2 engine
-# starts and serves, the decode resolves and handshakes both stages, but the decode declares
-# stage 1 silent after transfer_timeout_s (30 s) and every room fails. strict: an XPASS fails
-# the run, so the marker goes once it works.
-# (the warm-up through the proxy never gets an answer: EngineError after start_timeout_s)
-@pytest.mark.xfail(
-    strict=True, raises=(AssertionError, EngineError),
-    reason="PP stage 1 goes silent on the control channel",
-)  # fmt: skip
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1200)
 def test_pp2_prefill_to_tp1_decode_is_token_identical(tmp_path) -> None:
     res = run_parity(
         "pdplug", tmp_path, prompts=trace_prompts(6), max_tokens=8, prefill_pp=2,
