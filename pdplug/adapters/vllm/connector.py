@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from pdplug.adapters.vllm import installed_vllm, unsupported_reason
+from pdplug.adapters.vllm.push import step_ready
 from pdplug.adapters.vllm.scheduler import PushBook, SendJob, StepPlan
 from pdplug.adapters.vllm.stats import PdplugKVConnectorStats, PdplugPromMetrics
 from pdplug.adapters.vllm.worker import PushWorker, RankPlacement
@@ -348,16 +349,15 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         return  # sends are posted per step in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Post this step's send jobs: the forward wrote their KV (on a GPU, after the
-        current stream finished it)."""
+        """Post this step's send jobs. On CPU the forward wrote their KV already; on a GPU
+        they carry a CUDA event recorded after the forward's KV writes
+        (:func:`pdplug.adapters.vllm.push.step_ready`): the sender reads the blocks once it
+        completed, the step never waits on the stream."""
         self._apply_plan()
-        if self.worker is None or self.worker.session is None:
+        w = self.worker
+        if w is None or w.session is None or not w.has_pending():
             return
-        if self.worker.session.config.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.current_stream().synchronize()
-        self.worker.post()
+        w.post(ready=step_ready(str(w.session.config.device)))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)

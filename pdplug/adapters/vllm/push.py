@@ -7,9 +7,15 @@ selected pdplug :class:`~pdplug.protocols.Scheduler` cuts the new tokens at
 ``decode_prefix_len + k * min(grid, capacity)``. Tokens the decode engine already holds are
 never sent; a partial last block is held back until the job that completes the prompt; the
 job with ``is_last`` always yields a final segment (possibly empty) that completes the room.
+
+:func:`step_ready` says when a step's KV may be read: at once on CPU, after a CUDA event on a
+GPU (recorded on the forward's stream, polled by the sender: no stream synchronisation).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -18,7 +24,7 @@ from pdplug.adapters.vllm.scheduler import SendJob
 from pdplug.protocols import Scheduler
 from pdplug.types import Segment
 
-__all__ = ["PushCursor", "segments_for_job"]
+__all__ = ["PushCursor", "segments_for_job", "step_ready"]
 
 
 class PushCursor(msgspec.Struct, kw_only=True):
@@ -88,3 +94,27 @@ def segments_for_job(
     cursor.next_chunk_id = segments[-1].chunk_id + 1
     cursor.done = segments[-1].is_last
     return out
+
+
+def step_ready(device: str, make_event: Callable[[], Any] | None = None) -> Any:
+    """The ``ready`` of this step's ``KVSender.send`` calls, made right after the forward
+    enqueued its KV writes (vLLM ``wait_for_save``).
+
+    On a CUDA device: a new event (``make_event()``, default ``torch.cuda.Event()``) recorded
+    on the current stream, so the sender polls ``event.query()`` instead of the engine
+    blocking the step on ``stream.synchronize()``. On any other device (CPU: the forward
+    wrote the KV synchronously): ``None``, nothing is created.
+
+    :param device: the KV cache's device (``"cpu"``, ``"cuda:0"`` ...).
+    :param make_event: event factory (tests pass a fake with ``record()``/``query()``).
+    :returns: the recorded event, or ``None``.
+    """
+    if not device.startswith("cuda"):
+        return None
+    if make_event is None:
+        import torch
+
+        make_event = torch.cuda.Event
+    event = make_event()
+    event.record()  # on the current stream, after the forward's KV writes
+    return event

@@ -3,8 +3,9 @@
 Each prefill worker reports the bytes its KV sender posted and the rooms that ended, as the
 difference since its last report (:class:`PdplugKVConnectorStats`); vLLM aggregates the
 workers' stats, logs them, and :class:`PdplugPromMetrics` adds them to the engine's
-``/metrics`` as ``vllm:pdplug_bytes_transferred_total``, ``vllm:pdplug_rooms_succeeded_total``
-and ``vllm:pdplug_rooms_failed_total`` (what ``pdplug bench vllm`` checks).
+``/metrics`` as ``vllm:pdplug_bytes_transferred_total``, ``vllm:pdplug_rooms_started_total``,
+``vllm:pdplug_rooms_succeeded_total`` and ``vllm:pdplug_rooms_failed_total`` (what ``pdplug
+bench vllm`` checks; started minus succeeded minus failed is what the prefill ranks still hold).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = ["PdplugKVConnectorStats", "PdplugPromMetrics", "COUNTERS"]
 #: stats key -> (Prometheus counter name without ``_total``, help text)
 COUNTERS = {
     "bytes": ("vllm:pdplug_bytes_transferred", "KV bytes posted by pdplug's KV senders"),
+    "rooms_started": ("vllm:pdplug_rooms_started", "pdplug rooms (requests) a prefill rank took"),
     "rooms_ok": ("vllm:pdplug_rooms_succeeded", "pdplug rooms (requests) sent whole"),
     "rooms_failed": ("vllm:pdplug_rooms_failed", "pdplug rooms (requests) that failed"),
 }

@@ -50,6 +50,7 @@ from pdplug.adapters.vllm.placement import RankPlacement, TransferResults, order
 from pdplug.adapters.vllm.scheduler import Cancel, RecvJob, SendJob, StepPlan
 from pdplug.config import KVConfig, SchedulerConfig, WireConfig
 from pdplug.geometry import make_layout, slab_views
+from pdplug.transfer.faults import inject_from_env
 from pdplug.types import KVPoll
 
 __all__ = ["RankPlacement", "PushWorker", "TransferResults"]
@@ -66,6 +67,7 @@ class _SendRoom(msgspec.Struct, kw_only=True):
     next_chunk: int = 0
     posted_last: bool = False
     aborted: bool = False
+    ready: Any = None  # the latest step's readiness: covers every earlier step's KV writes
 
 
 class _RecvRoom(msgspec.Struct, kw_only=True):
@@ -101,8 +103,8 @@ class PushWorker:
         self._publish: threading.Thread | None = None
         self.publish_error: str | None = None
         self._failed_local: dict[int, str] = {}  # rooms failed here, never leased
-        self._counts = {"rooms_ok": 0, "rooms_failed": 0}
-        self._reported = {"bytes": 0, "rooms_ok": 0, "rooms_failed": 0}
+        self._counts = {"rooms_started": 0, "rooms_ok": 0, "rooms_failed": 0}
+        self._reported = {"bytes": 0, "rooms_started": 0, "rooms_ok": 0, "rooms_failed": 0}
         self._local_ids = 0
 
     # ------------------------------------------------------------------ registration
@@ -159,6 +161,8 @@ class PushWorker:
         else:
             self.session = self.pm.make_kv_receiver(config, name=w.kv_sender)
         self.session.register_kv(entries)
+        if w.side == "prefill":
+            inject_from_env(self.session)  # test-only, off unless PDPLUG_TEST_FAIL_WRITES
         if w.side == "prefill" and w.bootstrap:
             self._publish = threading.Thread(
                 target=self._publish_rank, name="pdplug-publish", daemon=True
@@ -201,7 +205,7 @@ class PushWorker:
             return
         for req_id, room in plan.abort:
             if self.where.side == "prefill":
-                st = self._send.setdefault(room, _SendRoom(req_id=req_id))
+                st = self._send.get(room) or self._new_send_room(room, req_id)
                 if not st.aborted:
                     st.aborted, st.pending = True, []
                     self._abort(room, "request aborted or preempted on prefill")
@@ -216,12 +220,22 @@ class PushWorker:
                 while not self._drained(room) and time.monotonic() < deadline:
                     time.sleep(0.001)
 
-    def post(self) -> None:
-        """Prefill: post every queued job whose room has its destination (after the forward:
-        the step's KV is in the blocks)."""
+    def post(self, ready: Any = None) -> None:
+        """Prefill: post every queued job whose room has its destination (after the forward).
+
+        :param ready: ``None`` (the step's KV is in the blocks now, CPU) or the step's
+            readiness (:func:`pdplug.adapters.vllm.push.step_ready`, a CUDA event recorded
+            after the forward's KV writes) passed to every ``KVSender.send`` of this step.
+        """
         for room, st in list(self._send.items()):
             if st.pending and not st.aborted:
+                if ready is not None:  # jobs not posted now keep it (posted from results())
+                    st.ready = ready
                 self._post(room, st)
+
+    def has_pending(self) -> bool:
+        """Prefill: some queued job waits to be posted."""
+        return any(st.pending and not st.aborted for st in self._send.values())
 
     def results(self, finished_req_ids: Iterable[str]) -> TransferResults:
         """Rooms that ended and drained since the last call (vLLM ``get_transfer_results``).
@@ -264,7 +278,8 @@ class PushWorker:
         return out
 
     def stats_delta(self) -> dict[str, int]:
-        """Bytes posted (prefill) and rooms reported ended since the last call."""
+        """Bytes posted (prefill), rooms started and rooms reported ended since the last
+        call."""
         now = dict(self._counts)
         if self.session is not None and self.where.side == "prefill":
             now["bytes"] = int(self.session.stats().get("bytes", 0))
@@ -295,7 +310,7 @@ class PushWorker:
     def _queue(self, job: SendJob) -> None:
         st = self._send.get(job.room)
         if st is None:
-            st = self._send[job.room] = _SendRoom(req_id=job.req_id)
+            st = self._new_send_room(job.room, job.req_id)
             try:
                 self.session.start(job.room)
             except ValueError as e:  # a live lease of that room: never mix two requests
@@ -304,6 +319,13 @@ class PushWorker:
                 return
         if not st.aborted:  # posted by post(), after this step's forward wrote the KV
             st.pending.append(job)
+
+    def _new_send_room(self, room: int, req_id: str) -> _SendRoom:
+        # every room tracked here is reported ended once (rooms_ok or rooms_failed), so
+        # rooms_started - rooms_ok - rooms_failed is what this rank still holds
+        st = self._send[room] = _SendRoom(req_id=req_id)
+        self._counts["rooms_started"] += 1
+        return st
 
     def _post(self, room: int, st: _SendRoom) -> None:
         status = self._status(room)
@@ -332,7 +354,7 @@ class PushWorker:
                 )  # fmt: skip
                 pages = np.asarray(job.block_ids, dtype=np.int64)
                 for seg in segs:
-                    s.send(room, seg, pages[seg.token_start // bs :])
+                    s.send(room, seg, pages[seg.token_start // bs :], ready=st.ready)
             except ValueError as e:
                 self._abort(room, f"send failed: {e}")
                 st.aborted = True

@@ -1,0 +1,275 @@
+"""The failure phases of a parity run: injected write failures, a killed decode, leak checks.
+
+Each phase runs on engines :func:`pdplug_vllm.parity.run_parity` already started (engine
+start-up dominates on CPU):
+
+* :func:`fault_phase`: prefill writes fail (test-only switch file, see
+  :func:`pdplug.transfer.faults.inject_from_env`) while requests run through a decode engine
+  with a given ``kv_load_failure_policy``: ``recompute`` must still answer every request with
+  the single engine's tokens, ``fail`` must end exactly the requests whose room failed;
+* :func:`kill_decode_mid_run`: the decode engine is SIGKILLed while requests run;
+* :func:`wait_idle`: afterwards an engine holds no KV block (``delay_free`` blocks included),
+  runs and queues no request and, on the prefill engine, every pdplug room a rank started has
+  been reported ended (``vllm:pdplug_rooms_started_total`` equals succeeded plus failed).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from pdplug_vllm.client import Completion, RequestFailed, complete_all
+from pdplug_vllm.engines import Engine
+
+__all__ = [
+    "FaultResult",
+    "IdleResult",
+    "KillResult",
+    "ROOM_METRICS",
+    "fault_phase",
+    "kill_decode_mid_run",
+    "scrape",
+    "wait_idle",
+]
+
+#: engine gauges that are all 0 on an engine that holds nothing
+IDLE_METRICS = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+)
+#: prefill counters: started == succeeded + failed when no room is left on any rank
+ROOM_METRICS = (
+    "vllm:pdplug_rooms_started_total",
+    "vllm:pdplug_rooms_succeeded_total",
+    "vllm:pdplug_rooms_failed_total",
+)
+
+
+def scrape(url: str, names: Sequence[str]) -> dict[str, float]:
+    """Sum of every sample of each Prometheus metric in ``names`` at ``url/metrics`` (missing
+    metrics: 0.0).
+
+    :raises httpx.HTTPError: the engine did not answer.
+    """
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if name in out:
+            out[name] += float(value)
+    return out
+
+
+class IdleResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether an engine ended with nothing held.
+
+    :ivar idle: every :data:`IDLE_METRICS` gauge read 0 (and, with rooms, no room left).
+    :ivar waited_s: seconds until it did (or the bound, when it did not).
+    :ivar metrics: the last values read (gauges; room counters when checked).
+    """
+
+    idle: bool
+    waited_s: float
+    metrics: dict[str, float]
+
+
+def wait_idle(url: str, *, rooms: bool = False, timeout_s: float = 90.0) -> IdleResult:
+    """Poll ``url/metrics`` every 0.5 s until the engine holds no KV block and no request
+    (and, with ``rooms``, every pdplug room started was reported ended), at most
+    ``timeout_s`` seconds.
+
+    Blocks held for a push (``delay_free``) count in ``vllm:kv_cache_usage_perc`` until the
+    workers report the room drained, so a room whose blocks are never released keeps it
+    above 0: this is the leak check. vLLM updates the gauges with every engine step (and
+    steps while a connector has pending push work).
+    """
+    names = IDLE_METRICS + (ROOM_METRICS if rooms else ())
+    t0 = time.monotonic()
+    while True:
+        m = scrape(url, names)
+        left = m[ROOM_METRICS[0]] - m[ROOM_METRICS[1]] - m[ROOM_METRICS[2]] if rooms else 0.0
+        idle = not any(m[n] for n in IDLE_METRICS) and left == 0
+        waited = time.monotonic() - t0
+        if idle or waited > timeout_s:
+            return IdleResult(idle=idle, waited_s=waited, metrics=m)
+        time.sleep(0.5)
+
+
+class FaultResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Requests run while prefill writes failed (every ``every``-th write).
+
+    :ivar policy: the decode engine's ``kv_load_failure_policy``.
+    :ivar requests/completed/identical: sent, answered, answered with the single engine's
+        tokens; ``failed``: ended with an error (index, reason; first 3 reasons).
+    :ivar rooms_failed: prefill rooms that failed during the phase (counter delta).
+    :ivar writes_every: every this many writes failed.
+    :ivar ended_s: seconds the phase's requests took (each is bounded).
+    :ivar prefill_idle/decode_idle: :func:`wait_idle` of both engines afterwards.
+    """
+
+    policy: str
+    requests: int
+    completed: int
+    identical: int
+    failed: int
+    reasons: list[str]
+    rooms_failed: int
+    writes_every: int
+    ended_s: float
+    prefill_idle: IdleResult
+    decode_idle: IdleResult
+
+
+def fault_phase(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    refs: Sequence[Completion | RequestFailed],
+    max_tokens: int,
+    *,
+    policy: str,
+    prefill_url: str,
+    decode_url: str,
+    switch: str | Path,
+    every: int = 2,
+    timeout_s: float = 120.0,
+    idle_timeout_s: float = 60.0,
+) -> FaultResult:
+    """Run ``prompts`` through the proxy at ``url`` while every ``every``-th prefill write
+    fails (the prefill engine was started with ``PDPLUG_TEST_FAIL_WRITES=switch``).
+
+    :param refs: the single engine's answers to ``prompts``.
+    :param policy: the decode engine's ``kv_load_failure_policy`` (reported, not set here).
+    :param timeout_s: bound of one request (seconds).
+    :param idle_timeout_s: bound of each :func:`wait_idle` (seconds; a failed room ends at
+        once, a leaked one never).
+    """
+    before = wait_idle(prefill_url, rooms=True, timeout_s=idle_timeout_s).metrics
+    Path(switch).write_text(str(every))
+    try:
+        t0 = time.monotonic()
+        got = complete_all(url, prompts, max_tokens, concurrency=len(prompts), timeout_s=timeout_s)
+        ended_s = time.monotonic() - t0
+    finally:
+        os.unlink(switch)
+    p_idle = wait_idle(prefill_url, rooms=True, timeout_s=idle_timeout_s)
+    d_idle = wait_idle(decode_url, timeout_s=idle_timeout_s)
+    ok = [r for r in got if isinstance(r, Completion)]
+    want = {r.index: r.tokens for r in refs if isinstance(r, Completion)}
+    identical = sum(want.get(r.index) == r.tokens for r in ok)
+    reasons = sorted({r.reason[:120] for r in got if isinstance(r, RequestFailed)})
+    failed_key = ROOM_METRICS[2]
+    return FaultResult(
+        policy=policy,
+        requests=len(prompts),
+        completed=len(ok),
+        identical=identical,
+        failed=len(got) - len(ok),
+        reasons=reasons[:3],
+        rooms_failed=int(p_idle.metrics[failed_key] - before[failed_key]),
+        writes_every=every,
+        ended_s=ended_s,
+        prefill_idle=p_idle,
+        decode_idle=d_idle,
+    )
+
+
+class KillResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The decode engine killed while requests run through the proxy.
+
+    :ivar requests: requests sent; ``completed``/``failed``: how each ended.
+    :ivar ended_s: seconds from the kill until the last request ended (bounded: no hang).
+    :ivar prefill_healthy: the prefill engine still answered ``/health`` afterwards.
+    :ivar reasons: distinct failure reasons seen (first 3).
+    :ivar held_at_kill: pdplug rooms the prefill ranks held when the decode was killed (-1: the
+        prefill engine has no pdplug room counters, another connector).
+    :ivar prefill_idle: :func:`wait_idle` of the prefill engine afterwards (rooms checked):
+        every block it held for the dead decode was released.
+    """
+
+    requests: int
+    completed: int
+    failed: int
+    ended_s: float
+    prefill_healthy: bool
+    reasons: list[str]
+    held_at_kill: int = -1
+    prefill_idle: IdleResult | None = None
+
+
+def kill_decode_mid_run(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    prefill: Engine,
+    decode: Engine,
+    *,
+    timeout_s: float = 120.0,
+    kill_after_s: float = 1.0,
+    idle_timeout_s: float = 90.0,
+    rooms: bool = True,
+) -> KillResult:
+    """Send ``prompts`` through the proxy at ``url`` and SIGKILL the decode engine's process
+    group once the prefill engine holds rooms of them (``rooms``; at most 30 s), or
+    ``kill_after_s`` seconds later (without ``rooms``); every request must end (answered or
+    failed) within ``timeout_s``, the prefill engine must stay healthy and then (``rooms``)
+    release everything it held within ``idle_timeout_s``.
+
+    :param rooms: the prefill engine reports pdplug's room counters (PdplugConnector).
+    """
+    import httpx
+
+    p_url = prefill.spec.url
+    started = scrape(p_url, ROOM_METRICS)[ROOM_METRICS[0]] if rooms else 0.0
+
+    box: list[list[Completion | RequestFailed]] = []
+    t = threading.Thread(
+        target=lambda: box.append(
+            complete_all(url, prompts, max_tokens, concurrency=len(prompts), timeout_s=timeout_s)
+        ),
+        daemon=True,
+    )
+    t.start()
+    held = -1
+    if rooms:  # kill while rooms are live on the prefill side, whatever the host's load
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            m = scrape(p_url, ROOM_METRICS)
+            if m[ROOM_METRICS[0]] > started:
+                held = int(m[ROOM_METRICS[0]] - m[ROOM_METRICS[1]] - m[ROOM_METRICS[2]])
+                break
+            time.sleep(0.1)
+    else:
+        time.sleep(kill_after_s)
+    decode.kill()
+    killed = time.monotonic()
+    t.join(timeout_s + 10.0)
+    ended_s = time.monotonic() - killed
+    res = box[0] if box else []
+    reasons = sorted({r.reason[:120] for r in res if isinstance(r, RequestFailed)})
+    try:
+        healthy = httpx.get(p_url + "/health", timeout=10.0).status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    return KillResult(
+        requests=len(prompts),
+        completed=sum(isinstance(r, Completion) for r in res),
+        failed=sum(isinstance(r, RequestFailed) for r in res),
+        ended_s=ended_s,
+        prefill_healthy=healthy,
+        reasons=reasons[:3],
+        held_at_kill=held,
+        prefill_idle=(
+            wait_idle(p_url, rooms=True, timeout_s=idle_timeout_s) if healthy and rooms else None
+        ),
+    )
