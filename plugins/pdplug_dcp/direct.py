@@ -38,6 +38,10 @@ def class_runs(
     :returns: int64 ``[R]`` ``(source offset from the source entry base, destination offset
         from the destination entry base, length)`` in bytes, in destination order.
     """
+    if step == 1 and ps == cls.d_page and cls.ncols == 1 and cls.w == cls.s_ts == cls.d_ts:
+        fast = _page_runs(st, cls, ps, dst_pages, l_start, first, n)
+        if fast is not None:
+            return fast
     k, loc, ln = token_runs(st, ps, cls.d_page, l_start, first, step, n)
     if k.shape[0] == 0:
         return _EMPTY, _EMPTY, _EMPTY
@@ -71,6 +75,41 @@ def class_runs(
         order[pos] = np.arange(pos.shape[0])
         src, dst, length, page = src[order], dst[order], length[order], page[order]
     return _merge(src, dst, length, page)
+
+
+def _page_runs(
+    st: ChunkState,
+    cls: EntryClass,
+    ps: int,
+    dst_pages: np.ndarray,
+    l_start: int,
+    first: int,
+    n: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Whole-row pages aligned on both sides (the same layout at equal page size, the usual
+    case): one run per page, straight from the page ids; None when not page-aligned."""
+    a = st.s0 + first
+    if a % ps or l_start % ps:
+        return None
+    if n < 0:
+        n = st.nt - first
+    if n <= 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    pages = -(-n // ps)
+    a //= ps
+    q0 = l_start // ps
+    src = st.src_pages[a : a + pages] * cls.s_ps
+    dst = dst_pages[q0 : q0 + pages] * cls.d_ps
+    if src.shape[0] < pages or dst.shape[0] < pages:
+        return None  # the generic path names what is missing
+    s0, d0 = int(cls.s_cols[0]), int(cls.d_cols[0])
+    if s0:
+        src += s0
+    if d0:
+        dst += d0
+    length = np.full(pages, ps * cls.w, dtype=np.int64)
+    length[-1] = (n - (pages - 1) * ps) * cls.w
+    return src, dst, length
 
 
 def _src_at(st: ChunkState, ps: int, k: np.ndarray, cls: EntryClass) -> np.ndarray:
