@@ -8,6 +8,7 @@ plans prefill TP rank 0's sends to every decode rank it routes heads to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +59,10 @@ def bench_layouts(
     kind = kind or args["layout"]
     p_tp, d_tp = tp or parse_tp(args["tp"])
     page = args["page"]
-    d_page = page / args["page_ratio"]
+    ratio = args["page_ratio"]
+    if not (ratio > 0 and math.isfinite(ratio)):
+        raise ValueError(f"--page-ratio must be a positive number, got {ratio!r}")
+    d_page = page / ratio
     if d_page != int(d_page) or d_page < 1:
         raise ValueError(
             f"--page {page} / --page-ratio {args['page_ratio']} = {d_page} is not a whole "

@@ -77,6 +77,9 @@ def _segment(args: dict[str, Any], layers: int, pool_factor: int = 4) -> dict[st
     vp = dsts[0].page_size * d
     regions = pack_regions(src, dst_dcp_size=d * len(dsts), depth=1,
                            region_tokens=-(-seg_tokens // d))  # fmt: skip
+    # a region holds whole pages: at a DCP size that does not divide the bound, the segment
+    # is what the scheduler would cut at the pack capacity
+    seg_tokens = min(seg_tokens, regions[0].capacity_tokens * d)
     pool_pages = pool_factor * seg_tokens // p  # source KV larger than the segment
     rng = np.random.default_rng(1)
     chunk = SendChunk(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from pdplug.adapters.vllm.params import MAX_ALLOCATOR_ID
+
 __all__ = ["proxy"]
 
 
@@ -22,7 +24,7 @@ __all__ = ["proxy"]
 @click.option("--decode-instance", default="", help="Decode engine's pdplug instance (push).")
 @click.option(
     "--allocator-id",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, MAX_ALLOCATOR_ID),
     default=0,
     show_default=True,
     help="Room allocator id; give every proxy replica in front of the same engines its own.",

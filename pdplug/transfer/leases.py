@@ -308,6 +308,11 @@ class SendLeases:
         for room, gen, reason in self._rooms.expire(now):
             lease = self.leases.get(room)
             if lease is not None and lease.generation == gen:
+                if self._pipe.waits_for_ready(lease):  # name the cause, whichever clock fired
+                    reason = (
+                        f"{reason}: waiting for the host's KV ready marker (send(ready=)), "
+                        "which never completed"
+                    )
                 self.fail(lease, reason)
         if self.draining:
             self.draining[:] = [ls for ls in self.draining if ls.inflight]

@@ -190,6 +190,10 @@ class SendPipeline:
                     out.update(id(j.lease) for j in q)
         return out
 
+    def waits_for_ready(self, lease: Lease) -> bool:
+        """Whether a segment of ``lease`` is parked behind the host's ready marker."""
+        return any(jobs[0].lease is lease for _, jobs in self._gate.parked)
+
     def submit(self, jobs: list[Job], now: float, ready: Any = None) -> None:
         """Queue one segment's jobs (FIFO per destination) once ``ready.query()`` is true
         (:class:`~pdplug.transfer.gather.ReadyGate`; waiting holds up no other room)."""

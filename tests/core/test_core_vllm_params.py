@@ -66,6 +66,11 @@ def test_params_round_trip_and_side_flags() -> None:
                                            bootstrap="tcp://127.0.0.1:5")  # fmt: skip
     assert parse_prefill(d) is None
     assert parse_prefill(None) is None and parse_prefill({"do_remote_decode": True}) is None
+    # a decode request told its KV comes from a prefill, without saying which: refused (it
+    # was prefilled locally in silence)
+    assert parse_decode(None) is None and parse_decode({"do_remote_prefill": False}) is None
+    with pytest.raises(ValueError, match="do_remote_prefill but no 'pdplug' document"):
+        parse_decode({"do_remote_prefill": True})
 
 
 @pytest.mark.parametrize(

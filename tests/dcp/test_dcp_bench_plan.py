@@ -26,6 +26,9 @@ SMALL = ["--cached", "1024", "--unique", "1000", "--chunk-bound", "512", "--laye
         ["--layout", "hnd", "--tp", "1:2", "--page-ratio", "2"],
         ["--layout", "nhd", "--tp", "1:2", "--dcp", "1"],
         ["--layout", "mla", "--row-bytes", "96", "--page-ratio", "0.5"],
+        # a DCP size that does not divide the chunk bound: the packed segment is cut at the
+        # regions' whole-page capacity (it raised CapacityError)
+        ["--layout", "hnd", "--tp", "1:2", "--page-ratio", "2", "--dcp", "3"],
     ],
 )
 def test_bench_plan_reaches_the_ideal_and_checks_bytes(tmp_path: Path, extra: list[str]) -> None:
@@ -95,6 +98,9 @@ def test_bench_plan_sweeps_row_sizes_and_dcp(tmp_path: Path) -> None:
 def test_bench_plan_names_a_bad_page_ratio() -> None:
     res = CliRunner().invoke(cli, [*SMALL, "--page-ratio", "3"])
     assert res.exit_code == 2 and "is not a whole decode page" in res.output
+    for bad in ("0", "-1", "nan", "inf"):
+        res = CliRunner().invoke(cli, [*SMALL, "--page-ratio", bad])
+        assert res.exit_code == 2 and "--page-ratio must be a positive number" in res.output, bad
     res = CliRunner().invoke(cli, [*SMALL, "--dcp", "2,x"])
     assert res.exit_code == 2 and "'--dcp': '2,x' is not integers separated by commas" in res.output
 

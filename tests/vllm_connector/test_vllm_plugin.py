@@ -63,7 +63,9 @@ def _kv_cache_config() -> KVCacheConfig:
     ("extra", "match"),
     [
         ({"bootstrap_port": 0}, r"bootstrap_port=0 must be a TCP port"),
-        ({"bootstrap_port": "x"}, r"bootstrap_port='x'"),
+        ({"bootstrap_port": "x"}, r"got `str` - at `\$\.bootstrap_port`"),
+        ({"bootstrap_port": 5555, "transfer_timeout": 5}, r"unknown field `transfer_timeout`"),
+        ({"bootstrap_port": 5555, "transfer_timeout_s": "abc"}, r"at `\$\.transfer_timeout_s`"),
         ({"kv_sender": "no-such-sender"}, r"no-such-sender"),
     ],
 )

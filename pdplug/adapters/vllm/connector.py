@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from pdplug.adapters.vllm import installed_vllm, unsupported_reason
+from pdplug.adapters.vllm.extra import ExtraConfig, parse_extra
 from pdplug.adapters.vllm.push import step_ready
 from pdplug.adapters.vllm.scheduler import PushBook, SendJob, StepPlan
 from pdplug.adapters.vllm.stats import PdplugKVConnectorStats, PdplugPromMetrics
@@ -133,8 +134,8 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(
                 f"PdplugConnector supports one KV cache group, the model has {len(groups)}"
             )
-        extra: dict[str, Any] = dict(kv.kv_connector_extra_config or {})
-        self.instance = str(extra.get("instance") or kv.engine_id)
+        extra = parse_extra(kv.kv_connector_extra_config)
+        self.instance = extra.instance or str(kv.engine_id)
         par = vllm_config.parallel_config
         if self.side == "prefill" and par.decode_context_parallel_size > 1:
             raise ValueError(
@@ -144,14 +145,14 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.bootstrap_port = 0
         if self.side == "prefill":
-            port = extra.get("bootstrap_port", 0)
-            if not isinstance(port, int) or not 0 < port < 65536:
+            port = extra.bootstrap_port
+            if not 0 < port < 65536:
                 raise ValueError(
                     "PdplugConnector: kv_connector_extra_config.bootstrap_port="
                     f"{port!r} must be a TCP port (1-65535) on a kv_producer"
                 )
             self.bootstrap_port = port
-        self.selections = {k: extra.get(k) for k in ("kv_sender", "pack_planner", "scheduler")}
+        self.selections = {k: getattr(extra, k) for k in ("kv_sender", "pack_planner", "scheduler")}
         self._resolve_components()
         self.worker: PushWorker | None = None
         if role == KVConnectorRole.WORKER:
@@ -161,21 +162,18 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         self.rendezvous: RendezvousServer | None = None
         self.handshake_ranks: tuple[tuple[int, int], ...] = ()
         if self.side == "prefill":
-            host = str(extra.get("bootstrap_host") or "127.0.0.1")
+            host = extra.bootstrap_host or "127.0.0.1"
             self.rendezvous = RendezvousServer(WireConfig(bind_host=host), port=port).start()
 
-    def _placement(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> RankPlacement:
+    def _placement(self, vllm_config: VllmConfig, extra: ExtraConfig) -> RankPlacement:
         from vllm.distributed import parallel_state as ps
 
         par, mc = vllm_config.parallel_config, vllm_config.model_config
         dcp = par.decode_context_parallel_size
-        host = str(extra.get("bootstrap_host") or "127.0.0.1")
-        knobs: dict[str, Any] = {
-            k: float(extra[k])
-            for k in ("bootstrap_timeout_s", "transfer_timeout_s", "waiting_timeout_s")
-            if k in extra
-        }
-        sizes: dict[str, Any] = {k: int(extra[k]) for k in ("pack_region_tokens",) if k in extra}
+        host = extra.bootstrap_host or "127.0.0.1"
+        knobs: dict[str, Any] = extra.timeouts()
+        if extra.pack_region_tokens is not None:
+            knobs["pack_region_tokens"] = extra.pack_region_tokens
         found = installed_vllm()
         return RankPlacement(
             side=self.side, instance=self.instance, model=str(mc.model),
@@ -189,9 +187,9 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
             bootstrap=f"tcp://{host}:{self.bootstrap_port}" if self.side == "prefill" else "",
             kv_sender=self.selections["kv_sender"], pack_planner=self.selections["pack_planner"],
             scheduler=self.selections["scheduler"],
-            chunk_tokens=int(extra.get("chunk_tokens")
-                             or vllm_config.scheduler_config.max_num_batched_tokens),
-            **knobs, **sizes,
+            chunk_tokens=extra.chunk_tokens
+            or int(vllm_config.scheduler_config.max_num_batched_tokens),
+            **knobs,
         )  # fmt: skip
 
     def _resolve_components(self) -> None:

@@ -149,6 +149,14 @@ def parse_prefill(params: dict[str, Any] | None) -> PrefillParams | None:
 def parse_decode(params: dict[str, Any] | None) -> DecodeParams | None:
     """pdplug's params of a decode-side request, None when the request is not pdplug's.
 
-    :raises ValueError: the ``pdplug`` document is malformed (names the field and value).
+    :raises ValueError: the ``pdplug`` document is malformed (names the field and value), or
+        missing from a request with ``do_remote_prefill`` (its KV would come from nowhere:
+        failed loudly instead of prefilled locally in silence).
     """
+    if params and params.get("do_remote_prefill") and PARAMS_KEY not in params:
+        raise ValueError(
+            f"kv_transfer_params has do_remote_prefill but no {PARAMS_KEY!r} document (room, "
+            "prefill_instance, bootstrap): send decode requests through `pdplug proxy`, which "
+            "adds it from the prefill's answer"
+        )
     return _parse(params, "do_remote_prefill", DecodeParams)  # type: ignore[no-any-return]

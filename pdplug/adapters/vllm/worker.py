@@ -47,6 +47,7 @@ import numpy as np
 
 from pdplug import bootstrap
 from pdplug.adapters.vllm.placement import RankPlacement, TransferResults, ordered_layers
+from pdplug.adapters.vllm.resolve import Resolver
 from pdplug.adapters.vllm.scheduler import Cancel, RecvJob, SendJob, StepPlan
 from pdplug.config import KVConfig, SchedulerConfig, WireConfig
 from pdplug.geometry import make_layout, slab_views
@@ -100,6 +101,7 @@ class PushWorker:
         self._recv: dict[int, _RecvRoom] = {}
         self._finished: set[str] = set()  # prefill requests vLLM finished (blocks held)
         self._connected: set[str] = set()
+        self._resolver = Resolver(where.bootstrap_timeout_s)
         self._publish: threading.Thread | None = None
         self.publish_error: str | None = None
         self._failed_local: dict[int, str] = {}  # rooms failed here, never leased
@@ -368,8 +370,12 @@ class PushWorker:
     def _connect(self, instance: str, endpoint: str) -> None:
         if instance in self._connected:
             return
-        peers = bootstrap.resolve(endpoint, instance, timeout_s=self.where.bootstrap_timeout_s)
-        self.session.connect(peers)
+        peers = self._resolver.resolve(instance, endpoint)  # fails fast on a dead instance
+        try:
+            self.session.connect(peers)
+        except Exception as e:
+            self._resolver.forget_after_failure((instance, endpoint), f"{type(e).__name__}: {e}")
+            raise
         self._connected.add(instance)
 
     def _expect(self, job: RecvJob) -> None:
