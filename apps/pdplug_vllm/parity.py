@@ -352,8 +352,10 @@ def run_parity(
                 # fresh prompts: the parity set is in both engines' prefix caches and would
                 # finish before the kill
                 fresh = [[(t + 1) % spec.vocab_size for t in p] for p in prompts]
+                # long generations keep the requests in decode when the kill lands (with
+                # 16 tokens a fast run had answered all of them before it)
                 kill = kill_decode_mid_run(
-                    url, fresh, max_tokens, p_engine, d_engine, timeout_s=kill_timeout_s,
+                    url, fresh, max(max_tokens, 512), p_engine, d_engine, timeout_s=kill_timeout_s,
                     rooms=connector == "pdplug",
                 )  # fmt: skip
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
