@@ -132,7 +132,7 @@ def test_a_stuck_peer_does_not_hold_up_another(backend: str) -> None:
     writes are let go."""
     with rendezvous() as srv:
         pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1, transfer_timeout_s=5.0)
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, transfer_timeout_s=8.0)
         a = Decode(pm, backend, srv.endpoint, dcp=2, instance="dec-A", transfer_timeout_s=5.0)
         b = Decode(pm, backend, srv.endpoint, dcp=2, instance="dec-B", transfer_timeout_s=5.0)
         try:
@@ -157,11 +157,13 @@ def test_a_stuck_peer_does_not_hold_up_another(backend: str) -> None:
                 st = wait_all(b.recvs, room, 10)
                 assert st == [OK, OK], (room, st, b.recvs[0].failure_reason(room))
                 assert exact(b, expected(pre, b, 32, 0, _pages(20, 2), dps), dps)
-            assert time.monotonic() - t0 < 4.0  # before A's writes are even stuck (5 s)
-            assert wait_all([*a.recvs, s], 100, 15) == [FAILED] * 3
-            assert "not done after 5 s" in (s.failure_reason(100) or "")
+            # B was served while A's writes were still held and A not yet failed as stuck
+            # (a loaded machine may take seconds; what matters is that A did not block B)
+            assert s.poll(100) != FAILED, (s.failure_reason(100), time.monotonic() - t0)
+            assert wait_all([*a.recvs, s], 100, 20) == [FAILED] * 3
+            assert "not done after 8 s" in (s.failure_reason(100) or "")
             assert s.stats()["stuck_writes"] >= 1 and not any(rc.drained(100) for rc in a.recvs)
-            eng.release_held()
+            assert eng.release_held() >= 1  # A's writes were held all along
             assert wait_true(lambda: all(rc.drained(100) for rc in a.recvs), 10) is not None
             assert s.drained(100) and s.stats()["busy_regions"] == 0
         finally:

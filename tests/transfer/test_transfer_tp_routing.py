@@ -71,7 +71,9 @@ class Cluster:
         for r in range(ptp):
             lo, hi = kv_head_range(2, ptp, r)
             s = pm.make_kv_sender(
-                kv_config("prefill", lay(ptp, r, 2), endpoint, f"p{name}"), planner, name=backend
+                kv_config("prefill", lay(ptp, r, 2), endpoint, f"p{name}", transfer_timeout_s=30.0),
+                planner,
+                name=backend,
             )
             s.register_kv([torch.cat([head_data(g, e) for g in range(lo, hi)], 1) for e in "0123"])
             self.senders.append(s)
@@ -79,7 +81,8 @@ class Cluster:
         for r in range(dtp):
             lo, hi = kv_head_range(2, dtp, r)
             rc = pm.make_kv_receiver(
-                kv_config("decode", lay(dtp, r, 2), endpoint, f"d{name}"), name=backend
+                kv_config("decode", lay(dtp, r, 2), endpoint, f"d{name}", transfer_timeout_s=30.0),
+                name=backend,
             )
             kv = [torch.full((PAGES * P, H * (hi - lo)), POISON, dtype=torch.uint8) for _ in "0123"]
             rc.register_kv(kv)
