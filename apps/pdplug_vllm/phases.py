@@ -220,7 +220,8 @@ def kill_decode_mid_run(
     rooms: bool = True,
 ) -> KillResult:
     """Send ``prompts`` through the proxy at ``url`` and SIGKILL the decode engine's process
-    group once the prefill engine holds rooms of them (``rooms``; at most 30 s), or
+    group once the prefill engine holds rooms of them (``rooms``: started and not yet ended;
+    polled, at most 30 s), or
     ``kill_after_s`` seconds later (without ``rooms``); every request must end (answered or
     failed) within ``timeout_s``, the prefill engine must stay healthy and then (``rooms``)
     release everything it held within ``idle_timeout_s``.
@@ -247,8 +248,9 @@ def kill_decode_mid_run(
             m = scrape(p_url, ROOM_METRICS)
             if m[ROOM_METRICS[0]] > started:
                 held = int(m[ROOM_METRICS[0]] - m[ROOM_METRICS[1]] - m[ROOM_METRICS[2]])
-                break
-            time.sleep(0.1)
+                if held > 0:  # rooms of this run live on the prefill now: kill
+                    break
+            time.sleep(0.05)
     else:
         time.sleep(kill_after_s)
     decode.kill()
