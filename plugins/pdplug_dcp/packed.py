@@ -32,6 +32,7 @@ __all__ = [
     "packed_shape",
     "rank_block",
     "ranks_tokens",
+    "shape_group",
     "token_bases",
 ]
 
@@ -313,6 +314,21 @@ def ranks_tokens(
     return toks
 
 
+def shape_group(cls: EntryClass, sh: PackedShape, tokens: np.ndarray, o0: int) -> PackGroup:
+    """The gather of one class for a rank of shape ``sh``: int64 ``[n]`` token offsets
+    ``tokens`` (units), the first token at destination in-page offset ``o0``."""
+    return PackGroup(
+        entries=cls.entries_t,
+        offsets=sh.offs,
+        tokens=tokens,
+        cols=cls.cols_t,
+        row_bytes=cls.w,
+        unit=cls.unit,
+        page_tokens=cls.d_page if cls.head_major else 0,
+        first_offset=o0,
+    )
+
+
 def rank_block(
     st: ChunkState,
     pair: Pair,
@@ -342,14 +358,7 @@ def rank_block(
     sh = cls._shapes.get((n, first, o0, st.s0, region_offset))
     if sh is None:
         sh = packed_shape(cls, pair, n, first, o0, st.s0, region_offset)
-    offs, ecol, src, lens, tok_key, whole = (
-        sh.offs,
-        sh.ecol,
-        sh.src,
-        sh.lens,
-        sh.tok_key,
-        sh.whole_rows,
-    )
+    ecol, src, lens, tok_key, whole = sh.ecol, sh.src, sh.lens, sh.tok_key, sh.whole_rows
     dst = dst_offsets(st, cls, sh, n, o0, q0)
     tok = tokens.get(tok_key) if tokens is not None else None
     if tok is None:
@@ -359,14 +368,5 @@ def rank_block(
             tok = src_offsets(st, pair.src_page, first, pair.dcp, n, *tok_key)
         if tokens is not None:
             tokens[tok_key] = tok
-    group = PackGroup(
-        entries=cls.entries_t,
-        offsets=offs,
-        tokens=tok,
-        cols=cls.cols_t,
-        row_bytes=cls.w,
-        unit=cls.unit,
-        page_tokens=pd if cls.head_major else 0,
-        first_offset=o0,
-    )
+    group = shape_group(cls, sh, tok, o0)
     return (ecol, src, dst, lens), group, whole

@@ -47,6 +47,7 @@ from pdplug_dcp.packed import (
     packed_shape,
     rank_block,
     ranks_tokens,
+    shape_group,
 )
 from pdplug_dcp.pairs import Pair, pair_of
 
@@ -274,22 +275,8 @@ class DcpPlanner:
             )
         if drafts[0].shape[0]:
             runs = _cat([runs, drafts])
-        return TransferPlan(
-            room=c.room,
-            chunk_id=c.chunk_id,
-            is_last=c.is_last,
-            dst_dcp_rank=rank,
-            num_tokens=n,
-            packed=packed,
-            entry=runs[0],
-            src_offset=runs[1],
-            dst_offset=runs[2],
-            length=runs[3],
-            region=region if packed else None,
-            pack_src_slots=slots,
-            pack_entries=pair.pack_entries if packed else (),
-            pack_row_bytes=pair.pack_row_bytes if packed else (),
-            pack_groups=groups,
+        return _transfer_plan(
+            c, rank, n, packed, runs, region if packed else None, slots, pair, groups
         )
 
 
@@ -325,40 +312,20 @@ def _packed_ranks(
     sh0 = shapes[0]
     dst = dst_offsets(st, cls, sh0, n, o0, q0)
     toks = ranks_tokens(st, cls, shapes, n, firsts)
-    page_tokens = pd if cls.head_major else 0
-    out = []
-    for rank, sh in enumerate(shapes):
-        tok = toks[rank]
-        group = PackGroup(
-            entries=cls.entries_t,
-            offsets=sh.offs,
-            tokens=tok,
-            cols=cls.cols_t,
-            row_bytes=cls.w,
-            unit=cls.unit,
-            page_tokens=page_tokens,
-            first_offset=o0,
+    return [
+        _transfer_plan(
+            c,
+            rank,
+            n,
+            True,
+            (sh.ecol, sh.src, dst, sh.lens),
+            regions[rank],
+            toks[rank] if sh.whole_rows else _EMPTY,
+            pair,
+            (shape_group(cls, sh, toks[rank], o0),),
         )
-        out.append(
-            TransferPlan(
-                room=c.room,
-                chunk_id=c.chunk_id,
-                is_last=c.is_last,
-                dst_dcp_rank=rank,
-                num_tokens=n,
-                packed=True,
-                entry=sh.ecol,
-                src_offset=sh.src,
-                dst_offset=dst,
-                length=sh.lens,
-                region=regions[rank],
-                pack_src_slots=tok if sh.whole_rows else _EMPTY,
-                pack_entries=pair.pack_entries,
-                pack_row_bytes=pair.pack_row_bytes,
-                pack_groups=(group,),
-            )
-        )
-    return out
+        for rank, sh in enumerate(shapes)
+    ]
 
 
 def _rank_shapes(
@@ -400,6 +367,37 @@ def _rank_shapes(
         return None
     ((dq0, o0),) = where
     return firsts, n, dq0, o0, shapes
+
+
+def _transfer_plan(
+    c: SendChunk,
+    rank: int,
+    n: int,
+    packed: bool,
+    runs: Runs,
+    region: PackRegion | None,
+    slots: np.ndarray,
+    pair: Pair,
+    groups: tuple[PackGroup, ...],
+) -> TransferPlan:
+    """One rank's plan of chunk ``c`` from its runs ``(entry, src, dst, length)``."""
+    return TransferPlan(
+        room=c.room,
+        chunk_id=c.chunk_id,
+        is_last=c.is_last,
+        dst_dcp_rank=rank,
+        num_tokens=n,
+        packed=packed,
+        entry=runs[0],
+        src_offset=runs[1],
+        dst_offset=runs[2],
+        length=runs[3],
+        region=region,
+        pack_src_slots=slots,
+        pack_entries=pair.pack_entries if packed else (),
+        pack_row_bytes=pair.pack_row_bytes if packed else (),
+        pack_groups=groups,
+    )
 
 
 def _packed_rank(
