@@ -296,10 +296,13 @@ def run_parity(
     single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
     engines = [single, prefill, decode]
     switch = workdir / "fail-writes"
-    if fault_prompts:
+    # the switch also holds the prefill's writes while the kill phase kills the decode
+    hold = kill_decode and connector == "pdplug"
+    if fault_prompts or hold:
         prefill = msgspec.structs.replace(
             prefill, env={**prefill.env, FAULT_ENV: str(switch.resolve())}
         )
+    if fault_prompts:
         kv = dict(decode.kv_transfer or {})
         decode = msgspec.structs.replace(
             decode, kv_transfer={**kv, "kv_load_failure_policy": "recompute"}
@@ -356,7 +359,7 @@ def run_parity(
                 # 16 tokens a fast run had answered all of them before it)
                 kill = kill_decode_mid_run(
                     url, fresh, max(max_tokens, 512), p_engine, d_engine, timeout_s=kill_timeout_s,
-                    rooms=connector == "pdplug",
+                    rooms=connector == "pdplug", hold_switch=switch if hold else None,
                 )  # fmt: skip
     failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
     failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from pdplug.transfer.faults import HOLD
 from pdplug_vllm.client import Completion, RequestFailed, complete_all
 from pdplug_vllm.engines import Engine
 
@@ -218,6 +219,7 @@ def kill_decode_mid_run(
     kill_after_s: float = 1.0,
     idle_timeout_s: float = 90.0,
     rooms: bool = True,
+    hold_switch: str | Path | None = None,
 ) -> KillResult:
     """Send ``prompts`` through the proxy at ``url`` and SIGKILL the decode engine's process
     group once the prefill engine holds rooms of them (``rooms``: started and not yet ended;
@@ -227,11 +229,18 @@ def kill_decode_mid_run(
     release everything it held within ``idle_timeout_s``.
 
     :param rooms: the prefill engine reports pdplug's room counters (PdplugConnector).
+    :param hold_switch: the prefill engine's ``PDPLUG_TEST_FAIL_WRITES`` switch file: it holds
+        every write (:data:`~pdplug.transfer.faults.HOLD`) from before the requests until just
+        after the kill, so the kill lands while rooms are live however fast the host is (a fast
+        CI machine had ended every room between two polls); then the held writes go to a dead
+        peer.
     """
     import httpx
 
     p_url = prefill.spec.url
     started = scrape(p_url, ROOM_METRICS)[ROOM_METRICS[0]] if rooms else 0.0
+    if hold_switch is not None:
+        Path(hold_switch).write_text(HOLD)
 
     box: list[list[Completion | RequestFailed]] = []
     t = threading.Thread(
@@ -253,7 +262,11 @@ def kill_decode_mid_run(
             time.sleep(0.05)
     else:
         time.sleep(kill_after_s)
-    decode.kill()
+    try:
+        decode.kill()
+    finally:
+        if hold_switch is not None:
+            Path(hold_switch).unlink(missing_ok=True)
     killed = time.monotonic()
     t.join(timeout_s + 10.0)
     ended_s = time.monotonic() - killed

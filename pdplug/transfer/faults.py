@@ -28,11 +28,22 @@ from pdplug.transfer.engine import XFER_ERROR, XFER_PENDING, TransferEngine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FAULT_ENV", "FaultyEngine", "failing_writes_switch", "inject_from_env"]
+__all__ = [
+    "FAULT_ENV",
+    "HOLD",
+    "FaultyEngine",
+    "failing_writes_switch",
+    "holding_writes_switch",
+    "inject_from_env",
+]
 
-#: test-only: path of a switch file; while it exists, a session's writes fail
-#: (:func:`inject_from_env`, :func:`failing_writes_switch`)
+#: test-only: path of a switch file; while it holds an integer a session's writes fail, while
+#: it holds ``hold`` they wait (:func:`inject_from_env`, :func:`failing_writes_switch`,
+#: :func:`holding_writes_switch`)
 FAULT_ENV = "PDPLUG_TEST_FAIL_WRITES"
+
+#: switch file content that holds every write instead of failing some
+HOLD = "hold"
 
 
 class _Write:
@@ -59,6 +70,9 @@ class FaultyEngine:
         that many more seconds (a write that gets stuck, then recovers).
     :param fail: ``fail() -> bool``, asked once per write: True fails that write (never
         issued; ``check`` reports ``"ERR"``, so the sender fails its room); ``None`` fails none.
+    :param hold_while: ``hold_while() -> bool``, asked at most every 20 ms while writes wait:
+        while True no write is issued at all (a peer whose writes are stuck, switched from
+        outside the process); ``None`` never.
     """
 
     def __init__(
@@ -69,6 +83,7 @@ class FaultyEngine:
         hold: Callable[[Any], bool] | None = None,
         stall: tuple[float, float] = (0.0, 0.0),
         fail: Callable[[], bool] | None = None,
+        hold_while: Callable[[], bool] | None = None,
     ) -> None:
         self.inner = inner
         self.name = inner.name
@@ -77,6 +92,8 @@ class FaultyEngine:
         self.hold = hold
         self.stall = stall
         self.fail = fail
+        self.hold_while = hold_while
+        self._hold_seen = (0.0, False)  # (when asked, answer): hold_while throttled
         self.failed = 0
         self.stalled = 0
         self._rng = random.Random(seed)
@@ -129,8 +146,19 @@ class FaultyEngine:
         with self._lock:
             return len(self._waiting)
 
+    def _holding(self, now: float) -> bool:
+        if self.hold_while is None or not self._waiting:
+            return False
+        asked, held = self._hold_seen
+        if now - asked >= 0.02:
+            held = self.hold_while()
+            self._hold_seen = (now, held)
+        return held
+
     def _issue(self) -> None:
         now = time.monotonic()
+        if self._holding(now):
+            return
         with self._lock:
             due = [w for w in self._waiting if not w.held and w.due <= now]
             self._waiting = [w for w in self._waiting if w.held or w.due > now]
@@ -170,8 +198,8 @@ def failing_writes_switch(path: str) -> Callable[[], bool]:
     (test-only: an engine under test runs in its own process).
 
     While the file at ``path`` exists and holds an integer ``k >= 1``, every ``k``-th write
-    asked about fails (counting writes asked while the switch is on); without the file no
-    write fails. The file is read once per write.
+    asked about fails (counting writes asked while the switch is on); without the file, or
+    while it holds :data:`HOLD`, no write fails. The file is read once per write.
 
     :param path: the switch file.
     :returns: the predicate.
@@ -185,6 +213,8 @@ def failing_writes_switch(path: str) -> Callable[[], bool]:
                 text = f.read().strip()
         except OSError:
             return False
+        if text == HOLD:
+            return False
         try:
             k = max(1, int(text or "1"))
         except ValueError:
@@ -195,10 +225,30 @@ def failing_writes_switch(path: str) -> Callable[[], bool]:
     return fail
 
 
+def holding_writes_switch(path: str) -> Callable[[], bool]:
+    """A ``hold_while`` predicate for :class:`FaultyEngine` (test-only): True while the file at
+    ``path`` holds :data:`HOLD`, so a test can keep a real engine's rooms live (their writes
+    not issued) for as long as it needs, e.g. to kill their peer while they are.
+
+    :param path: the switch file.
+    :returns: the predicate.
+    """
+
+    def held() -> bool:
+        try:
+            with open(path) as f:
+                return f.read().strip() == HOLD
+        except OSError:
+            return False
+
+    return held
+
+
 def inject_from_env(session: Any) -> bool:
     """Test-only: when the environment names a switch file in :data:`FAULT_ENV`, wrap
-    ``session.engine`` in a :class:`FaultyEngine` whose writes fail while that file exists
-    (:func:`failing_writes_switch`). Lets a test fail real transfers inside an engine process
+    ``session.engine`` in a :class:`FaultyEngine` whose writes fail while that file holds an
+    integer (:func:`failing_writes_switch`) and wait while it holds :data:`HOLD`
+    (:func:`holding_writes_switch`). Lets a test fail real transfers inside an engine process
     it cannot reach otherwise (vLLM workers); never set it in production.
 
     :param session: a KV sender with a replaceable ``engine`` (before its first send).
@@ -211,6 +261,9 @@ def inject_from_env(session: Any) -> bool:
     if not hasattr(session, "engine"):
         raise ValueError(f"{FAULT_ENV}={path!r}: the KV sender {type(session).__name__} has no "
                          "engine to wrap")  # fmt: skip
-    session.engine = FaultyEngine(session.engine, fail=failing_writes_switch(path))
-    log.warning("pdplug: %s=%s: writes fail while that file exists (test only)", FAULT_ENV, path)
+    session.engine = FaultyEngine(
+        session.engine, fail=failing_writes_switch(path), hold_while=holding_writes_switch(path)
+    )
+    log.warning("pdplug: %s=%s: writes fail or wait while that file exists (test only)",
+                FAULT_ENV, path)  # fmt: skip
     return True

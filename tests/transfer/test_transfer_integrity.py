@@ -552,3 +552,37 @@ def test_failing_writes_switch_fails_rooms_only_while_on(
         finally:
             pre.close()
             dec.close()
+
+
+def test_hold_switch_keeps_room_live_until_released(
+    backend: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The switch holding ``hold`` (what the vLLM kill phase uses to kill a decode while its
+    rooms are live): no write is issued and the room stays live on both sides however long it
+    is held; once the switch is gone the same room completes byte-exact."""
+    from pdplug.transfer.faults import FAULT_ENV, HOLD, inject_from_env
+
+    switch = tmp_path / "fail-writes"
+    monkeypatch.setenv(FAULT_ENV, str(switch))
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1)
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            assert inject_from_env(s)
+            switch.write_text(HOLD)
+            room, sp, dp = 1, _pages(4, 4), _pages(8, 4)
+            s.start(room)
+            rc.expect(room, dp, num_tokens=64)
+            send_room(pre, room, sp)
+            time.sleep(0.5)  # held: nothing may finish, whatever the host's speed
+            assert s.poll(room) not in (OK, FAILED) and rc.poll(room) not in (OK, FAILED)
+            assert s.engine.pending() >= 1 and s.engine.failed == 0
+            switch.unlink()
+            st = wait_all([rc, s], room, 15)
+            assert st == [OK, OK], (st, rc.failure_reason(room))
+            assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
+        finally:
+            pre.close()
+            dec.close()
