@@ -39,6 +39,7 @@ other slot; a sender must not repack a slot before the write that reads it has c
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ __all__ = [
     "merge_runs",
     "run_addresses",
     "segment_to_chunk",
+    "segment_chunks",
     "pack_groups",
     "group_rows",
     "plan_all_ranks",
@@ -325,6 +327,38 @@ def segment_to_chunk(
     )
 
 
+def segment_chunks(
+    room: int,
+    segment: Segment,
+    src_pages: np.ndarray,
+    dests: Sequence[tuple[bytes, int]],
+    page_size: int,
+) -> list[SendChunk]:
+    """One :class:`SendChunk` per destination for one segment, as a KV sender builds them:
+    destinations that declared the same ``(dst_pages, decode_prefix_len)`` share one chunk
+    object (the DCP and TP ranks of one decode instance hold a request in the same block ids),
+    so planners tell equal chunks apart by identity instead of comparing page lists.
+
+    :param src_pages: as :func:`segment_to_chunk`.
+    :param dests: per destination, its page ids as wire bytes (:func:`pdplug.types.
+        pages_to_bytes`: int64 little-endian) and its ``decode_prefix_len`` (tokens).
+    :param page_size: source page size (tokens).
+    :raises ValueError: as :func:`segment_to_chunk`; page bytes not a multiple of 8.
+    """
+    from pdplug.types import pages_from_bytes
+
+    made: dict[tuple[bytes, int], SendChunk] = {}
+    out = []
+    for key in dests:
+        chunk = made.get(key)
+        if chunk is None:
+            chunk = made[key] = segment_to_chunk(
+                room, segment, src_pages, pages_from_bytes(key[0]), key[1], page_size
+            )
+        out.append(chunk)
+    return out
+
+
 def pack_groups(plan: TransferPlan) -> tuple[PackGroup, ...]:
     """The gather of a packed plan: ``plan.pack_groups``, or for a plan in the original form
     (``pack_src_slots`` rows of every pack entry) one whole-row group per entry.
@@ -452,52 +486,75 @@ def plan_segment(
     while i < total:
         chunk, dst, rank, region = items[i]
         d = dst.dcp_size
-        if batched is not None and d > 1 and rank == 0 and _one_instance(items, i, d):
+        if batched is not None and d > 1 and rank == 0 and i + d <= total:
             group = items[i : i + d]
-            regions = [it[3] for it in group]
-            out.extend(
-                batched(
-                    chunk,
-                    src,
-                    _rank_free(dst),
-                    regions if all(r is not None for r in regions) else None,
-                    [it[0].dst_pages for it in group],
+            shared = _one_instance(group)
+            if shared is not None:
+                out.extend(
+                    batched(
+                        chunk,
+                        src,
+                        _rank_free(dst),
+                        None if region is None else [it[3] for it in group],
+                        None if shared else [it[0].dst_pages for it in group],
+                    )
                 )
-            )
-            i += d
-        else:
-            out.append(planner.plan(chunk, src, dst, rank, region))
-            i += 1
+                i += d
+                continue
+        out.append(planner.plan(chunk, src, dst, rank, region))
+        i += 1
     return out
 
 
+_CHUNK_KEY = operator.attrgetter(
+    "room", "chunk_id", "num_tokens", "decode_prefix_len", "src_page_offset", "rel_start",
+    "is_last",
+)  # fmt: skip
+#: ids of a group's layouts -> (the layouts, kept alive so their ids are not reused; verdict)
+_GROUPS: dict[tuple[int, ...], tuple[tuple[KVLayout, ...], bool]] = {}
+_LAYOUT = operator.itemgetter(1)
+
+
+def _ranks_of_one(layouts: tuple[KVLayout, ...]) -> bool:
+    """Whether ``layouts`` are equal but for ``dcp_rank`` (memoised by identity: a sender
+    passes its peers' layout objects with every segment)."""
+    key = tuple(map(id, layouts))
+    hit = _GROUPS.get(key)
+    if hit is not None:
+        return hit[1]
+    norm = _rank_free(layouts[0])
+    ok = all(_rank_free(lay) is norm for lay in layouts[1:])
+    if len(_GROUPS) >= 1024:
+        _GROUPS.clear()
+    _GROUPS[key] = (layouts, ok)
+    return ok
+
+
 def _one_instance(
-    items: Sequence[tuple[SendChunk, KVLayout, int, PackRegion | None]], i: int, d: int
-) -> bool:
-    """Whether ``items[i : i + d]`` are DCP ranks ``0 .. d - 1`` of one decode layout with
-    one chunk (but for ``dst_pages``), all packed or all direct."""
-    if i + d > len(items):
-        return False
-    c0, l0, _, g0 = items[i]
-    norm = _rank_free(l0)
-    sp = np.asarray(c0.src_pages).tobytes()
-    for r in range(1, d):
-        c, lay, rank, g = items[i + r]
-        if (
-            rank != r
-            or (g is None) != (g0 is None)
-            or _rank_free(lay) is not norm
-            or c.room != c0.room
-            or c.chunk_id != c0.chunk_id
-            or c.num_tokens != c0.num_tokens
-            or c.decode_prefix_len != c0.decode_prefix_len
-            or c.src_page_offset != c0.src_page_offset
-            or c.rel_start != c0.rel_start
-            or c.is_last != c0.is_last
-            or (c.src_pages is not c0.src_pages and np.asarray(c.src_pages).tobytes() != sp)
+    group: Sequence[tuple[SendChunk, KVLayout, int, PackRegion | None]],
+) -> bool | None:
+    """Whether ``group`` holds DCP ranks ``0 .. d - 1`` of one decode layout with one chunk
+    (but for ``dst_pages``), all packed or all direct: None if not, True when every rank has
+    the very same chunk object (a sender shares one between ranks with equal pages), else
+    False."""
+    c0, _, _, g0 = group[0]
+    direct = g0 is None
+    shared = True
+    key = None
+    for r, (c, _, rank, g) in enumerate(group):
+        if rank != r or (g is None) is not direct:
+            return None
+        if c is c0:
+            continue
+        shared = False
+        if key is None:
+            key = _CHUNK_KEY(c0)
+        if _CHUNK_KEY(c) != key or (
+            c.src_pages is not c0.src_pages
+            and np.asarray(c.src_pages).tobytes() != np.asarray(c0.src_pages).tobytes()
         ):
-            return False
-    return True
+            return None
+    return shared if _ranks_of_one(tuple(map(_LAYOUT, group))) else None
 
 
 def pack_segment(

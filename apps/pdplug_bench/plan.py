@@ -59,9 +59,11 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
         plan_all_ranks,
         plan_segment,
         region_index,
+        segment_chunks,
         segment_to_chunk,
         send_capacity_tokens,
     )
+    from pdplug.types import pages_to_bytes
     from pdplug_bench.plan_layouts import bench_layouts, check_plans, ideal_runs
 
     d = args["dcp"]
@@ -89,16 +91,14 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
     # as peers do in the sender
     rank_layouts = [[msgspec.structs.replace(dst, dcp_rank=r) for r in range(d)] for dst in dsts]
 
+    # each decode rank declares its pages on the wire (its own bytes object, equal content:
+    # the ranks of one decode instance hold a request in the same block ids)
+    wire = [(pages_to_bytes(dst_pages), 0) for _ in dsts for _ in range(d)]
+
     def chunks() -> list[list[Any]]:
-        """The engine thread's part: one SendChunk per (segment, destination)."""
-        return [
-            [
-                segment_to_chunk(1, s, src_pages[s.page_start :], dst_pages.copy(), 0, p)
-                for _ in dsts
-                for _ in range(d)
-            ]
-            for s in segs
-        ]
+        """The engine thread's part: the SendChunks of every (segment, destination), built as
+        the sender builds them (:func:`pdplug.packing.segment_chunks`)."""
+        return [segment_chunks(1, s, src_pages[s.page_start :], wire, p) for s in segs]
 
     def send(
         cs: list[list[Any]], keep_all: bool, per_rank: bool = False,
@@ -118,10 +118,10 @@ def _planner_bench(args: dict[str, Any], repeats: int) -> dict[str, Any]:
             else:  # the sender's path (pdplug.transfer.gather.prepare_segment)
                 out = plan_segment(planner, src, items)
             alive.append(out)
-            if keep is not None:
+            if keep is not None:  # the untimed send: keep and count (not the planner's work)
                 for i in range(len(dsts)):
                     keep[i].extend(out[i * d : (i + 1) * d])
-            runs += sum(pl.num_runs for pl in out)
+                runs += sum(pl.num_runs for pl in out)
             if not keep_all and len(alive) > 2:
                 del alive[0]
         return runs

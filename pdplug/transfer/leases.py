@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from pdplug.packing import segment_to_chunk, send_capacity_tokens
+from pdplug.packing import segment_chunks, send_capacity_tokens
 from pdplug.protocols import PackPlanner
 from pdplug.rooms import Rooms
 from pdplug.transfer.engine import TransferEngine
@@ -39,7 +39,7 @@ from pdplug.transfer.messages import Abort, Done
 from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import SendPipeline
 from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
-from pdplug.types import ChunkTag, DestInfo, KVLayout, KVPoll, PackRegion, Segment, pages_from_bytes
+from pdplug.types import ChunkTag, DestInfo, KVLayout, KVPoll, PackRegion, Segment
 from pdplug.wire import Codec
 
 __all__ = ["SendLeases"]
@@ -148,25 +148,30 @@ class SendLeases:
         lease = self.leases.get(room)
         if lease is None or lease.generation != gen or lease.failed:
             return
-        jobs = []
-        try:
-            for key in sorted(lease.dests):
-                d = lease.dests[key]
-                short = seg.is_last and seg.token_end < d.num_tokens
-                if d.num_tokens and (seg.token_end > d.num_tokens or short):
-                    which = "the last segment" if seg.is_last else f"segment {seg.chunk_id}"
-                    self.fail(
-                        lease,
-                        f"token count: {which} ends at token {seg.token_end} but {describe(key)} "
-                        f"declared num_tokens={d.num_tokens} (KVReceiver.expect); both sides "
-                        "must agree on the prompt length",
-                    )
-                    return
-                dst = pages_from_bytes(d.dst_pages)
-                chunk = segment_to_chunk(
-                    room, seg, pages, dst, d.decode_prefix_len, self._layout.page_size
+        keys = sorted(lease.dests)
+        for key in keys:
+            d = lease.dests[key]
+            short = seg.is_last and seg.token_end < d.num_tokens
+            if d.num_tokens and (seg.token_end > d.num_tokens or short):
+                which = "the last segment" if seg.is_last else f"segment {seg.chunk_id}"
+                self.fail(
+                    lease,
+                    f"token count: {which} ends at token {seg.token_end} but {describe(key)} "
+                    f"declared num_tokens={d.num_tokens} (KVReceiver.expect); both sides "
+                    "must agree on the prompt length",
                 )
-                jobs.append(Job(lease=lease, key=key, dst_rank=key[2], chunk=chunk))
+                return
+        try:
+            # destinations with equal pages share one chunk (planners compare by identity)
+            chunks = segment_chunks(
+                room, seg, pages,
+                [(lease.dests[k].dst_pages, lease.dests[k].decode_prefix_len) for k in keys],
+                self._layout.page_size,
+            )  # fmt: skip
+            jobs = [
+                Job(lease=lease, key=key, dst_rank=key[2], chunk=chunk)
+                for key, chunk in zip(keys, chunks)
+            ]
         except ValueError as e:
             self.fail(lease, f"segment {seg.chunk_id}: {e}")
             return

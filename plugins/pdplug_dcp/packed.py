@@ -40,7 +40,7 @@ __all__ = [
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 #: runs (entries x runs per entry) up to which destination offsets are spread with one take
-_TAKE_MAX = 4096
+_TAKE_MAX = 1536
 _AR = np.arange(1 << 16, dtype=np.int64)
 _AR.flags.writeable = False
 
@@ -229,12 +229,19 @@ def packed_shape(
 _LAST: dict[str, tuple[Any, ...]] = {}
 
 
+_GEOMETRIES: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
 def _dst_geometry(cls: EntryClass) -> tuple[Any, ...]:
+    """The class's destination geometry, one object per distinct value (classes of the DCP
+    and TP ranks of one decode instance compare by identity)."""
     geo = cls._reuse.get("geo")
     if geo is None:
         geo = (cls.d_ps, cls.d_ts, cls.d_page, cls.w, cls.head_major, cls.tok_bytes,
                cls.d_cols.tobytes(), cls.entries.shape[0])  # fmt: skip
-        cls._reuse["geo"] = geo
+        if len(_GEOMETRIES) >= 256:
+            _GEOMETRIES.clear()
+        geo = cls._reuse["geo"] = _GEOMETRIES.setdefault(geo, geo)
     return geo
 
 
@@ -244,14 +251,15 @@ def dst_offsets(st: ChunkState, cls: EntryClass, sh: PackedShape, n: int, o0: in
     destination pages from page ``q0`` on (one row of ``R`` page offsets per entry: offsets
     are from each destination entry's base).
 
-    The DCP and TP ranks of one decode instance share their destination pages and geometry,
-    so their offsets are equal: the last array built is reused while geometry and page ids
-    match."""
-    pg = st.dst_pages[q0 : q0 + sh.pages]
-    key = (_dst_geometry(cls), n, o0, pg.tobytes())
+    The DCP and TP ranks of one decode instance share their destination pages (a sender
+    gives them one chunk: :func:`pdplug.packing.segment_chunks`) and geometry, so their
+    offsets are equal: the last array built is reused while the geometry and the page array
+    are the same objects (the entry keeps the array alive, so its id is not reused)."""
+    geo, pages = _dst_geometry(cls), st.dst_pages
     hit = _LAST.get("dst")
-    if hit is not None and hit[0] == key:
-        return hit[1]  # type: ignore[no-any-return]
+    if hit is not None and hit[0] is geo and hit[1] is pages and hit[2] == (n, o0, q0):
+        return hit[3]  # type: ignore[no-any-return]
+    pg = pages[q0 : q0 + sh.pages]
     if sh.qidx is not None:
         pg = pg[sh.qidx]
     row = np.multiply(pg, sh.d_ps)
@@ -264,7 +272,7 @@ def dst_offsets(st: ChunkState, cls: EntryClass, sh: PackedShape, n: int, o0: in
         dst[:] = row
         dst = dst.reshape(-1)
     dst.flags.writeable = False
-    _LAST["dst"] = (key, dst)
+    _LAST["dst"] = (geo, pages, (n, o0, q0), dst)
     return dst
 
 
@@ -288,29 +296,37 @@ def token_bases(st: ChunkState, cls: EntryClass, sh: PackedShape, n: int) -> np.
 
 
 def ranks_tokens(
-    st: ChunkState, cls: EntryClass, shapes: list[PackedShape], n: int, firsts: list[int]
+    st: ChunkState, cls: EntryClass, shapes: list[PackedShape], n: int, firsts: tuple[int, ...]
 ) -> np.ndarray:
-    """Read-only int64 ``[D, n]``: the token offsets (units) of every DCP rank of a chunk
-    whose ranks all hold ``n`` tokens (``shapes[r].tok_pages > 0``). Equal for the TP ranks
-    of one decode instance (one source geometry): the last array built is reused while the
-    source geometry and page ids match."""
+    """Read-only int64 ``[D, n]``: the token offsets (units) of every DCP rank of a chunk whose
+    ranks all hold ``n`` tokens (``shapes[r].tok_pages > 0``: each source page holds rank
+    ``r``'s tokens at the in-page offsets of ``shapes[r].tok_row``). Equal for the TP
+    ranks of one decode instance (one source geometry, one chunk): the last array built is
+    reused while the geometry and the source page array are the same (the entry keeps the
+    array alive, so its id is not reused)."""
     sh0 = shapes[0]
-    sp = st.src_pages[: sh0.tok_pages]
-    key = (sh0.tok_key, sh0.tok_per, n, tuple(firsts), sp.tobytes())
+    pages = st.src_pages
+    key = (sh0.tok_key, sh0.tok_per, sh0.tok_pages, n, firsts)
     hit = _LAST.get("toks")
-    if hit is not None and hit[0] == key:
-        return hit[1]  # type: ignore[no-any-return]
-    rkey = (n, tuple(firsts))
-    rows_hit = cls._reuse.get("rows")
-    if rows_hit is not None and rows_hit[0] == rkey:
-        rows = rows_hit[1]
-    else:
-        rows = np.stack([sh.tok_row for sh in shapes])
-        rows.flags.writeable = False
-        cls._reuse["rows"] = (rkey, rows)
-    toks = np.add(token_bases(st, cls, sh0, n), rows)
+    if hit is not None and hit[0] is pages and hit[1] == key:
+        return hit[2]  # type: ignore[no-any-return]
+    # a send's segments need a few (count, firsts) rows: its full segments' and its last one's
+    rows_by = cls._reuse.get("rows")
+    if rows_by is None:
+        rows_by = cls._reuse["rows"] = {}
+    rkey = (n, firsts)
+    rows = rows_by.get(rkey)
+    if rows is None:
+        rows = _ro(np.stack([sh.tok_row for sh in shapes]))
+        if len(rows_by) >= 8:
+            rows_by.clear()
+        rows_by[rkey] = rows
+    base = np.multiply(pages[: sh0.tok_pages], sh0.tok_mul).repeat(sh0.tok_per)
+    if base.shape[0] != n:
+        base = base[:n]
+    toks = np.add(base, rows)  # a repeat and a flat add beat one 3-d broadcast add here
     toks.flags.writeable = False
-    _LAST["toks"] = (key, toks)
+    _LAST["toks"] = (pages, key, toks)
     return toks
 
 

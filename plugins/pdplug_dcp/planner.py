@@ -47,7 +47,6 @@ from pdplug_dcp.packed import (
     packed_shape,
     rank_block,
     ranks_tokens,
-    shape_group,
 )
 from pdplug_dcp.pairs import Pair, pair_of
 
@@ -58,6 +57,7 @@ _EMPTY.flags.writeable = False
 #: byte runs ``(entry, src_offset, dst_offset, length)``
 Runs = tuple[np.ndarray, ...]
 _NONE: Runs = (_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+_NOT_OWN = tuple([False] * d for d in range(65))  # no rank has its own page list (read only)
 
 
 def _cat(parts: Sequence[Runs]) -> Runs:
@@ -95,6 +95,7 @@ class DcpPlanner:
                 f"{self.config.packer!r}"
             )
         self._last: tuple[KVLayout, KVLayout, Pair] | None = None
+        self._state: tuple[SendChunk, tuple[int, int, int], ChunkState] | None = None
 
     # ------------------------------------------------------------------ Protocol
 
@@ -162,12 +163,20 @@ class DcpPlanner:
         """
         pair = self._pair(src, dst)
         d = dst.dcp_size
-        for name, seq in (("regions", regions), ("dst_pages", dst_pages)):
-            if seq is not None and len(seq) != d:
-                raise PlanError(f"{name} has {len(seq)} items, expected dst dcp_size={d}")
-        base = chunk_state(chunk, pair)
+        if regions is not None and len(regions) != d:
+            raise PlanError(f"regions has {len(regions)} items, expected dst dcp_size={d}")
+        if dst_pages is not None and len(dst_pages) != d:
+            raise PlanError(f"dst_pages has {len(dst_pages)} items, expected dst dcp_size={d}")
+        # the TP ranks of one decode instance are planned from one chunk (the sender shares it)
+        geo = (pair.src_page, pair.dst_page, d)
+        last = self._state
+        if last is not None and last[0] is chunk and last[1] == geo:
+            base = last[2]
+        else:
+            base = chunk_state(chunk, pair)
+            self._state = (chunk, geo, base)
         # decode ranks of one instance usually send equal page lists: validate once
-        own = [False] * d
+        own = _NOT_OWN[d] if d < len(_NOT_OWN) else [False] * d
         if dst_pages is not None:
             # a plan reads only the (virtual) pages its tokens fall in: compare those
             vp = pair.dst_page * d
@@ -180,7 +189,7 @@ class DcpPlanner:
             ]
         if (
             regions is not None
-            and not any(own)
+            and (dst_pages is None or not any(own))
             and len(pair.main) == 1
             and not pair.drafts
             and self._relayout(pair)
@@ -299,7 +308,7 @@ def _packed_ranks(
     if memo is None:
         memo = cls._reuse["ranks"] = ({},)
     hit = memo[0].get(key)
-    if hit is None or any(a is not b for a, b in zip(hit[0], regions)):
+    if hit is None:  # an entry keeps its regions alive: their ids in the key are not reused
         hit = (tuple(regions), _rank_shapes(st, pair, regions))
         if len(memo[0]) >= 64:
             memo[0].clear()
@@ -312,25 +321,42 @@ def _packed_ranks(
     sh0 = shapes[0]
     dst = dst_offsets(st, cls, sh0, n, o0, q0)
     toks = ranks_tokens(st, cls, shapes, n, firsts)
-    return [
-        _transfer_plan(
-            c,
-            rank,
-            n,
-            True,
-            (sh.ecol, sh.src, dst, sh.lens),
-            regions[rank],
-            toks[rank] if sh.whole_rows else _EMPTY,
-            pair,
-            (shape_group(cls, sh, toks[rank], o0),),
+    room, chunk_id, last = c.room, c.chunk_id, c.is_last
+    entries, row_bytes = pair.pack_entries, pair.pack_row_bytes
+    # inlined _transfer_plan / shape_group: this runs for every plan of every segment
+    g_entries, g_cols, w, unit = cls.entries_t, cls.cols_t, cls.w, cls.unit
+    page_tokens = pd if cls.head_major else 0
+    out = []
+    for rank, sh in enumerate(shapes):
+        tok = toks[rank]
+        group = PackGroup(entries=g_entries, offsets=sh.offs, tokens=tok, cols=g_cols,
+                          row_bytes=w, unit=unit, page_tokens=page_tokens,
+                          first_offset=o0)  # fmt: skip
+        out.append(
+            TransferPlan(
+                room=room,
+                chunk_id=chunk_id,
+                is_last=last,
+                dst_dcp_rank=rank,
+                num_tokens=n,
+                packed=True,
+                entry=sh.ecol,
+                src_offset=sh.src,
+                dst_offset=dst,
+                length=sh.lens,
+                region=regions[rank],
+                pack_src_slots=tok if sh.whole_rows else _EMPTY,
+                pack_entries=entries,
+                pack_row_bytes=row_bytes,
+                pack_groups=(group,),
+            )
         )
-        for rank, sh in enumerate(shapes)
-    ]
+    return out
 
 
 def _rank_shapes(
     st: ChunkState, pair: Pair, regions: Sequence[PackRegion | None]
-) -> tuple[list[int], int, int, int, list[PackedShape]] | None:
+) -> tuple[tuple[int, ...], int, int, int, list[PackedShape]] | None:
     """For :func:`_packed_ranks`: every rank's first token, the common token count, first
     destination page (from the chunk's virtual page) and in-page offset, and each rank's
     packed shape; None when a rank has no token or no region, or the ranks differ in count,
@@ -343,7 +369,7 @@ def _rank_shapes(
     pd = cls.d_page
     rel0, nt, s0 = st.rel0, st.nt, st.s0
     m = rel0 % (pd * d)
-    firsts = [(r - rel0) % d for r in range(d)]
+    firsts = tuple((r - rel0) % d for r in range(d))
     n = (nt - firsts[0] + d - 1) // d if nt > firsts[0] else 0
     shapes = []
     where = set()

@@ -21,10 +21,11 @@ from pdplug.packing import (
     pack_regions,
     plan_segment,
     region_index,
+    segment_chunks,
     segment_to_chunk,
     send_capacity_tokens,
 )
-from pdplug.types import TransferPlan
+from pdplug.types import TransferPlan, pages_to_bytes
 from pdplug_dcp.planner import make_dcp_planner
 from pdplug_scheduler.scheduler import make_scheduler
 
@@ -65,6 +66,7 @@ def test_plan_segment_equals_one_plan_per_destination(data, kind, tps, ratio, dc
     region_pages = data.draw(st.integers(1, 3), label="region_pages")
     own_pages = data.draw(st.booleans(), label="one_rank_sends_other_pages")
     shuffle = data.draw(st.booleans(), label="items_out_of_rank_order")
+    as_sender = data.draw(st.booleans(), label="chunks_built_by_segment_chunks")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     pages = -(-(prefix + total) // ps) + -(-total // vd) + 4
     req = rng.permutation(pages)[: -(-(prefix + total) // ps)]
@@ -88,6 +90,7 @@ def test_plan_segment_equals_one_plan_per_destination(data, kind, tps, ratio, dc
                                 capacity_tokens=cap)  # fmt: skip
         for seg in segs:
             items = []
+            wire = []  # what each decode rank declared: its own bytes object
             for ranks in dsts:
                 for r, dl in enumerate(ranks):
                     dp = dpages.copy()  # each decode rank sends its own list
@@ -96,6 +99,11 @@ def test_plan_segment_equals_one_plan_per_destination(data, kind, tps, ratio, dc
                     chunk = segment_to_chunk(7, seg, req[seg.token_start // ps :], dp, prefix, ps)
                     rg = regions[region_index(r, seg.chunk_id, 2)] if relayout else None
                     items.append((chunk, dl, r, rg))
+                    wire.append((pages_to_bytes(dp), prefix))
+            if as_sender:  # chunks as the KV sender builds them: equal pages share one object
+                shared = segment_chunks(7, seg, req[seg.token_start // ps :], wire, ps)
+                assert (shared[0] is shared[-1]) == (wire[0] == wire[-1])
+                items = [(c, dl, r, rg) for c, (_, dl, r, rg) in zip(shared, items)]
             if shuffle:
                 items = [items[i] for i in rng.permutation(len(items))]
             try:
@@ -131,3 +139,28 @@ def test_shared_plan_arrays_are_read_only() -> None:
         assert not p.pack_groups[0].tokens.flags.writeable
         with pytest.raises(ValueError, match="read-only"):
             p.dst_offset[0] = 1
+
+
+def test_segment_chunks_share_one_chunk_per_distinct_pages() -> None:
+    """Destinations that declared equal pages and prefix get the very same SendChunk (what
+    lets the planner skip comparing page lists); any difference gets its own, equal to
+    ``segment_to_chunk``; bad page bytes are refused by name."""
+    seg = make_scheduler(SchedulerConfig(page_size=4, chunk_size=64)).split_send(
+        token_start=8, token_end=40, decode_prefix_len=8, is_last_send=True, capacity_tokens=None,
+    )[0]  # fmt: skip
+    src = np.arange(3, 20)
+    a, b = np.arange(10), np.arange(10)[::-1].copy()
+    dests = [(pages_to_bytes(a), 8), (pages_to_bytes(a.copy()), 8), (pages_to_bytes(b), 8),
+             (pages_to_bytes(a), 0)]  # fmt: skip
+    got = segment_chunks(5, seg, src, dests, 4)
+    assert got[0] is got[1] and got[2] is not got[0] and got[3] is not got[0]
+    for c, (buf, prefix) in zip(got, dests):
+        want = segment_to_chunk(5, seg, src, np.frombuffer(buf, dtype=np.int64), prefix, 4)
+        assert msgspec.structs.asdict(c).keys() == msgspec.structs.asdict(want).keys()
+        for f in ("room", "chunk_id", "num_tokens", "decode_prefix_len", "src_page_offset",
+                  "rel_start", "is_last"):  # fmt: skip
+            assert getattr(c, f) == getattr(want, f), f
+        assert np.array_equal(c.src_pages, want.src_pages)
+        assert np.array_equal(c.dst_pages, want.dst_pages)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        segment_chunks(5, seg, src, [(b"1234567", 8)], 4)
