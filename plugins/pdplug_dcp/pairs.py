@@ -73,7 +73,7 @@ class EntryClass(msgspec.Struct, frozen=True):
     _shapes: dict[tuple[int, ...], Any] = {}
     _shape_bytes: list[int] = []
     #: the last destination-offset and token-offset arrays built (see ``packed.rank_block``)
-    _reuse: dict[str, tuple[Any, ...]] = {}
+    _reuse: dict[str, Any] = {}
 
     @property
     def ncols(self) -> int:

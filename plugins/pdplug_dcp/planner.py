@@ -29,6 +29,7 @@ region=None)`` on a relayout pair is the explicit unpacked baseline (benchmarks)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -304,15 +305,15 @@ def _packed_ranks(
     # the ranks' shapes depend on the chunk's position inside a virtual page, its length, the
     # source offset and the regions only: the segments of a send repeat a few of them
     key = (st.rel0 % vp, st.nt, st.s0, *map(id, regions))
-    memo = cls._reuse.get("ranks")
+    memo: dict[tuple[int, ...], Any] | None = cls._reuse.get("ranks")
     if memo is None:
-        memo = cls._reuse["ranks"] = ({},)
-    hit = memo[0].get(key)
+        memo = cls._reuse["ranks"] = {}
+    hit = memo.get(key)
     if hit is None:  # an entry keeps its regions alive: their ids in the key are not reused
         hit = (tuple(regions), _rank_shapes(st, pair, regions))
-        if len(memo[0]) >= 64:
-            memo[0].clear()
-        memo[0][key] = hit
+        if len(memo) >= 64:
+            memo.clear()
+        memo[key] = hit
     found = hit[1]
     if found is None:
         return None
