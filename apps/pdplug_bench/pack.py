@@ -70,13 +70,13 @@ class PerTokenPlanner:
 
 
 def _run(
-    backend: str, layers: int, repeats: int, corrupt: bool = False
+    backend: str, layers: int, repeats: int, corrupt: bool = False, pack_threads: int = 0
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], list[str]]:
     """Rows per shape and mode, the senders' time split, and the byte-check failures."""
     import numpy as np
     import torch
 
-    from pdplug import KVConfig, KVLayout, KVPoll, PluginManager, SchedulerConfig
+    from pdplug import KVConfig, KVLayout, KVPoll, PlannerConfig, PluginManager, SchedulerConfig
     from pdplug.bootstrap import RendezvousServer
     from pdplug_bench._kvpeer import DecodeInstance, DecodePeer
     from pdplug_bench.bytecheck import POISON, dcp_tokens, rows_digest, src_rows
@@ -101,7 +101,7 @@ def _run(
     d1_pages = src_pages
     server = RendezvousServer().start()
     pm = PluginManager()
-    planner = pm.make_pack_planner()
+    planner = pm.make_pack_planner(PlannerConfig(pack_threads=pack_threads))
     sched = pm.make_scheduler(SchedulerConfig(page_size=PAGE, chunk_size=REGION_TOKENS * DCP))
     g = torch.Generator().manual_seed(0)
     kv = [
@@ -249,10 +249,24 @@ def _run(
 )
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
               help="Timed runs per mode and shape.")  # fmt: skip
+@click.option(
+    "--pack-threads",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 64),
+    help="CPU gather threads of the sender's packer (0: torch's thread count).",
+)
 @click.option("--inject-fault", is_flag=True, hidden=True,
               help="Tests only: flip one landed byte before the first check.")  # fmt: skip
 @json_option
-def cli(backend: str, layers: int, repeats: int, inject_fault: bool, json_path: str | None) -> None:
+def cli(
+    backend: str,
+    layers: int,
+    repeats: int,
+    pack_threads: int,
+    inject_fault: bool,
+    json_path: str | None,
+) -> None:
     """Cached-prefix sends over the KV backend: per-token vs packed vs plain TP->TP; bytes
     checked."""
     from rich.console import Console
@@ -269,7 +283,7 @@ def cli(backend: str, layers: int, repeats: int, inject_fault: bool, json_path: 
         f"regions {REGION_TOKENS} tokens per rank x 2 (double-buffered); shapes "
         + ", ".join(f"{a:,} + {b:,}" for a, b in SHAPES)
     )
-    rows, stats, failures = _run(backend, layers, repeats, inject_fault)
+    rows, stats, failures = _run(backend, layers, repeats, inject_fault, pack_threads)
     t = Table(title=f"pdplug bench pack ({backend}; seconds = median of {repeats})")
     for col in (
         "prefix + unique",
