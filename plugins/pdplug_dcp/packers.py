@@ -52,6 +52,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: rows below which one more gather thread costs more than it saves (hand-off ~10-20 us)
+_MIN_THREAD_ROWS = 2048
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -209,22 +211,27 @@ class TorchPacker:
 
     Satisfies :class:`pdplug.protocols.Packer`. One gather per pack entry; sub-rows are read as
     int64/int32/int16 words when the row size, the offsets and both addresses allow (bit-exact:
-    integer views never convert). On CPU the entries are dealt round-robin to ``threads``
-    threads (the caller's thread takes the first share); ``numpy.take`` releases the GIL, so
-    they run in parallel. A row gather is bound by memory latency more than bandwidth, so on a
-    machine with idle cores more threads help; a sender whose engine copies on the same cores
-    may prefer fewer (``PlannerConfig.pack_threads``).
+    integer views never convert). On CPU each of ``threads`` threads copies an equal share of
+    every gather's rows (the caller's thread takes the first share); ``numpy.take`` releases
+    the GIL, so they run in parallel. A row gather is bound by memory latency more than
+    bandwidth, so on a machine with idle cores more threads help; a sender whose engine
+    copies on the same cores may prefer fewer (``PlannerConfig.pack_threads``).
 
     :param threads: CPU gather threads, >= 1 (0 = ``torch.get_num_threads()``).
-    :raises ValueError: ``threads < 0``.
+    :param min_thread_rows: rows (over all gathers of a call) per extra thread: a smaller
+        call uses fewer threads, since a hand-off costs more than it saves (>= 1).
+    :raises ValueError: ``threads < 0`` or ``min_thread_rows < 1``.
     """
 
     kind = "torch"
 
-    def __init__(self, threads: int = 0) -> None:
+    def __init__(self, threads: int = 0, min_thread_rows: int = _MIN_THREAD_ROWS) -> None:
         if threads < 0:
             raise ValueError(f"TorchPacker threads must be >= 0, got {threads}")
+        if min_thread_rows < 1:
+            raise ValueError(f"TorchPacker min_thread_rows must be >= 1, got {min_thread_rows}")
         self.threads = threads or max(1, torch.get_num_threads())
+        self.min_thread_rows = min_thread_rows
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._lock = threading.Lock()
@@ -330,18 +337,23 @@ class TorchPacker:
             )
             arrays.append((rows_np, idx, out.numpy()))
 
-        def gather(part: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-            # rows were range-checked, so mode="clip" (no bounds pass, no buffering)
-            for s, i, o in part:
-                np.take(s, i, axis=0, out=o, mode="clip")
+        def gather(j: int, k: int) -> None:
+            # thread j of k copies its share of every gather's rows (not a share of the
+            # gathers: equal work for any number of entries, and k streams through each
+            # entry). Rows were range-checked, so mode="clip" (no bounds pass, no buffering).
+            for s, i, o in arrays:
+                m = i.shape[0]
+                lo, hi = m * j // k, m * (j + 1) // k
+                if hi > lo:
+                    np.take(s, i[lo:hi], axis=0, out=o[lo:hi], mode="clip")
 
-        k = min(self.threads, len(arrays))
+        rows = sum(a[1].shape[0] for a in arrays)
+        k = min(self.threads, max(1, rows // self.min_thread_rows))
         if k <= 1:
-            gather(arrays)
+            gather(0, 1)
             return
-        parts = [arrays[i::k] for i in range(k)]
-        futs = [self._executor().submit(gather, part) for part in parts[1:]]
-        gather(parts[0])
+        futs = [self._executor().submit(gather, j, k) for j in range(1, k)]
+        gather(0, k)
         for f in futs:
             f.result()
 

@@ -57,8 +57,8 @@ DTYPES = [torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.float32
 def test_torch_packer_matches_reference(
     rows, n, slots, region_offset, dtype, seed, threads
 ) -> None:
-    """Any row size, dtype, region offset and gather thread count (entries split among
-    threads, more threads than entries included)."""
+    """Any row size, dtype, region offset and gather thread count (every gather's rows split
+    among threads, more threads than rows included)."""
     rng = np.random.default_rng(seed)
     raw = [rng.integers(1, 256, slots * b, dtype=np.uint8) for b in rows]  # never zeros
     es = torch.empty(0, dtype=dtype).element_size()
@@ -76,7 +76,7 @@ def test_torch_packer_matches_reference(
     )  # fmt: skip
     size = region_offset + region.nbytes + 32
     buf = torch.full((size,), POISON, dtype=torch.uint8)
-    TorchPacker(threads).pack(plan, entries, buf)
+    TorchPacker(threads, min_thread_rows=1).pack(plan, entries, buf)  # every row split
     assert np.array_equal(buf.numpy(), reference_pack(plan, raw, size))
 
 
@@ -92,7 +92,7 @@ def test_threaded_packer_works_in_a_forked_child() -> None:
         dst_offset=np.zeros(0, np.int64), length=np.zeros(0, np.int64), region=region,
         pack_src_slots=np.array([5, 0, 7]), pack_entries=(0, 1, 2, 3), pack_row_bytes=(64,) * 4,
     )  # fmt: skip
-    packer = TorchPacker(2)
+    packer = TorchPacker(2, min_thread_rows=1)
     buf = torch.zeros(region.nbytes, dtype=torch.uint8)
     packer.pack(plan, rows, buf)  # starts the gather thread in this process
     want = bytes(buf)
@@ -161,6 +161,8 @@ def test_packer_errors_name_the_values() -> None:
         make_packer("cpu", "gpu")
     with pytest.raises(ValueError, match="threads must be >= 0, got -1"):
         make_packer("cpu", "torch", -1)
+    with pytest.raises(ValueError, match="min_thread_rows must be >= 1, got 0"):
+        TorchPacker(1, min_thread_rows=0)
     with pytest.raises(ValueError, match="pack_threads must be >= 0, got -2"):
         PlannerConfig(pack_threads=-2)
     assert make_dcp_planner(PlannerConfig(pack_threads=3)).packer("cpu").threads == 3
