@@ -131,7 +131,10 @@ def make_app(config: ProxyConfig) -> Any:
             raise _Upstream("prefill", 502, f"{type(e).__name__}: {e}") from None
         if r.status_code != 200:
             raise _Upstream("prefill", r.status_code, r.text)
-        doc: dict[str, Any] = r.json()
+        try:
+            doc: dict[str, Any] = r.json()
+        except ValueError:
+            raise _Upstream("prefill", r.status_code, r.text) from None
         return doc
 
     async def relay(path: str, body: dict[str, Any], request: Request) -> Any:
@@ -160,7 +163,11 @@ def make_app(config: ProxyConfig) -> Any:
             finally:
                 if p_task is not None and not p_task.done():
                     p_task.cancel()
-            return JSONResponse(r.json(), status_code=r.status_code)
+            try:
+                doc = r.json()
+            except ValueError:  # an engine's bare error page (e.g. "Internal Server Error")
+                return _Upstream("decode", r.status_code, r.text).response()
+            return JSONResponse(doc, status_code=r.status_code)
 
         async def stream() -> AsyncIterator[bytes]:
             try:
@@ -185,11 +192,17 @@ def make_app(config: ProxyConfig) -> Any:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await relay("/v1/completions", await request.json(), request)
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        return await relay("/v1/completions", body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        return await relay("/v1/chat/completions", await request.json(), request)
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        return await relay("/v1/chat/completions", body, request)
 
     @app.get("/health")
     async def health() -> Any:
@@ -203,6 +216,28 @@ def make_app(config: ProxyConfig) -> Any:
         return {"ok": True, "mode": config.mode}
 
     return app
+
+
+async def _json_object(request: Any) -> dict[str, Any] | Any:
+    """The request's JSON object body, or a 400 response naming what is wrong with it (a
+    client error: never forwarded, never a 500)."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        return _bad_request(f"request body is not JSON ({e}); send an OpenAI request object")
+    if not isinstance(body, dict):
+        return _bad_request(
+            f"request body must be a JSON object, got {type(body).__name__}: {raw[:80]!r}"
+        )
+    return body
+
+
+def _bad_request(message: str) -> Any:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "code": 400}},
+        status_code=400,
+    )
 
 
 class _Upstream(Exception):
