@@ -126,10 +126,14 @@ def check_plans(plans: Sequence[TransferPlan], src: KVLayout, dst: KVLayout) -> 
 def reference_pack(plan: TransferPlan, entries: Sequence[Any], buf: np.ndarray) -> None:
     """Gather ``plan`` into ``buf`` (uint8 numpy) the slow, obvious way: sub-row by sub-row
     offsets from :func:`pdplug.packing.group_rows`, bytes copied with numpy fancy indexing
-    from each entry's contiguous uint8 numpy array."""
+    from each entry's contiguous uint8 numpy array, in blocks of at most 4 Mi indices."""
     for g in pack_groups(plan):
         rows = group_rows(g)
-        idx = rows[:, None] + np.arange(g.row_bytes)
+        cols = np.arange(g.row_bytes)
+        step = max(1, (1 << 22) // max(1, g.row_bytes))  # rows per block: bounded index memory
         for e, off in zip(g.entries, np.asarray(g.offsets).tolist()):
             src = entries[e]
-            buf[off : off + idx.size] = src[idx].reshape(-1)
+            for lo in range(0, rows.shape[0], step):
+                idx = rows[lo : lo + step, None] + cols
+                at = off + lo * g.row_bytes
+                buf[at : at + idx.size] = src[idx].reshape(-1)

@@ -27,6 +27,7 @@ for a cached segment shape (every segment after the first of its shape) and a ne
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -176,6 +177,32 @@ def prep_bench(args: dict[str, Any], repeats: int = 200) -> dict[str, Any]:
     }
 
 
+def check_memory(need: int, device: Any, what: str) -> None:
+    """Refuse a benchmark that would not fit: ``need`` bytes against 80% of the memory
+    available now (``MemAvailable`` on CPU, free device memory on CUDA).
+
+    :raises click.UsageError: it does not fit (names the sizes and the options to shrink).
+    """
+    import click
+    import torch
+
+    if device.type == "cuda":
+        avail = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            avail = int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > 0.8 * avail:
+        raise click.UsageError(
+            f"the packer benchmark needs {need / 2**30:.1f} GiB ({what}) but {device} has "
+            f"{avail / 2**30:.1f} GiB available; use fewer --pack-layers, a smaller "
+            "--chunk-bound or fewer decode ranks (--tp, --dcp)"
+        )
+
+
 def packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, Any]:
     """Whole-segment pack vs per-rank packs vs a copy (see module docstring)."""
     import torch
@@ -198,8 +225,14 @@ def packer_bench(args: dict[str, Any], device: str, repeats: int) -> dict[str, A
         for e in range(src.num_entries)
     ]  # fmt: skip
     last = s["regions"][-1]
-    buf = torch.empty(last.offset + last.nbytes, dtype=torch.uint8, device=dev)
     nbytes = sum(pl.num_tokens * sum(pl.pack_row_bytes) for pl in plans)  # bytes packed
+    entry_bytes = s["pool_pages"] * sum(src.entry(e).page_stride for e in range(src.num_entries))
+    buf_bytes = last.offset + last.nbytes
+    # the byte check holds a reference buffer and a comparison mask as large as the buffer
+    check_memory(entry_bytes + 3 * buf_bytes + 2 * nbytes, dev,
+                 f"{src.num_entries} KV entries of {s['pool_pages']} pages, a {buf_bytes:,}-byte "
+                 f"pack buffer, its reference and mask, and a {nbytes:,}-byte copy")  # fmt: skip
+    buf = torch.empty(last.offset + last.nbytes, dtype=torch.uint8, device=dev)
     copy_src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev, generator=gen)
     copy_dst = torch.empty_like(copy_src)
     packer = planner.packer(device)

@@ -130,3 +130,17 @@ def test_cuda_report_lines_format_every_cuda_field(capsys) -> None:
     _summary("cuda", [{**pl, **pk, "sizes": args}])
     out = capsys.readouterr().out
     assert "in 2/3 repeats, rank by rank 2/3" in out and "host-incl/copy" in out
+
+
+def test_bench_plan_refuses_a_packer_benchmark_larger_than_memory() -> None:
+    """A layout whose pack buffer cannot fit (e.g. ``--tp 1:16`` of 61 layers) is refused with
+    the sizes and the options to shrink, not killed by the OOM killer."""
+    import click
+    import torch
+
+    from pdplug_bench.plan_pack import check_memory
+
+    check_memory(1 << 20, torch.device("cpu"), "a small one")
+    with pytest.raises(click.UsageError, match=r"needs 1048576\.0 GiB \(huge\) but cpu has .* "
+                       r"GiB available; use fewer --pack-layers"):  # fmt: skip
+        check_memory(1 << 50, torch.device("cpu"), "huge")
