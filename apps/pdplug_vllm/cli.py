@@ -29,6 +29,14 @@ __all__ = ["proxy"]
     show_default=True,
     help="Room allocator id; give every proxy replica in front of the same engines its own.",
 )
+@click.option(
+    "--timeout-s",
+    type=click.FloatRange(0.1, 86400),
+    default=600.0,
+    show_default=True,
+    help="Upper bound of one upstream request (seconds): an engine that accepts and never "
+    "answers fails the request with 502 after this long (size it to the longest generation).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 def proxy(
@@ -39,6 +47,7 @@ def proxy(
     bootstrap: str,
     decode_instance: str,
     allocator_id: int,
+    timeout_s: float,
     host: str,
     port: int,
 ) -> None:
@@ -61,7 +70,10 @@ def proxy(
             bootstrap=bootstrap,
             decode_instance=decode_instance,
             allocator_id=allocator_id,
+            timeout_s=timeout_s,
         )
     except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+        # name the command-line options, not the config fields
+        msg = str(e).replace("prefill_instance", "--prefill-instance")
+        raise click.BadParameter(msg.replace("and bootstrap", "and --bootstrap")) from None
     serve(config, host=host, port=port)

@@ -222,10 +222,13 @@ async def _json_object(request: Any) -> dict[str, Any] | Any:
     """The request's JSON object body, or a 400 response naming what is wrong with it (a
     client error: never forwarded, never a 500)."""
     raw = await request.body()
+    if not raw.strip():
+        return _bad_request("request body is empty; send an OpenAI request object (JSON)")
     try:
         body = json.loads(raw)
-    except ValueError as e:
-        return _bad_request(f"request body is not JSON ({e}); send an OpenAI request object")
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+        what = "nested too deeply" if isinstance(e, RecursionError) else f"not JSON ({e})"
+        return _bad_request(f"request body is {what}; send an OpenAI request object")
     if not isinstance(body, dict):
         return _bad_request(
             f"request body must be a JSON object, got {type(body).__name__}: {raw[:80]!r}"

@@ -21,6 +21,10 @@ from pdplug_dcp.pairs import Pair
 __all__ = ["ChunkState", "chunk_state", "src_offsets", "token_runs"]
 
 
+#: page ids at or above this are refused: times a page stride they would overflow int64
+_MAX_PAGE = 1 << 40
+
+
 class ChunkState(msgspec.Struct, frozen=True):
     """A validated chunk: int64 page arrays, ``rel0``, ``s0`` and token count ``nt``."""
 
@@ -35,8 +39,9 @@ class ChunkState(msgspec.Struct, frozen=True):
 def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
     """Validate ``chunk`` against ``pair``.
 
-    :raises PlanError: unaligned ``decode_prefix_len``, negative offsets or counts, too few
-        source or destination pages (each names room, field and value).
+    :raises PlanError: unaligned ``decode_prefix_len``, negative offsets or counts, a
+        negative page id or one >= 2**40, too few source or destination pages (each names
+        room, field and value).
     """
     ps, pd, d = pair.src_page, pair.dst_page, pair.dcp
     vp = pd * d
@@ -56,6 +61,11 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
     src_pages = np.asarray(chunk.src_pages, dtype=np.int64)
     dst_pages = np.asarray(chunk.dst_pages, dtype=np.int64)
     n = chunk.num_tokens
+    for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
+        # ids past _MAX_PAGE would overflow int64 byte offsets (and no engine has that many)
+        if pages.shape[0] and (int(pages.min()) < 0 or int(pages.max()) >= _MAX_PAGE):
+            bad = int(pages.min()) if int(pages.min()) < 0 else int(pages.max())
+            raise PlanError(f"room {chunk.room}: {name} holds page id {bad}, outside [0, 2**40)")
     if n and src_pages.shape[0] * ps < s0 + n:
         raise PlanError(
             f"room {chunk.room}: num_tokens={n} from in-page offset {s0} needs "

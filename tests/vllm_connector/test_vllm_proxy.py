@@ -56,7 +56,8 @@ def test_proxy_bad_bodies_are_400_and_bare_engine_errors_are_502() -> None:
         base = f"http://127.0.0.1:{proxy_port}"
         for path in ("/v1/completions", "/v1/chat/completions"):
             for body, what in ((b"{not json", "not JSON"), (b"[1, 2]", "JSON object, got list"),
-                               (b"", "not JSON")):  # fmt: skip
+                               (b"", "body is empty"), (b"\xff\xfe", "not JSON"),
+                               (b"[" * 100_000 + b"]" * 100_000, "nested too deeply")):  # fmt: skip
                 r = httpx.post(base + path, content=body, timeout=20)
                 assert r.status_code == 400, (path, body, r.status_code, r.text)
                 assert what in r.json()["error"]["message"], r.text
@@ -67,3 +68,28 @@ def test_proxy_bad_bodies_are_400_and_bare_engine_errors_are_502() -> None:
         assert "decode engine answered 500: Internal Server Error" in msg, msg
     finally:
         proxy.should_exit = engine.should_exit = True
+
+
+@pytest.mark.timeout(120)
+def test_proxy_bounds_a_silent_engine_by_its_timeout() -> None:
+    """An engine that accepts the connection and never answers fails the request with 502
+    after ``timeout_s`` (``pdplug proxy --timeout-s``), instead of holding the client."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepted by the kernel, never read nor answered
+    (proxy_port,) = free_ports(1)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    config = ProxyConfig(prefill_url=url, decode_url=url, mode="pull", timeout_s=2.0)
+    proxy = _serve(make_app(config), proxy_port)
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(f"http://127.0.0.1:{proxy_port}/v1/completions",
+                       json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)  # fmt: skip
+        took = time.monotonic() - t0
+        assert r.status_code == 502 and "ReadTimeout" in r.json()["error"]["message"], r.text
+        assert 1.5 < took < 30, took
+    finally:
+        proxy.should_exit = True
+        silent.close()
