@@ -2,9 +2,10 @@
 
 * :class:`TorchPacker` — one gather per pack entry into a preallocated region view, over
   sub-rows viewed as the widest integer words the row size and addresses allow (no per-token
-  loop, no allocation besides the row index): ``numpy.take(..., out=)`` on zero-copy strided
-  views of CPU memory (GIL released; entries split among ``threads`` threads),
-  ``torch.index_select(..., out=)`` on other devices. Default on CPU.
+  loop, no allocation besides the row index): ``numpy.take(..., out=)`` on zero-copy views of
+  CPU memory whose rows lie back to back, ``torch.index_select(..., out=)`` where sub-rows
+  leave gaps (numpy would copy the whole entry first) and on other devices (GIL released;
+  rows split among ``threads`` threads). Default on CPU.
 * :class:`pdplug_dcp.triton_pack.TritonPacker` — one Triton launch for all entries (after
   SGLang ``copy_mla_rows_into_pack``, PR #35762). Default on CUDA; runs on CPU tensors only
   under ``TRITON_INTERPRET=1`` (tests).
@@ -329,13 +330,17 @@ class TorchPacker:
                 dev_idx = torch.from_numpy(idx).to(pack_buffer.device, non_blocking=True)
                 torch.index_select(rows_v, 0, dev_idx, out=out)
             return
-        arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        arrays: list[tuple[Any, Any, Any]] = []
         for words, (k, cols, stride), out, idx in views:
-            a = words.numpy()
-            rows_np = np.lib.stride_tricks.as_strided(
-                a, (k, cols), (stride * a.itemsize, a.itemsize), writeable=False
-            )
-            arrays.append((rows_np, idx, out.numpy()))
+            if stride == cols:  # rows back to back: numpy's row take (memcpy per row)
+                a = words.numpy()
+                rows_np = np.lib.stride_tricks.as_strided(
+                    a, (k, cols), (stride * a.itemsize, a.itemsize), writeable=False
+                )
+                arrays.append((rows_np, idx, out.numpy()))
+            else:  # sub-rows with gaps: numpy's take would first copy the whole entry
+                rows_t = torch.as_strided(words, (k, cols), (stride, 1))
+                arrays.append((rows_t, torch.from_numpy(idx), out))
 
         def gather(j: int, k: int) -> None:
             # thread j of k copies its share of every gather's rows (not a share of the
@@ -344,8 +349,12 @@ class TorchPacker:
             for s, i, o in arrays:
                 m = i.shape[0]
                 lo, hi = m * j // k, m * (j + 1) // k
-                if hi > lo:
+                if hi <= lo:
+                    continue
+                if isinstance(s, np.ndarray):
                     np.take(s, i[lo:hi], axis=0, out=o[lo:hi], mode="clip")
+                else:
+                    torch.index_select(s, 0, i[lo:hi], out=o[lo:hi])
 
         rows = sum(a[1].shape[0] for a in arrays)
         k = min(self.threads, max(1, rows // self.min_thread_rows))
