@@ -280,18 +280,19 @@ def token_bases(st: ChunkState, cls: EntryClass, sh: PackedShape, n: int) -> np.
     """Read-only int64 ``[n]``: the source page base of each of a rank's ``n`` tokens in units
     (``sh.tok_pages > 0``: every source page holds the rank's tokens at the same in-page
     offsets; add ``sh.tok_row`` for the token offsets). Equal for every DCP rank of a chunk:
-    the last array built per class is reused while the source page ids match."""
-    sp = st.src_pages[: sh.tok_pages]
-    key = (sh.tok_pages, sh.tok_per, n, sp.tobytes())
+    the last array built per class is reused while the source page array is the same object
+    (the entry keeps it alive, so its id is not reused)."""
+    pages = st.src_pages
+    key = (sh.tok_pages, sh.tok_per, sh.tok_key[0], n)
     reuse = cls._reuse
     hit = reuse.get("tok")
-    if hit is not None and hit[0] == key:
-        return hit[1]  # type: ignore[no-any-return]
-    base = np.multiply(sp, sh.tok_mul).repeat(sh.tok_per)
+    if hit is not None and hit[0] is pages and hit[1] == key:
+        return hit[2]  # type: ignore[no-any-return]
+    base = np.multiply(pages[: sh.tok_pages], sh.tok_mul).repeat(sh.tok_per)
     if base.shape[0] != n:
         base = base[:n]
     base.flags.writeable = False
-    reuse["tok"] = (key, base)
+    reuse["tok"] = (pages, key, base)
     return base
 
 
@@ -321,10 +322,8 @@ def ranks_tokens(
         if len(rows_by) >= 8:
             rows_by.clear()
         rows_by[rkey] = rows
-    base = np.multiply(pages[: sh0.tok_pages], sh0.tok_mul).repeat(sh0.tok_per)
-    if base.shape[0] != n:
-        base = base[:n]
-    toks = np.add(base, rows)  # a repeat and a flat add beat one 3-d broadcast add here
+    # a repeat and a flat add beat one 3-d broadcast add here
+    toks = np.add(token_bases(st, cls, sh0, n), rows)
     toks.flags.writeable = False
     _LAST["toks"] = (pages, key, toks)
     return toks

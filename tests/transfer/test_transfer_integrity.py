@@ -9,6 +9,7 @@ the compat and observers they are given; decode TP ranks do not collide.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from typing import Any
@@ -511,47 +512,55 @@ def test_decode_tp_ranks_each_get_their_own_prefill_tp_rank(backend: str) -> Non
             dec.close()
 
 
-def test_failing_writes_switch_fails_rooms_only_while_on(
-    backend: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The test-only ``PDPLUG_TEST_FAIL_WRITES`` switch (what the vLLM engine tests inject):
-    while its file exists a write reports an error, the room fails on both sides and drains;
-    once it is gone the next room completes byte-exact on the same session."""
+@contextlib.contextmanager
+def _switched_pair(backend: str, switch: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A prefill and a decode rank whose prefill engine is wrapped by the test-only switch
+    file ``switch`` (``PDPLUG_TEST_FAIL_WRITES``): yields ``(pre, dec, sender, receiver)``."""
     from pdplug.transfer.faults import FAULT_ENV, inject_from_env
 
-    switch = tmp_path / "fail-writes"
     monkeypatch.setenv(FAULT_ENV, str(switch))
     with rendezvous() as srv:
         pm = PluginManager()
         pre = Prefill(pm, backend, srv.endpoint, pp=1)
         dec = Decode(pm, backend, srv.endpoint, dcp=1)
         try:
-            s, rc = pre.senders[0], dec.recvs[0]
+            s = pre.senders[0]
             assert inject_from_env(s)
-            for room, on in ((1, True), (2, False)):
-                if on:
-                    switch.write_text("1")
-                elif switch.exists():
-                    switch.unlink()
-                sp, dp = _pages(4 * room, 4), _pages(8 * room, 4)
-                s.start(room)
-                rc.expect(room, dp, num_tokens=64)
-                send_room(pre, room, sp)
-                st = wait_all([rc, s], room, 15)
-                if on:
-                    assert st == [FAILED, FAILED], st
-                    assert "failed (engine ERR)" in (rc.failure_reason(room) or ""), room
-                    deadline = time.monotonic() + 10
-                    while not (s.drained(room) and rc.drained(room)):
-                        assert time.monotonic() < deadline, "failed room never drained"
-                        time.sleep(0.01)
-                else:
-                    assert st == [OK, OK], (st, rc.failure_reason(room))
-                    assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
-            assert s.engine.failed >= 1
+            yield pre, dec, s, dec.recvs[0]
         finally:
             pre.close()
             dec.close()
+
+
+def test_failing_writes_switch_fails_rooms_only_while_on(
+    backend: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test-only ``PDPLUG_TEST_FAIL_WRITES`` switch (what the vLLM engine tests inject):
+    while its file exists a write reports an error, the room fails on both sides and drains;
+    once it is gone the next room completes byte-exact on the same session."""
+    switch = tmp_path / "fail-writes"
+    with _switched_pair(backend, switch, monkeypatch) as (pre, dec, s, rc):
+        for room, on in ((1, True), (2, False)):
+            if on:
+                switch.write_text("1")
+            elif switch.exists():
+                switch.unlink()
+            sp, dp = _pages(4 * room, 4), _pages(8 * room, 4)
+            s.start(room)
+            rc.expect(room, dp, num_tokens=64)
+            send_room(pre, room, sp)
+            st = wait_all([rc, s], room, 15)
+            if on:
+                assert st == [FAILED, FAILED], st
+                assert "failed (engine ERR)" in (rc.failure_reason(room) or ""), room
+                deadline = time.monotonic() + 10
+                while not (s.drained(room) and rc.drained(room)):
+                    assert time.monotonic() < deadline, "failed room never drained"
+                    time.sleep(0.01)
+            else:
+                assert st == [OK, OK], (st, rc.failure_reason(room))
+                assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
+        assert s.engine.failed >= 1
 
 
 def test_hold_switch_keeps_room_live_until_released(
@@ -560,29 +569,19 @@ def test_hold_switch_keeps_room_live_until_released(
     """The switch holding ``hold`` (what the vLLM kill phase uses to kill a decode while its
     rooms are live): no write is issued and the room stays live on both sides however long it
     is held; once the switch is gone the same room completes byte-exact."""
-    from pdplug.transfer.faults import FAULT_ENV, HOLD, inject_from_env
+    from pdplug.transfer.faults import HOLD
 
     switch = tmp_path / "fail-writes"
-    monkeypatch.setenv(FAULT_ENV, str(switch))
-    with rendezvous() as srv:
-        pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1)
-        dec = Decode(pm, backend, srv.endpoint, dcp=1)
-        try:
-            s, rc = pre.senders[0], dec.recvs[0]
-            assert inject_from_env(s)
-            switch.write_text(HOLD)
-            room, sp, dp = 1, _pages(4, 4), _pages(8, 4)
-            s.start(room)
-            rc.expect(room, dp, num_tokens=64)
-            send_room(pre, room, sp)
-            time.sleep(0.5)  # held: nothing may finish, whatever the host's speed
-            assert s.poll(room) not in (OK, FAILED) and rc.poll(room) not in (OK, FAILED)
-            assert s.engine.pending() >= 1 and s.engine.failed == 0
-            switch.unlink()
-            st = wait_all([rc, s], room, 15)
-            assert st == [OK, OK], (st, rc.failure_reason(room))
-            assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
-        finally:
-            pre.close()
-            dec.close()
+    with _switched_pair(backend, switch, monkeypatch) as (pre, dec, s, rc):
+        switch.write_text(HOLD)
+        room, sp, dp = 1, _pages(4, 4), _pages(8, 4)
+        s.start(room)
+        rc.expect(room, dp, num_tokens=64)
+        send_room(pre, room, sp)
+        time.sleep(0.5)  # held: nothing may finish, whatever the host's speed
+        assert s.poll(room) not in (OK, FAILED) and rc.poll(room) not in (OK, FAILED)
+        assert s.engine.pending() >= 1 and s.engine.failed == 0
+        switch.unlink()
+        st = wait_all([rc, s], room, 15)
+        assert st == [OK, OK], (st, rc.failure_reason(room))
+        assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
