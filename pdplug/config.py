@@ -88,7 +88,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     :ivar packer: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
     :ivar pack_threads: CPU threads one torch-packer call gathers with (entries split among
-        them); 0 = ``torch.get_num_threads()``. Ignored on CUDA.
+        them); 0 = ``torch.get_num_threads() - 1``, at least 1 (one core is left to the
+        transfer engine, whose copy of segment ``k`` overlaps the gather of ``k + 1``). Ignored
+        on CUDA.
     """
 
     packer: str = "auto"

@@ -254,7 +254,8 @@ def _run(
     default=0,
     show_default=True,
     type=click.IntRange(0, 64),
-    help="CPU gather threads of the sender's packer (0: torch's thread count).",
+    help="CPU gather threads of the sender's packer (0: the default, torch's thread count "
+    "less one, left to the engine's copy).",
 )
 @click.option("--inject-fault", is_flag=True, hidden=True,
               help="Tests only: flip one landed byte before the first check.")  # fmt: skip

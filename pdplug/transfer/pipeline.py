@@ -232,10 +232,13 @@ class SendPipeline:
             self._queue(ready)
             for lease, why in failed:
                 self._on_fail(lease, why)
-        if self._packing:
-            self._post_packed(now)
+        # dispatch first: regions freed by the writes just reaped go to the pack thread before
+        # this thread posts the packed segments (an engine may copy inside its post call, as
+        # UCX over shared memory does), so the gather of segment k + 2 overlaps the post of k + 1
         if self._queues:
             self._dispatch(now)
+        if self._packing:
+            self._post_packed(now)
         if self.counts["posts"] != posts:
             self._reap(now)  # an engine that copies inside its post call is done already
         if not self._inflight:

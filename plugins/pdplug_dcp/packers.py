@@ -49,6 +49,7 @@ __all__ = [
     "check_disjoint",
     "Gather",
     "widest",
+    "default_threads",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,12 @@ log = logging.getLogger(__name__)
 #: rows below which one more gather thread costs more than it saves (hand-off ~10-20 us)
 _MIN_THREAD_ROWS = 2048
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def default_threads() -> int:
+    """CPU gather threads of a packer by default: ``torch.get_num_threads() - 1``, at least 1
+    (one core is left to the transfer engine's copy, which overlaps the gather in a sender)."""
+    return max(1, torch.get_num_threads() - 1)
 
 
 def widest(*values: int) -> tuple[int, torch.dtype]:
@@ -215,10 +222,14 @@ class TorchPacker:
     integer views never convert). On CPU each of ``threads`` threads copies an equal share of
     every gather's rows (the caller's thread takes the first share); ``numpy.take`` releases
     the GIL, so they run in parallel. A row gather is bound by memory latency more than
-    bandwidth, so on a machine with idle cores more threads help; a sender whose engine
-    copies on the same cores may prefer fewer (``PlannerConfig.pack_threads``).
+    bandwidth, so on a machine with idle cores more threads help. Inside a sender the transfer
+    engine copies the previous segment on a core of its own at the same time (UCX over shared
+    memory copies in the posting thread), so the default leaves it one core: a gather thread
+    on that core would only slow the copy it overlaps (``pdplug bench pack --pack-threads``
+    compares both).
 
-    :param threads: CPU gather threads, >= 1 (0 = ``torch.get_num_threads()``).
+    :param threads: CPU gather threads, >= 1 (0 = ``default_threads()``: one less than
+        ``torch.get_num_threads()``, at least 1).
     :param min_thread_rows: rows (over all gathers of a call) per extra thread: a smaller
         call uses fewer threads, since a hand-off costs more than it saves (>= 1).
     :raises ValueError: ``threads < 0`` or ``min_thread_rows < 1``.
@@ -231,7 +242,7 @@ class TorchPacker:
             raise ValueError(f"TorchPacker threads must be >= 0, got {threads}")
         if min_thread_rows < 1:
             raise ValueError(f"TorchPacker min_thread_rows must be >= 1, got {min_thread_rows}")
-        self.threads = threads or max(1, torch.get_num_threads())
+        self.threads = threads or default_threads()
         self.min_thread_rows = min_thread_rows
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
@@ -372,7 +383,7 @@ def make_packer(device: str = "cpu", kind: str = "auto", threads: int = 0) -> Pa
 
     ``kind="auto"``: Triton on CUDA when triton imports (else torch, logged), torch on CPU.
     ``kind="triton"`` on CPU needs ``TRITON_INTERPRET=1`` (checked at ``pack`` time).
-    ``threads``: the torch packer's CPU gather threads (0 = ``torch.get_num_threads()``).
+    ``threads``: the torch packer's CPU gather threads (0 = :func:`default_threads`).
 
     :raises ValueError: unknown ``kind``, ``threads < 0``.
     :raises RuntimeError: ``kind="triton"`` and triton is not importable.

@@ -166,7 +166,7 @@ def test_packer_errors_name_the_values() -> None:
     with pytest.raises(ValueError, match="pack_threads must be >= 0, got -2"):
         PlannerConfig(pack_threads=-2)
     assert make_dcp_planner(PlannerConfig(pack_threads=3)).packer("cpu").threads == 3
-    assert TorchPacker().threads == max(1, torch.get_num_threads())
+    assert TorchPacker().threads == max(1, torch.get_num_threads() - 1)  # a core for the engine
     assert isinstance(make_packer("cpu"), Packer) and make_packer("cpu").kind == "torch"
     assert make_dcp_planner().packer("cpu", "torch").kind == "torch"
 

@@ -379,3 +379,66 @@ def pre_split(pm: PluginManager, s: Any, room: int) -> list[Any]:
             capacity_tokens=s.capacity_tokens(room),
         )
     )
+
+
+class SlowPost(PostLog):
+    """The real engine, whose ``post`` returns ``hold_s`` after posting (an engine that copies
+    inside its post call, as UCX over shared memory does); notes each post's (start, end)."""
+
+    def __init__(self, inner: Any, hold_s: float) -> None:
+        super().__init__(inner)
+        self.hold_s = hold_s
+        self.spans: list[tuple[float, float]] = []
+
+    def post(self, *args: Any) -> Any:
+        t0 = time.monotonic()
+        h = super().post(*args)
+        time.sleep(self.hold_s)
+        self.spans.append((t0, time.monotonic()))
+        return h
+
+
+class TimedPacker(CountingPacker):
+    """The real packer; notes when each ``pack_all`` call started."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.starts: list[float] = []
+
+    def pack_all(self, plans: Sequence[Any], entries: Sequence[Any], buf: torch.Tensor) -> None:
+        self.starts.append(time.monotonic())
+        super().pack_all(plans, entries, buf)
+
+
+def test_a_freed_region_is_packed_again_before_the_next_segment_is_posted(backend: str) -> None:
+    """Double buffering in practice: once segment k's writes are done, the pack of segment
+    k + 2 (into k's regions) starts before the engine thread posts segment k + 1, so the gather
+    overlaps an engine that copies inside its post call (here each post holds the thread
+    0.15 s). Four segments of 64 tokens to DCP 2, two regions per rank; bytes exact."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=2)
+        try:
+            s = pre.senders[0]
+            s.engine = log = SlowPost(s.engine, 0.15)
+            packer = TimedPacker(s._pipe.packer)
+            s._pipe.packer = packer
+            room, sp = 11, _pages(0, 16)
+            dps = [_pages(10, 8), _pages(30, 8)]
+            s.start(room)
+            for r, rc in enumerate(dec.recvs):
+                rc.expect(room, dps[r], num_tokens=256)
+            send_room(pre, room, sp)
+            st = wait_all([s, *dec.recvs], room, 30)
+            assert st == [OK] * 3, (st, s.failure_reason(room))
+            assert exact(dec, expected(pre, dec, 256, 0, sp, dps), dps)
+            # 8 writes; a segment whose ranks' regions free in different rounds is packed in
+            # more than one call (one pack_all per segment and round)
+            assert sum(packer.pack_all_plans) == 8 and len(log.spans) == 8, packer.__dict__
+            # posts 2 and 3 are segment 1's: segment 2's pack (into segment 0's regions) starts
+            # before the first of them returns; posting first would start it after both
+            assert packer.starts[2] < log.spans[2][1], (packer.starts, log.spans)
+        finally:
+            pre.close()
+            dec.close()
