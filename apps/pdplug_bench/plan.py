@@ -263,8 +263,9 @@ def _shape_report(args: dict[str, Any], device: str, pack_repeats: int, pl: dict
         f"repeats {pk['packer_vs_memcpy']:.0%} (range {pk['packer_vs_memcpy_range'][0]:.0%}-"
         f"{pk['packer_vs_memcpy_range'][1]:.0%}; goal >= "
         f"{'85' if device == 'cuda' else '50'}%), per-rank/copy {pk['per_rank_vs_memcpy']:.0%}"
-        f", pack_all {pk['whole_vs_per_rank']:.2f}x per-rank; {pk['pack_threads'] or '-'} pack "
-        f"threads; bytes (pack_all and per rank) vs {pk['reference']}: {same}"
+        f", pack_all {pk['whole_vs_per_rank']:.2f}x per-rank; gather threads "
+        f"{pk['pack_threads'] or '-'} (the sender's default); bytes (pack_all and per rank) vs "
+        f"{pk['reference']}: {same}"
     )
     if device == "cuda":
         lt = pk.get("launch", {})

@@ -64,12 +64,7 @@ def _segment(args: dict[str, Any], layers: int, pool_factor: int = 4) -> dict[st
 
     d = args["dcp"]
     seg_tokens = args["chunk_bound"]
-    import torch
-
-    # the copy it is compared with runs on all of torch's threads: the packer gets as many
-    # (a sender's default leaves one core to the engine's copy; ``pdplug bench pack`` covers it)
-    cfg = PlannerConfig(pack_threads=torch.get_num_threads())
-    planner = get_plugin_manager().make_pack_planner(cfg, name=args["planner"])
+    planner = get_plugin_manager().make_pack_planner(PlannerConfig(), name=args["planner"])
     src, dsts = bench_layouts({**args, "layers": layers})
     forced = False
     if d == 1 and not any(planner.needs_relayout(src, dst) for dst in dsts):

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 #: rows below which one more gather thread costs more than it saves (hand-off ~10-20 us)
 _MIN_THREAD_ROWS = 2048
+_NP_WORD = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -249,6 +250,7 @@ class TorchPacker:
         self._lock = threading.Lock()
         self._views: dict[tuple[int, int, str], torch.Tensor] = {}
         self._extents: dict[int, tuple[Any, int, int]] = {}
+        self._rows: dict[tuple[int, int, int, int, int], tuple[Any, Any]] = {}
 
     def _bytes(self, t: torch.Tensor | int, span: int) -> torch.Tensor:
         """:func:`entry_bytes` of a whole tensor, cached per (address, extent, device) (a sender
@@ -263,6 +265,36 @@ class TorchPacker:
             if len(self._views) > 1024:
                 self._views.clear()
             v = self._views[key] = entry_bytes(t, ext)
+        return v
+
+    def _cpu_rows(
+        self, t: torch.Tensor | int, span: int, rb: int, unit: int, w: int, dt: torch.dtype
+    ) -> np.ndarray | torch.Tensor:
+        """The entry's memory as ``[rows, rb // w]`` words, a row starting every ``unit``
+        bytes (CPU, no copy): a numpy view where rows lie back to back (numpy's row take), a
+        torch view where sub-rows leave gaps (numpy's take would copy the whole entry first).
+        Cached per tensor (held by the cache, so its id is never reused while cached) and
+        shape: the Python work of building views is a fifth of a segment's pack otherwise."""
+        key = (id(t), span if isinstance(t, int) else -1, rb, unit, w)
+        hit = self._rows.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        src = self._bytes(t, span)
+        k = (src.numel() - rb) // unit + 1  # rows starting every unit bytes that fit
+        words = src[: src.numel() // w * w].view(dt)
+        cols, stride = rb // w, unit // w
+        v: np.ndarray | torch.Tensor
+        if stride == cols:
+            a = words.numpy()
+            v = np.lib.stride_tricks.as_strided(
+                a, (k, cols), (stride * a.itemsize, a.itemsize), writeable=False
+            )
+        else:
+            v = torch.as_strided(words, (k, cols), (stride, 1))
+        if not isinstance(t, int):  # a raw address may be freed and reused: never cached
+            if len(self._rows) > 1024:
+                self._rows.clear()
+            self._rows[key] = (t, v)
         return v
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -305,7 +337,10 @@ class TorchPacker:
         :raises ValueError: see :func:`check_pack`; plans writing overlapping bytes.
         """
         pb = pack_buffer.data_ptr()
-        views: list[tuple[Any, Any, Any, Any]] = []
+        cpu = pack_buffer.device.type == "cpu"
+        pack_np = pack_buffer.numpy() if cpu else None
+        views: list[tuple[Any, Any, Any, Any]] = []  # device: (words, shape, out, rows)
+        arrays: list[tuple[int, Any, Any, Any]] = []  # cpu: (entry, source rows, rows, out)
         spans: list[tuple[int, int, int]] = []
         for i, plan in enumerate(plans):
             if not plan.packed:
@@ -327,6 +362,15 @@ class TorchPacker:
                 if rows is None:
                     rows = rows_of[id(g)] = group_rows(g) // unit
                 w, dt = widest(rb, unit, ga.addr, pb + ga.offset)
+                if pack_np is not None:
+                    src_rows = self._cpu_rows(entries[ga.entry], ga.span, rb, unit, w, dt)
+                    o = pack_np[ga.offset : ga.offset + m * rb].view(_NP_WORD[w]).reshape(m, -1)
+                    if isinstance(src_rows, torch.Tensor):
+                        arrays.append((ga.entry, src_rows, torch.from_numpy(rows),
+                                       torch.from_numpy(o)))  # fmt: skip
+                    else:
+                        arrays.append((ga.entry, src_rows, rows, o))
+                    continue
                 out = pack_buffer[ga.offset : ga.offset + m * rb].view(dt).view(m, rb // w)
                 src = self._bytes(entries[ga.entry], ga.span)
                 k = (src.numel() - rb) // unit + 1  # rows starting every unit bytes that fit
@@ -335,29 +379,21 @@ class TorchPacker:
             if hi > lo:
                 spans.append((lo, hi, i))
         check_disjoint(spans)
-        if pack_buffer.device.type != "cpu":
+        if not cpu:
             for words, (k, cols, stride), out, idx in views:
                 rows_v = torch.as_strided(words, (k, cols), (stride, 1))
                 dev_idx = torch.from_numpy(idx).to(pack_buffer.device, non_blocking=True)
                 torch.index_select(rows_v, 0, dev_idx, out=out)
             return
-        arrays: list[tuple[Any, Any, Any]] = []
-        for words, (k, cols, stride), out, idx in views:
-            if stride == cols:  # rows back to back: numpy's row take (memcpy per row)
-                a = words.numpy()
-                rows_np = np.lib.stride_tricks.as_strided(
-                    a, (k, cols), (stride * a.itemsize, a.itemsize), writeable=False
-                )
-                arrays.append((rows_np, idx, out.numpy()))
-            else:  # sub-rows with gaps: numpy's take would first copy the whole entry
-                rows_t = torch.as_strided(words, (k, cols), (stride, 1))
-                arrays.append((rows_t, torch.from_numpy(idx), out))
+        # entry-major: the ranks' gathers of one entry run back to back, so the segment's rows
+        # of that entry, read by the first, are still in cache for the others
+        arrays.sort(key=lambda a: a[0])
 
         def gather(j: int, k: int) -> None:
             # thread j of k copies its share of every gather's rows (not a share of the
             # gathers: equal work for any number of entries, and k streams through each
             # entry). Rows were range-checked, so mode="clip" (no bounds pass, no buffering).
-            for s, i, o in arrays:
+            for _e, s, i, o in arrays:
                 m = i.shape[0]
                 lo, hi = m * j // k, m * (j + 1) // k
                 if hi <= lo:
@@ -367,7 +403,7 @@ class TorchPacker:
                 else:
                     torch.index_select(s, 0, i[lo:hi], out=o[lo:hi])
 
-        rows = sum(a[1].shape[0] for a in arrays)
+        rows = sum(a[2].shape[0] for a in arrays)
         k = min(self.threads, max(1, rows // self.min_thread_rows))
         if k <= 1:
             gather(0, 1)
