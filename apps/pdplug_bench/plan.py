@@ -363,8 +363,10 @@ def _summary(device: str, shapes: list[dict[str, Any]]) -> None:
     show_default=True,
     help="Prefill page / decode page (2: decode pages half the size; 0.5: twice).",
 )
-@click.option("--kv-heads", default=8, show_default=True, help="KV heads (nhd/hnd).")
-@click.option("--head-bytes", default=512, show_default=True, help="Bytes of one K|V head sub-row.")
+@click.option("--kv-heads", default=8, show_default=True, type=click.IntRange(1, 4096),
+              help="KV heads (nhd/hnd).")  # fmt: skip
+@click.option("--head-bytes", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Bytes of one K|V head sub-row.")  # fmt: skip
 @click.option(
     "--prep-repeats", default=200, show_default=True, help="Timed host preparations (triton)."
 )

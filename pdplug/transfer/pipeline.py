@@ -184,6 +184,9 @@ class SendPipeline:
         stuck = self._inflight.stuck_keys()
         out = self._packing.leases()
         out.update(self._inflight.moving(now))
+        # a segment parked behind its host's ready marker is not silence: the gate fails the
+        # room itself after transfer_timeout_s, naming the marker
+        out.update(id(jobs[0].lease) for _, jobs in self._gate.parked)
         if now - self.progress_at <= self.timeout_s:
             for key, q in self._queues.items():
                 if key not in stuck:
@@ -351,8 +354,13 @@ class SendPipeline:
         for p, reason in failed:
             self._settle(p.job, p.peer, p.region)
             self._on_fail(p.job.lease, reason)
-        for p, plan in done:
+        for i, (p, plan) in enumerate(done):
             self._post_one(p, plan, now)
+            if i + 1 < len(done) and self._queues and self._inflight:
+                # writes that completed while this one was posted (an engine copying inside
+                # its post call) hand their regions to the pack thread before the next post
+                self._reap(now)
+                self._dispatch(now)
 
     def _post_one(self, p: Packing, plan: TransferPlan, now: float) -> None:
         job, lease = p.job, p.job.lease

@@ -250,7 +250,7 @@ class TorchPacker:
         self._lock = threading.Lock()
         self._views: dict[tuple[int, int, str], torch.Tensor] = {}
         self._extents: dict[int, tuple[Any, int, int]] = {}
-        self._rows: dict[tuple[int, int, int, int, int], tuple[Any, Any]] = {}
+        self._rows: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
     def _bytes(self, t: torch.Tensor | int, span: int) -> torch.Tensor:
         """:func:`entry_bytes` of a whole tensor, cached per (address, extent, device) (a sender
@@ -275,7 +275,10 @@ class TorchPacker:
         torch view where sub-rows leave gaps (numpy's take would copy the whole entry first).
         Cached per tensor (held by the cache, so its id is never reused while cached) and
         shape: the Python work of building views is a fifth of a segment's pack otherwise."""
-        key = (id(t), span if isinstance(t, int) else -1, rb, unit, w)
+        if isinstance(t, int):
+            key: tuple[Any, ...] = (t, span, rb, unit, w)
+        else:  # a tensor re-pointed in place (set_, .data =) gets a new key, never a stale view
+            key = (id(t), t.data_ptr(), t.shape, t.stride(), rb, unit, w)
         hit = self._rows.get(key)
         if hit is not None and hit[0] is t:
             return hit[1]

@@ -144,6 +144,32 @@ def test_planned_pack_reads_back_the_tokens() -> None:
     assert (written[o + 3 * 32 :] == POISON).all()
 
 
+@pytest.mark.parametrize("how", ["set_", "data"])
+def test_a_packer_reused_after_an_entry_is_repointed_reads_the_new_memory(how: str) -> None:
+    """The torch packer caches its row views per registered tensor: a tensor re-pointed in
+    place (``set_``, ``.data =``) must be read at its new memory, never through a stale view."""
+    src = KVLayout(page_size=4, entry_bytes_per_token=(8,))
+    dst = KVLayout(page_size=4, entry_bytes_per_token=(8,), dcp_size=2)
+    regions = pack_regions(src, dst_dcp_size=2, depth=1, region_tokens=8)
+    rng = np.random.default_rng(3)
+    kv = torch.from_numpy(rng.integers(1, 256, 40 * 8, dtype=np.uint8))
+    chunk = SendChunk(room=1, src_pages=np.array([7, 2]), dst_pages=np.array([0]), num_tokens=8)
+    plan = make_dcp_planner().plan(chunk, src, dst, 1, regions[1])
+    packer = TorchPacker(1)
+    buf = torch.full((regions[-1].offset + regions[-1].nbytes,), POISON, dtype=torch.uint8)
+    size = buf.numel()
+    packer.pack(plan, [kv], buf)
+    assert (buf.numpy() == reference_pack(plan, [kv.numpy()], size)).all()
+    other = torch.from_numpy(rng.integers(1, 256, 40 * 8, dtype=np.uint8))
+    if how == "set_":
+        kv.set_(other)
+    else:
+        kv.data = other
+    buf.fill_(POISON)
+    packer.pack(plan, [kv], buf)
+    assert (buf.numpy() == reference_pack(plan, [other.numpy()], size)).all()
+
+
 def test_packer_errors_name_the_values() -> None:
     src = KVLayout(page_size=4, entry_bytes_per_token=(8,))
     dst = KVLayout(page_size=4, entry_bytes_per_token=(8,), dcp_size=2)

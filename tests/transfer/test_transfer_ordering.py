@@ -437,8 +437,9 @@ def test_a_freed_region_is_packed_again_before_the_next_segment_is_posted(backen
             # more than one call (one pack_all per segment and round)
             assert sum(packer.pack_all_plans) == 8 and len(log.spans) == 8, packer.__dict__
             # posts 2 and 3 are segment 1's: segment 2's pack (into segment 0's regions) starts
-            # before the first of them returns; posting first would start it after both
-            assert packer.starts[2] < log.spans[2][1], (packer.starts, log.spans)
+            # before the second of them returns (at the latest once the first returned and
+            # segment 0's completions were seen); posting first would start it after both
+            assert packer.starts[2] < log.spans[3][1], (packer.starts, log.spans)
         finally:
             pre.close()
             dec.close()
