@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -170,58 +171,65 @@ def test_kv_is_read_only_after_the_ready_marker(backend: str, dcp: int) -> None:
             dec.close()
 
 
-def test_a_write_waits_for_its_pack_and_a_segment_is_one_pack_all(backend: str) -> None:
-    """The pack-done marker of the segment (a CUDA event on GPU; here a fake one) holds every
-    write of the segment until it completes; each segment's two DCP jobs are packed by one
-    ``pack_all`` call (never ``pack``), and the bytes arrive exact."""
+@contextmanager
+def _dcp2_pair(backend: str) -> Iterator[tuple[Prefill, Decode]]:
+    """A prefill rank and a DCP-2 decode instance on a fresh rendezvous (closed after)."""
     with rendezvous() as srv:
         pm = PluginManager()
         pre = Prefill(pm, backend, srv.endpoint, pp=1)
         dec = Decode(pm, backend, srv.endpoint, dcp=2)
         try:
-            s = pre.senders[0]
-            marks: list[FakeEvent] = []
-            s.engine = log = PostLog(s.engine, lambda: sum(m.fired_at is not None for m in marks))
-            packer = CountingPacker(s._pipe.packer)
-            s._pipe.packer = packer
-
-            def mark(_buf: Any) -> FakeEvent:
-                marks.append(FakeEvent())
-                return marks[-1]
-
-            s._pipe._packing.mark = mark
-            room, sp = 9, _pages(0, 8)
-            dps = [_pages(10, 4), _pages(30, 4)]
-            s.start(room)
-            for r, rc in enumerate(dec.recvs):
-                rc.expect(room, dps[r], num_tokens=128)
-            send_room(pre, room, sp)  # region 32 tokens x DCP 2: two segments of 64 tokens
-            assert wait_true(lambda: len(marks) >= 1, 20.0) is not None
-            time.sleep(0.3)
-            assert log.posts == []  # packed, but the device has not finished the pack
-            assert s.stats()["packing"] >= 2 and s.stats()["busy_regions"] >= 2
-            t_end = time.monotonic() + 15
-            while s.poll(room) not in (OK, FAILED) and time.monotonic() < t_end:
-                for m in list(marks):  # fire each segment's mark, oldest first
-                    if m.fired_at is None:
-                        m.fire()
-                        time.sleep(0.1)
-                        break
-                time.sleep(0.01)
-            st = wait_all([s, *dec.recvs], room, 15)
-            assert st == [OK] * 3, (st, s.failure_reason(room))
-            assert exact(dec, expected(pre, dec, 128, 0, sp, dps), dps)
-            # the i-th write (2 per segment, segments in order) follows its segment's mark
-            assert all(f >= i // 2 + 1 for i, f in enumerate(log.probed)), log.probed
-            segs = s.stats()["segments"]
-            assert packer.pack_calls == 0 and packer.pack_all_plans == [2] * segs, packer.__dict__
-            st = s.stats()
-            assert st["pack_launches"] == segs == len(marks)
-            assert st["pack_busy_s"] > 0 and st["write_busy_s"] > 0, st
-            assert 0 <= st["overlap_s"] <= min(st["pack_busy_s"], st["write_busy_s"]) + 1e-6
+            yield pre, dec
         finally:
             pre.close()
             dec.close()
+
+
+def test_a_write_waits_for_its_pack_and_a_segment_is_one_pack_all(backend: str) -> None:
+    """The pack-done marker of the segment (a CUDA event on GPU; here a fake one) holds every
+    write of the segment until it completes; each segment's two DCP jobs are packed by one
+    ``pack_all`` call (never ``pack``), and the bytes arrive exact."""
+    with _dcp2_pair(backend) as (pre, dec):
+        s = pre.senders[0]
+        marks: list[FakeEvent] = []
+        s.engine = log = PostLog(s.engine, lambda: sum(m.fired_at is not None for m in marks))
+        packer = CountingPacker(s._pipe.packer)
+        s._pipe.packer = packer
+
+        def mark(_buf: Any) -> FakeEvent:
+            marks.append(FakeEvent())
+            return marks[-1]
+
+        s._pipe._packing.mark = mark
+        room, sp = 9, _pages(0, 8)
+        dps = [_pages(10, 4), _pages(30, 4)]
+        s.start(room)
+        for r, rc in enumerate(dec.recvs):
+            rc.expect(room, dps[r], num_tokens=128)
+        send_room(pre, room, sp)  # region 32 tokens x DCP 2: two segments of 64 tokens
+        assert wait_true(lambda: len(marks) >= 1, 20.0) is not None
+        time.sleep(0.3)
+        assert log.posts == []  # packed, but the device has not finished the pack
+        assert s.stats()["packing"] >= 2 and s.stats()["busy_regions"] >= 2
+        t_end = time.monotonic() + 15
+        while s.poll(room) not in (OK, FAILED) and time.monotonic() < t_end:
+            for m in list(marks):  # fire each segment's mark, oldest first
+                if m.fired_at is None:
+                    m.fire()
+                    time.sleep(0.1)
+                    break
+            time.sleep(0.01)
+        st = wait_all([s, *dec.recvs], room, 15)
+        assert st == [OK] * 3, (st, s.failure_reason(room))
+        assert exact(dec, expected(pre, dec, 128, 0, sp, dps), dps)
+        # the i-th write (2 per segment, segments in order) follows its segment's mark
+        assert all(f >= i // 2 + 1 for i, f in enumerate(log.probed)), log.probed
+        segs = s.stats()["segments"]
+        assert packer.pack_calls == 0 and packer.pack_all_plans == [2] * segs, packer.__dict__
+        st = s.stats()
+        assert st["pack_launches"] == segs == len(marks)
+        assert st["pack_busy_s"] > 0 and st["write_busy_s"] > 0, st
+        assert 0 <= st["overlap_s"] <= min(st["pack_busy_s"], st["write_busy_s"]) + 1e-6
 
 
 def test_a_marker_that_never_completes_fails_its_room_only(backend: str) -> None:
@@ -415,31 +423,24 @@ def test_a_freed_region_is_packed_again_before_the_next_segment_is_posted(backen
     k + 2 (into k's regions) starts before the engine thread posts segment k + 1, so the gather
     overlaps an engine that copies inside its post call (here each post holds the thread
     0.15 s). Four segments of 64 tokens to DCP 2, two regions per rank; bytes exact."""
-    with rendezvous() as srv:
-        pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1)
-        dec = Decode(pm, backend, srv.endpoint, dcp=2)
-        try:
-            s = pre.senders[0]
-            s.engine = log = SlowPost(s.engine, 0.15)
-            packer = TimedPacker(s._pipe.packer)
-            s._pipe.packer = packer
-            room, sp = 11, _pages(0, 16)
-            dps = [_pages(10, 8), _pages(30, 8)]
-            s.start(room)
-            for r, rc in enumerate(dec.recvs):
-                rc.expect(room, dps[r], num_tokens=256)
-            send_room(pre, room, sp)
-            st = wait_all([s, *dec.recvs], room, 30)
-            assert st == [OK] * 3, (st, s.failure_reason(room))
-            assert exact(dec, expected(pre, dec, 256, 0, sp, dps), dps)
-            # 8 writes; a segment whose ranks' regions free in different rounds is packed in
-            # more than one call (one pack_all per segment and round)
-            assert sum(packer.pack_all_plans) == 8 and len(log.spans) == 8, packer.__dict__
-            # posts 2 and 3 are segment 1's: segment 2's pack (into segment 0's regions) starts
-            # before the second of them returns (at the latest once the first returned and
-            # segment 0's completions were seen); posting first would start it after both
-            assert packer.starts[2] < log.spans[3][1], (packer.starts, log.spans)
-        finally:
-            pre.close()
-            dec.close()
+    with _dcp2_pair(backend) as (pre, dec):
+        s = pre.senders[0]
+        s.engine = log = SlowPost(s.engine, 0.15)
+        packer = TimedPacker(s._pipe.packer)
+        s._pipe.packer = packer
+        room, sp = 11, _pages(0, 16)
+        dps = [_pages(10, 8), _pages(30, 8)]
+        s.start(room)
+        for r, rc in enumerate(dec.recvs):
+            rc.expect(room, dps[r], num_tokens=256)
+        send_room(pre, room, sp)
+        st = wait_all([s, *dec.recvs], room, 30)
+        assert st == [OK] * 3, (st, s.failure_reason(room))
+        assert exact(dec, expected(pre, dec, 256, 0, sp, dps), dps)
+        # 8 writes; a segment whose ranks' regions free in different rounds is packed in
+        # more than one call (one pack_all per segment and round)
+        assert sum(packer.pack_all_plans) == 8 and len(log.spans) == 8, packer.__dict__
+        # posts 2 and 3 are segment 1's: segment 2's pack (into segment 0's regions) starts
+        # before the second of them returns (at the latest once the first returned and
+        # segment 0's completions were seen); posting first would start it after both
+        assert packer.starts[2] < log.spans[3][1], (packer.starts, log.spans)
