@@ -22,13 +22,16 @@ Runs are paired (pdplug and raw back to back, ABBA order, so drift on a shared m
 both alike); per size ``overhead = 1 - median(t_raw / t_pdplug)`` over the pairs (goal <= 5% at
 16, 64 and 256 MiB), with the pairs' interquartile range as the spread; the GB/s columns are
 size / median time. ``plan ms`` is the pack planner's time for the send's plan (part of
-pdplug's time).
+pdplug's time). ``hop ms`` is the floor of pdplug's threading model: the median of empty round
+trips to the sender's engine thread (:meth:`pdplug.transfer.session.RoomSession.ping`), each
+right after a raw transfer of the size (caches as a finished send leaves them); ``hop/raw`` is
+that floor as a share of the raw time, to compare with the overhead.
 
 Bytes: the warm-up round and one extra untimed round at the end are checked for both pdplug
 and raw: the decode side poisons the expected pages, the run lands, and a digest of the rows
 that landed (:mod:`pdplug_bench.bytecheck`) must equal the digest of the source rows; the
 memcpy is compared too. Any mismatch exits non-zero. JSON: ``{"rows": [{"backend", "bytes",
-"mode", "gbps"}], "overhead": {backend: {MiB: x}}, ...}``.
+"mode", "gbps"}], "pairs": [{..., "hop_ms", "raw_ms"}], "overhead": {backend: {MiB: x}}, ...}``.
 """
 
 from __future__ import annotations
@@ -145,7 +148,8 @@ def _raw_mooncake(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tupl
     return prepare, close
 
 
-_PAIR_KEYS = ("backend", "bytes", "repeats", "pdplug_over_raw", "ratio_q1", "ratio_q3", "plan_ms")
+_PAIR_KEYS = ("backend", "bytes", "repeats", "pdplug_over_raw", "ratio_q1", "ratio_q3", "plan_ms",
+              "hop_ms", "raw_ms")  # fmt: skip
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -303,6 +307,14 @@ def _bench_backend(
                     times["memcpy"].append(t_cpy)
                     pair_ratio.append(t_raw / dt)
             q1, q3 = _quartiles(pair_ratio)
+            # the floor of pdplug's design: an empty round trip to the sender's engine thread
+            # right after a transfer of this size (caches as a finished send leaves them)
+            hops: list[float] = []
+            ping = getattr(sender, "ping", None)
+            for _ in range(min(reps, 15) if ping is not None else 0):
+                raw()
+                hops.append(ping())
+            hop_ms = statistics.median(hops) * 1e3 if hops else float("nan")
             for mode, ts in times.items():
                 rows.append(
                     {
@@ -316,6 +328,8 @@ def _bench_backend(
                         "ratio_q1": q1,
                         "ratio_q3": q3,
                         "plan_ms": plan_ms,
+                        "hop_ms": hop_ms,
+                        "raw_ms": statistics.median(times["raw"]) * 1e3,
                     }
                 )
     finally:
@@ -352,7 +366,7 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
     if max(size_list) > 4096 * MIB:
         raise click.BadParameter(f"{sizes!r}: at most 4096 MiB", param_hint="'--sizes'")
     backends = component_names(backend, "kv_sender", "--backend")
-    console = Console(width=120)  # tables stay whole when piped
+    console = Console(width=150)  # tables stay whole when piped
     console.print(machine_line())
     console.print(
         f"KV: {len(BPT)} entries x {BPT[0]} B/token, page {PAGE} tokens "
@@ -367,7 +381,7 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
         failures.extend(f)
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
     for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "memcpy",
-                "pdplug/raw", "IQR", "overhead", "plan ms"):  # fmt: skip
+                "pdplug/raw", "IQR", "overhead", "plan ms", "hop ms", "hop/raw"):  # fmt: skip
         t.add_column(col, justify="right")
     overhead: dict[str, dict[str, float]] = {}
     for b in backends:
@@ -388,6 +402,8 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
                 f"{p['ratio_q1']:.3f}-{p['ratio_q3']:.3f}",
                 f"{1.0 - ratio:+.1%}",
                 f"{p['plan_ms']:.2f}",
+                f"{p['hop_ms']:.3f}",
+                f"{p['hop_ms'] / p['raw_ms']:.1%}",
             )
     console.print(t)
     for b, per in overhead.items():
@@ -398,6 +414,12 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
             + ", ".join(f"{k} MiB {v:+.1%}" for k, v in per.items())
             + f" (goal <= 5% at every size: {verdict})"
         )
+    console.print(
+        "hop ms: an empty round trip host -> sender's engine thread -> host right after a raw "
+        "transfer of the size (median; KVSenderSession.ping): the two thread hand-offs every "
+        "send pays before planning or posting anything; hop/raw: that floor as a share of the "
+        "raw time"
+    )
     console.print(
         f"bytes: {'all checked rounds identical' if not failures else 'MISMATCH'} (pdplug, raw "
         "and memcpy; warm-up and final round per size, destination poisoned first)"

@@ -298,7 +298,8 @@ class KVSenderSession(RoomSession):
                 "WaitingForInput (every decode DestInfo arrived)"
             )
         pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-        if pages.size and (pages.min() < 0 or pages.max() >= self._num_pages):
+        # one reduction: a negative id read as uint64 is above any page count
+        if pages.size and int(pages.view(np.uint64).max()) >= self._num_pages:
             bad = int(pages[(pages < 0) | (pages >= self._num_pages)][0])
             raise ValueError(
                 f"KVSender.send: src_pages has page {bad}, outside [0, {self._num_pages}) "
@@ -432,9 +433,9 @@ class KVSenderSession(RoomSession):
     def _step(self, now: float) -> None:
         if self._down:
             return  # the engine is closed; the loop is about to stop
-        self.engine.progress()
         if self._pipe.has_work():
-            self._pipe.step(now)
+            self._pipe.step(now)  # before progress: a send just submitted posts without delay
+        self.engine.progress()
         if now >= self._next_periodic:
             self._next_periodic = now + 0.01
             if self._events:

@@ -13,6 +13,7 @@ Subclasses set ``rooms`` (:class:`pdplug.rooms.Rooms`), ``engine``, ``_loop``
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,6 +31,10 @@ __all__ = ["RoomSession"]
 log = logging.getLogger(__name__)
 
 _S = TypeVar("_S", bound="RoomSession")
+
+
+def _noop() -> None:
+    return None
 
 
 class RoomSession:
@@ -85,6 +90,19 @@ class RoomSession:
             if self._loop.died is None and not self._closed:
                 raise
             return False
+
+    def ping(self, timeout_s: float = 5.0) -> float:
+        """Seconds for a no-op to run on the session's engine thread and its answer to wake
+        the caller: the two thread hand-offs every send pays (host -> engine thread, and the
+        completion back to a waiting host), without planning or posting. A health check for
+        operators, and the floor ``pdplug bench transfer`` reports.
+
+        :raises TransferError: the engine thread did not answer within ``timeout_s`` seconds,
+            died, or the session is closed.
+        """
+        t0 = time.perf_counter()
+        self._loop.call(_noop, timeout_s)
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         """Stop the engine thread, release the engine and sockets; idempotent."""

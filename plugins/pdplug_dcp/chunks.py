@@ -63,7 +63,8 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
     n = chunk.num_tokens
     for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
         # ids past _MAX_PAGE would overflow int64 byte offsets (and no engine has that many)
-        if pages.shape[0] and (int(pages.min()) < 0 or int(pages.max()) >= _MAX_PAGE):
+        # one reduction: a negative id read as uint64 is above any bound
+        if pages.shape[0] and int(pages.view(np.uint64).max()) >= _MAX_PAGE:
             bad = int(pages.min()) if int(pages.min()) < 0 else int(pages.max())
             raise PlanError(f"room {chunk.room}: {name} holds page id {bad}, outside [0, 2**40)")
     if n and src_pages.shape[0] * ps < s0 + n:

@@ -142,4 +142,12 @@ def expand_entries(
     e, r = entries.shape[0], src.shape[0]
     if r == 0 or e == 0:
         return _EMPTY, _EMPTY, _EMPTY, _EMPTY
-    return np.repeat(entries, r), np.tile(src, e), np.tile(dst, e), np.tile(length, e)
+    if e == 1:
+        return entries.repeat(r), src, dst, length
+    # concatenate: np.tile's Python-level bookkeeping costs more than the copy at these sizes
+    return (
+        entries.repeat(r),
+        np.concatenate((src,) * e),
+        np.concatenate((dst,) * e),
+        np.concatenate((length,) * e),
+    )

@@ -143,6 +143,32 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
         sender.close()  # idempotent
 
 
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_ping_times_the_engine_thread_round_trip_and_fails_once_closed(backend: str) -> None:
+    """``ping`` runs a no-op on the session's engine thread and returns the round trip in
+    seconds; once the session is closed it raises naming it."""
+    require(backend)
+    from pdplug.errors import TransferError
+
+    pm = PluginManager()
+    sender = pm.make_kv_sender(
+        KVConfig(instance="p", role="prefill", layout=_layout(), pack_region_tokens=16),
+        name=backend,
+    )
+    recv = pm.make_kv_receiver(
+        KVConfig(instance="d", role="decode", layout=_layout()), name=backend
+    )
+    try:
+        for s in (sender, recv):
+            assert all(0.0 < s.ping() < 5.0 for _ in range(3))
+    finally:
+        sender.close()
+        recv.close()
+    for s in (sender, recv):
+        with pytest.raises(TransferError, match="closed"):
+            s.ping(0.5)
+
+
 def test_config_role_is_checked() -> None:
     class _Engine:
         name = "x"

@@ -279,8 +279,10 @@ def test_a_marker_that_never_completes_fails_its_room_only(backend: str) -> None
             dec.close()
 
 
-def test_send_names_a_ready_without_query(backend: str) -> None:
-    """``ready`` must have ``query()``; anything else is refused naming the parameter."""
+def test_send_names_a_ready_without_query_and_a_page_outside_the_kv(backend: str) -> None:
+    """``ready`` must have ``query()``, and every source page id must lie in the registered
+    KV (negative ids too); anything else is refused naming the value, nothing is queued, and
+    the room still sends."""
     with rendezvous() as srv:
         pm = PluginManager()
         pre = Prefill(pm, backend, srv.endpoint, pp=1)
@@ -299,6 +301,15 @@ def test_send_names_a_ready_without_query(backend: str) -> None:
             )[0]
             with pytest.raises(TypeError, match="ready must have query"):
                 s.send(3, seg, _pages(0, 4), ready=True)
+            n = s._num_pages
+            for bad, pages in ((-1, [0, -1, 2, 3]), (n, [0, 1, n, 3]), (-(2**62), [-(2**62)])):
+                with pytest.raises(
+                    ValueError, match=rf"src_pages has page {bad}, outside \[0, {n}\)"
+                ):
+                    s.send(3, seg, np.array(pages, dtype=np.int64))
+            assert s.poll(3) == KVPoll.WaitingForInput and s.stats().get("segments", 0) == 0
+            s.send(3, seg, _pages(0, 4))
+            assert wait_all([s, *dec.recvs], 3, 30) == [KVPoll.Success] * 2, s.failure_reason(3)
         finally:
             pre.close()
             dec.close()
