@@ -64,13 +64,28 @@ def console() -> Any:
     return host_console()
 
 
+def _writable(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a ``--json`` path whose folder is missing or not writable before the run, not
+    after minutes of measuring."""
+    if value is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"{value!r}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+        raise click.BadParameter(f"{value!r}: not writable")
+    return value
+
+
 def json_option(fn: _F) -> _F:
-    """The ``--json PATH`` option every benchmark takes (parameter ``json_path``)."""
+    """The ``--json PATH`` option every benchmark takes (parameter ``json_path``); the path's
+    folder must exist and be writable (checked before the run)."""
     return click.option(
         "--json",
         "json_path",
         type=click.Path(dir_okay=False),
         default=None,
+        callback=_writable,
         help="Write the results here.",
     )(fn)
 

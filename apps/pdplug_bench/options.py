@@ -34,13 +34,28 @@ def component_names(value: str, point: str, option: str) -> list[str]:
     return names
 
 
+def component_name(value: str, point: str, option: str) -> str:
+    """One component name of extension point ``point``, resolvable.
+
+    :raises click.BadParameter: a list, an empty name, or a name no plugin provides.
+    """
+    names = component_names(value, point, option)
+    if len(names) != 1:
+        raise click.BadParameter(
+            f"{value!r}: one name only (this benchmark runs one {point} at a time)",
+            param_hint=f"'{option}'",
+        )
+    return names[0]
+
+
 def number_list(value: str, option: str, unit: str, minimum: float) -> list[float]:
     """A comma list of numbers, each at least ``minimum``.
 
-    :raises click.BadParameter: an entry that is not a number or below ``minimum``.
+    :raises click.BadParameter: an empty entry, an entry that is not a number, or one below
+        ``minimum``.
     """
     try:
-        out = [float(x) for x in value.split(",") if x.strip()]
+        out = [float(x) for x in value.split(",")]
     except ValueError:
         raise click.BadParameter(
             f"{value!r}: expected comma-separated numbers ({unit})", param_hint=f"'{option}'"

@@ -277,9 +277,9 @@ def cli(
     from rich.table import Table
 
     from pdplug_bench.machine import machine_line, write_json
-    from pdplug_bench.options import component_names
+    from pdplug_bench.options import component_name
 
-    (backend,) = component_names(backend, "kv_sender", "--backend")
+    backend = component_name(backend, "kv_sender", "--backend")
     console = Console(width=120)  # tables stay whole when piped
     console.print(machine_line())
     console.print(
@@ -349,8 +349,9 @@ def cli(
             f"overlap bound (busy clocks, all runs): packed writes took "
             f"{pk['write_busy_s'] / tp['write_busy_s']:.2f}x the tp writes of the same bytes "
             f"while the pack thread gathered; {pk['overlap_s'] / pk['pack_busy_s']:.0%} of the "
-            f"pack time overlapped a write; with all of it hidden, packed / tp would be at most "
-            f"tp write / max(pack, packed write) = {bound:.1%}"
+            f"pack time overlapped a write; with all of it hidden, packed / tp would be about "
+            f"tp write / max(pack, packed write) = {bound:.1%} (busy sums over every run, "
+            f"the ratio above uses medians)"
         )
     console.print(
         f"bytes: {'all checked rounds identical' if not failures else 'MISMATCH'} (every mode "

@@ -385,10 +385,10 @@ def cli(
     """Planner time per send (p50) and the whole-segment pack's GB/s vs a plain copy of the
     same bytes (and vs packing rank by rank), for one shape or a sweep of row sizes x DCP."""
     from pdplug_bench.machine import machine_line, write_json
-    from pdplug_bench.options import component_names
+    from pdplug_bench.options import component_name
     from pdplug_bench.plan_pack import packer_bench, prep_bench
 
-    (args["planner"],) = component_names(args["planner"], "pack_planner", "--planner")
+    args["planner"] = component_name(args["planner"], "pack_planner", "--planner")
     if device == "cuda":
         import torch
 

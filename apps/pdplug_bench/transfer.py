@@ -314,7 +314,7 @@ def _bench_backend(
             for _ in range(min(reps, 15) if ping is not None else 0):
                 raw()
                 hops.append(ping())
-            hop_ms = statistics.median(hops) * 1e3 if hops else float("nan")
+            hop_ms = statistics.median(hops) * 1e3 if hops else None  # a sender without ping
             for mode, ts in times.items():
                 rows.append(
                     {
@@ -402,8 +402,8 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
                 f"{p['ratio_q1']:.3f}-{p['ratio_q3']:.3f}",
                 f"{1.0 - ratio:+.1%}",
                 f"{p['plan_ms']:.2f}",
-                f"{p['hop_ms']:.3f}",
-                f"{p['hop_ms'] / p['raw_ms']:.1%}",
+                "-" if p["hop_ms"] is None else f"{p['hop_ms']:.3f}",
+                "-" if p["hop_ms"] is None else f"{p['hop_ms'] / p['raw_ms']:.1%}",
             )
     console.print(t)
     for b, per in overhead.items():

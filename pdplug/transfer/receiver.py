@@ -43,6 +43,7 @@ from pdplug.transfer.handshake import (
 )
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Done, Heartbeat, HelloAck, control_codec, tag_codec
+from pdplug.transfer.pageids import page_ids
 from pdplug.transfer.session import RoomSession
 from pdplug.transfer.sources import PrefillSources
 from pdplug.types import DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
@@ -231,27 +232,23 @@ class KVReceiverSession(RoomSession):
     ) -> int:
         """Lease ``room`` and send its DestInfo to every prefill rank; returns the generation.
 
-        :param dst_pages: int64 ``[n]`` destination (virtual) page ids of this rank from
-            ``decode_prefix_len`` on; every id must be a registered page.
+        :param dst_pages: integer ``[n]`` destination (virtual) page ids of this rank from
+            ``decode_prefix_len`` on; every id must be a registered page (copied: the caller
+            may reuse its array once ``expect`` returns).
         :param decode_prefix_len: tokens decode already holds (a multiple of the virtual page,
             ``page_size * dcp_size`` tokens).
         :param num_tokens: the prompt length in tokens (0: unknown, unchecked).
         :param instance: the prefill instance; optional when only one is connected (or, with
             none connected, when exactly one refused this rank: then the room is leased and
             fails at once, naming the refusal, rather than raising).
-        :raises ValueError: a page id out of range, too few pages for ``num_tokens``, an
-            unaligned prefix, an unknown instance or an already-leased room (each named).
+        :raises ValueError: a page id out of range or not an integer, too few pages for
+            ``num_tokens``, an unaligned prefix, an unknown instance or an already-leased room
+            (each named).
         """
         lay = self.layout
         vpage = lay.page_size * lay.dcp_size
         inst = self._instance(instance)
-        pages = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
-        if pages.size and (pages.min() < 0 or pages.max() >= self._num_pages):
-            bad = int(pages[(pages < 0) | (pages >= self._num_pages)][0])
-            raise ValueError(
-                f"KVReceiver.expect: dst_pages has page {bad}, outside [0, {self._num_pages}) "
-                f"registered pages (room {room})"
-            )
+        pages = page_ids(dst_pages, "dst_pages", self._num_pages, "KVReceiver.expect", room)
         if decode_prefix_len < 0 or decode_prefix_len % vpage:
             raise ValueError(
                 f"KVReceiver.expect: decode_prefix_len={decode_prefix_len} must be a multiple of "

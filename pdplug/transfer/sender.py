@@ -50,6 +50,7 @@ from pdplug.transfer.handshake import Compat, Emit, check_decode_peer, layout_co
 from pdplug.transfer.leases import SendLeases
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Abort, Heartbeat, Hello, control_codec, tag_codec
+from pdplug.transfer.pageids import page_ids
 from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import Lease, SendPipeline
 from pdplug.transfer.regions import make_pack_buffer
@@ -276,7 +277,8 @@ class KVSenderSession(RoomSession):
         ``pack_all`` call and their writes posted only after the pack finished on the device.
 
         :param segment: a scheduler segment (tokens ``[token_start, token_end)``).
-        :param src_pages: int64 ``[n]`` source page ids from the segment's first page on.
+        :param src_pages: integer ``[n]`` source page ids from the segment's first page on
+            (copied: the caller may reuse its array once ``send`` returns).
         :param ready: ``None`` (the KV is complete now) or anything with ``query() -> bool``
             that turns true once the forward's KV writes of this segment completed (a
             ``torch.cuda.Event`` recorded after them, or the ``torch.cuda.Stream`` writing
@@ -284,8 +286,9 @@ class KVSenderSession(RoomSession):
             fails.
         :raises KeyError: ``room`` is not leased.
         :raises TypeError: ``ready`` has no ``query()``.
-        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, or a source
-            page id is outside the registered KV (named).
+        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, a source
+            page id is outside the registered KV (named), or ``src_pages`` does not hold
+            integers (:func:`pdplug.transfer.pageids.page_ids`).
         """
         check_ready(ready)
         status = self.rooms.status(room)
@@ -297,14 +300,7 @@ class KVSenderSession(RoomSession):
                 f"KVSender.send: room {room} is {status.name}; send only once it is "
                 "WaitingForInput (every decode DestInfo arrived)"
             )
-        pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-        # one reduction: a negative id read as uint64 is above any page count
-        if pages.size and int(pages.view(np.uint64).max()) >= self._num_pages:
-            bad = int(pages[(pages < 0) | (pages >= self._num_pages)][0])
-            raise ValueError(
-                f"KVSender.send: src_pages has page {bad}, outside [0, {self._num_pages}) "
-                f"registered pages (room {room})"
-            )
+        pages = page_ids(src_pages, "src_pages", self._num_pages, "KVSender.send", room)
         gen = self.rooms.generation(room)
         if gen is None or not self.rooms.add_pending(room, 1, gen):
             return

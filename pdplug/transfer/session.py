@@ -13,6 +13,7 @@ Subclasses set ``rooms`` (:class:`pdplug.rooms.Rooms`), ``engine``, ``_loop``
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -97,9 +98,19 @@ class RoomSession:
         completion back to a waiting host), without planning or posting. A health check for
         operators, and the floor ``pdplug bench transfer`` reports.
 
+        :raises ValueError: ``timeout_s`` is not a finite number of seconds > 0.
         :raises TransferError: the engine thread did not answer within ``timeout_s`` seconds,
             died, or the session is closed.
         """
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s)
+            or timeout_s <= 0
+        ):
+            raise ValueError(
+                f"ping: timeout_s must be a finite number of seconds > 0, got {timeout_s!r}"
+            )
         t0 = time.perf_counter()
         self._loop.call(_noop, timeout_s)
         return time.perf_counter() - t0

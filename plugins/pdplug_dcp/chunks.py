@@ -58,8 +58,8 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
         )
     rel0 = chunk.rel_start if chunk.rel_start >= 0 else chunk.src_page_offset * ps
     s0 = (prefix + rel0) % ps
-    src_pages = np.asarray(chunk.src_pages, dtype=np.int64)
-    dst_pages = np.asarray(chunk.dst_pages, dtype=np.int64)
+    src_pages = _page_array(chunk, "src_pages", chunk.src_pages)
+    dst_pages = _page_array(chunk, "dst_pages", chunk.dst_pages)
     n = chunk.num_tokens
     for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
         # ids past _MAX_PAGE would overflow int64 byte offsets (and no engine has that many)
@@ -82,6 +82,22 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
             f"has {dst_pages.shape[0]}"
         )
     return ChunkState(chunk, src_pages, dst_pages, rel0, s0, n)
+
+
+def _page_array(chunk: SendChunk, name: str, value: object) -> np.ndarray:
+    """``value`` as int64 ``[n]`` page ids.
+
+    :raises PlanError: not 1-D, or not integers (a float id would be truncated silently).
+    """
+    a = np.asarray(value)
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise PlanError(
+            f"room {chunk.room}: {name} must be a 1-D array of integer page ids, got shape "
+            f"{a.shape} dtype {a.dtype}"
+        )
+    return a.astype(np.int64, copy=False)
 
 
 _INPAGE: dict[tuple[int, int, int, int, int], np.ndarray] = {}

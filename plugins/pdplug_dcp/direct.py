@@ -138,7 +138,8 @@ def expand_entries(
     entries: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One template for every entry of a class, entry-major: four int64 ``[E * R]`` arrays
-    ``(entry, src_offset, dst_offset, length)``."""
+    ``(entry, src_offset, dst_offset, length)``. With one entry the template arrays are
+    returned as they are (callers pass arrays of their own, as :func:`class_runs` makes)."""
     e, r = entries.shape[0], src.shape[0]
     if r == 0 or e == 0:
         return _EMPTY, _EMPTY, _EMPTY, _EMPTY

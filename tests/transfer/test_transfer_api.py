@@ -146,7 +146,8 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_ping_times_the_engine_thread_round_trip_and_fails_once_closed(backend: str) -> None:
     """``ping`` runs a no-op on the session's engine thread and returns the round trip in
-    seconds; once the session is closed it raises naming it."""
+    seconds; a timeout that is not a finite number > 0 is refused naming it (0 would report a
+    live engine thread as dead); once the session is closed it raises naming it."""
     require(backend)
     from pdplug.errors import TransferError
 
@@ -161,6 +162,9 @@ def test_ping_times_the_engine_thread_round_trip_and_fails_once_closed(backend: 
     try:
         for s in (sender, recv):
             assert all(0.0 < s.ping() < 5.0 for _ in range(3))
+            for bad in (0, 0.0, -1.0, float("nan"), float("inf"), "1", None, True):
+                with pytest.raises(ValueError, match=r"timeout_s must be a finite number"):
+                    s.ping(bad)  # type: ignore[arg-type]
     finally:
         sender.close()
         recv.close()

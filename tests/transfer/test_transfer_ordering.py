@@ -315,6 +315,49 @@ def test_send_names_a_ready_without_query_and_a_page_outside_the_kv(backend: str
             dec.close()
 
 
+def test_send_and_expect_keep_the_page_ids_they_checked(backend: str) -> None:
+    """The engine thread reads a room's page ids after ``expect``/``send`` returned: a host
+    that reuses its id buffers at once (here: before the send's ready marker completes, with
+    a page id outside the KV and with other valid pages) changes nothing; the bytes go from and
+    to the pages passed at call time. Ids that are not integers are refused naming the dtype."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=1)
+        try:
+            s, rc = pre.senders[0], dec.recvs[0]
+            for bad in (np.array([0.0, 1.0]), np.array([True, False]), ["0", "1"]):
+                with pytest.raises(ValueError, match="dst_pages must hold integer page ids"):
+                    rc.expect(6, bad, num_tokens=32)
+            sp, dp = _pages(0, 4), _pages(4, 4)
+            dbuf, sbuf = dp.copy(), sp.copy()
+            s.start(5)
+            rc.expect(5, dbuf, num_tokens=64)
+            dbuf[:] = _pages(20, 4)
+            _waiting(s, 5)
+            seg = pre.sched.split_send(
+                token_start=0,
+                token_end=64,
+                decode_prefix_len=0,
+                is_last_send=True,
+                capacity_tokens=None,
+            )[0]
+            for bad in (np.array([0.0, 1.0, 2.0, 3.0]), np.array([True] * 4), list("0123")):
+                with pytest.raises(ValueError, match="src_pages must hold integer page ids"):
+                    s.send(5, seg, bad)
+            ev = FakeEvent()
+            s.send(5, seg, sbuf, ready=ev)
+            sbuf[:] = [0, 1, s._num_pages + 100, 3]  # a page outside the KV, after the check
+            time.sleep(0.05)
+            sbuf[:] = _pages(8, 4)  # then other valid pages
+            ev.fire()
+            assert wait_all([s, rc], 5, 30) == [OK, OK], s.failure_reason(5)
+            assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
+        finally:
+            pre.close()
+            dec.close()
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs CUDA: a real event behind a delayed KV write on the GPU (scripts/gpu_check)",

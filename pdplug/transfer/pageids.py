@@ -1,0 +1,55 @@
+"""The host's page ids, checked and copied before a session keeps them.
+
+``KVSender.send`` and ``KVReceiver.expect`` take page ids from the host's own arrays; the
+session's engine thread reads them later (plans, DestInfos). A check on the caller's array
+followed by a later read of the same array lets a caller that reuses its buffer slip an id past
+the check (a page outside the registered KV, written or read by the engine), so both keep a
+private int64 copy of what they checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["page_ids"]
+
+
+def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
+    """A private int64 ``[n]`` copy of ``value`` (any integer array-like, flattened), every id
+    checked to lie in ``[0, num_pages)``.
+
+    :param field: the parameter's name in errors (``src_pages``, ``dst_pages``).
+    :param num_pages: registered pages (ids are page indices, not bytes).
+    :param where: the API call in errors (``KVSender.send``).
+    :param room: the request's room, named in errors.
+    :raises ValueError: ``value`` does not convert to an array, holds non-integers (floats,
+        booleans, strings: the dtype is named), or an id outside ``[0, num_pages)`` (the first
+        one is named with its exact value, unsigned ones above 2**63 included).
+    """
+    try:
+        arr = np.asarray(value)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{where}: {field} must be integer page ids, got {type(value).__name__} ({e}) "
+            f"(room {room})"
+        ) from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(
+            f"{where}: {field} must hold integer page ids, got dtype {arr.dtype} (room {room})"
+        )
+    arr = arr.reshape(-1)
+    if arr.dtype.kind == "u":
+        over = int(arr.max()) >= num_pages
+    else:  # one reduction: a negative id read as uint64 is above any page count
+        over = int(arr.astype(np.int64, copy=False).view(np.uint64).max()) >= num_pages
+    if over:
+        bad = int(arr[(arr < 0) | (arr >= num_pages)][0])
+        raise ValueError(
+            f"{where}: {field} has page {bad}, outside [0, {num_pages}) registered pages "
+            f"(room {room})"
+        )
+    return arr.astype(np.int64)  # a copy, always (astype's default)
