@@ -59,6 +59,8 @@ __all__ = [
     "send_capacity_tokens",
     "merge_runs",
     "run_addresses",
+    "MAX_PAGE_ID",
+    "page_array",
     "segment_to_chunk",
     "segment_chunks",
     "pack_groups",
@@ -277,6 +279,39 @@ def run_addresses(
     return src, dst, plan.length.copy()
 
 
+#: page ids at or above this are refused: times a page stride they would overflow int64 byte
+#: offsets (and no engine has that many pages)
+MAX_PAGE_ID = 1 << 40
+
+
+def page_array(value: Any, field: str, room: int) -> np.ndarray:
+    """``value`` as int64 ``[n]`` page ids, converted without loss (what planners read from a
+    :class:`SendChunk`).
+
+    :param field: the field's name in errors (``src_pages``, ``dst_pages``).
+    :param room: the request's room, named in errors.
+    :raises pdplug.PlanError: (a ``ValueError``) not 1-D, not integers (a float id would be
+        truncated silently), or an id outside ``[0, 2**40)`` (named with its exact value,
+        unsigned ones above 2**63 included).
+    """
+    from pdplug.errors import PlanError
+
+    a = np.asarray(value)
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise PlanError(
+            f"room {room}: {field} must be a 1-D array of integer page ids, got shape "
+            f"{a.shape} dtype {a.dtype}"
+        )
+    out = a if a.dtype == np.int64 else a.astype(np.int64)
+    # one reduction: a negative id read as uint64 is above any bound
+    if int(np.maximum.reduce(a if a.dtype.kind == "u" else out.view(np.uint64))) >= MAX_PAGE_ID:
+        bad = int(a.min()) if int(a.min()) < 0 else int(a.max())
+        raise PlanError(f"room {room}: {field} holds page id {bad}, outside [0, 2**40)")
+    return out
+
+
 def segment_to_chunk(
     room: int,
     segment: Segment,
@@ -296,7 +331,8 @@ def segment_to_chunk(
     :param page_size: source page size (tokens). A segment may start inside a source page
         when the decode side's page differs (then ``rel_start`` is set).
     :raises ValueError: the segment starts before ``decode_prefix_len``, or ``src_pages`` is
-        too short.
+        too short; :func:`page_array`'s errors (``PlanError``) for ids that are not 1-D
+        integers in ``[0, 2**40)``.
     """
     start, n = segment.token_start, segment.num_tokens
     rel = start - decode_prefix_len
@@ -307,7 +343,7 @@ def segment_to_chunk(
         )
     skip = start % page_size
     need = -(-(skip + n) // page_size) if n else 0
-    pages = np.asarray(src_pages, dtype=np.int64)
+    pages = page_array(src_pages, "src_pages", room)
     if pages.shape[0] < need:
         raise ValueError(
             f"segment of {n} tokens from in-page offset {skip} needs {need} "
@@ -317,7 +353,7 @@ def segment_to_chunk(
     return SendChunk(
         room=room,
         src_pages=pages[:need],
-        dst_pages=np.asarray(dst_pages, dtype=np.int64),
+        dst_pages=page_array(dst_pages, "dst_pages", room),
         decode_prefix_len=decode_prefix_len,
         src_page_offset=rel // page_size,
         num_tokens=n,

@@ -65,15 +65,24 @@ def console() -> Any:
 
 
 def _writable(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """Refuse a ``--json`` path whose folder is missing or not writable before the run, not
-    after minutes of measuring."""
+    """Refuse a ``--json`` path that cannot be written before the run, not after minutes of
+    measuring: empty, a folder, a missing folder, or a file the open for append fails on (a
+    real write test: permission bits say little to root, nothing about /proc)."""
     if value is None:
         return None
+    if not value or value.endswith(os.sep) or os.path.isdir(value):
+        raise click.BadParameter(f"{value!r}: expected a file path")
     folder = os.path.dirname(os.path.abspath(value))
     if not os.path.isdir(folder):
         raise click.BadParameter(f"{value!r}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
-        raise click.BadParameter(f"{value!r}: not writable")
+    existed = os.path.exists(value)
+    try:
+        with open(value, "a"):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"{value!r}: not writable ({e.strerror})") from None
+    if not existed:
+        os.remove(value)
     return value
 
 

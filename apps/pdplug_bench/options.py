@@ -3,6 +3,8 @@ before anything is spawned or allocated, never a traceback later."""
 
 from __future__ import annotations
 
+import math
+
 import click
 
 __all__ = ["component_names", "number_list", "variant_pairs"]
@@ -60,6 +62,8 @@ def number_list(value: str, option: str, unit: str, minimum: float) -> list[floa
         raise click.BadParameter(
             f"{value!r}: expected comma-separated numbers ({unit})", param_hint=f"'{option}'"
         ) from None
+    if not all(math.isfinite(x) for x in out):
+        raise click.BadParameter(f"{value!r}: every value must be finite", param_hint=f"'{option}'")
     if not out or min(out) < minimum:
         raise click.BadParameter(
             f"{value!r}: every value must be >= {minimum:g} {unit}", param_hint=f"'{option}'"

@@ -310,8 +310,10 @@ def _bench_backend(
             # the floor of pdplug's design: an empty round trip to the sender's engine thread
             # right after a transfer of this size (caches as a finished send leaves them)
             hops: list[float] = []
-            ping = getattr(sender, "ping", None)
-            for _ in range(min(reps, 15) if ping is not None else 0):
+            ping: Callable[[], float] | None = getattr(sender, "ping", None)
+            for _ in range(min(reps, 15)):
+                if ping is None:
+                    break
                 raw()
                 hops.append(ping())
             hop_ms = statistics.median(hops) * 1e3 if hops else None  # a sender without ping

@@ -18,19 +18,21 @@ __all__ = ["page_ids"]
 
 def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
     """A private int64 ``[n]`` copy of ``value`` (any integer array-like, flattened), every id
-    checked to lie in ``[0, num_pages)``.
+    checked to lie in ``[0, num_pages)``. The copy is made first and the checks read the copy,
+    so a buffer the caller (or a device copy) is still writing cannot slip an id past them.
 
     :param field: the parameter's name in errors (``src_pages``, ``dst_pages``).
     :param num_pages: registered pages (ids are page indices, not bytes).
     :param where: the API call in errors (``KVSender.send``).
     :param room: the request's room, named in errors.
-    :raises ValueError: ``value`` does not convert to an array, holds non-integers (floats,
-        booleans, strings: the dtype is named), or an id outside ``[0, num_pages)`` (the first
-        one is named with its exact value, unsigned ones above 2**63 included).
+    :raises ValueError: ``value`` does not convert to an array (a tensor that requires grad, a
+        ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named), or
+        an id outside ``[0, num_pages)`` (the first one is named with its exact value, unsigned
+        ones and Python ints beyond 64 bits included).
     """
     try:
-        arr = np.asarray(value)
-    except (OverflowError, TypeError, ValueError) as e:
+        arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword
+    except (OverflowError, RuntimeError, TypeError, ValueError) as e:
         raise ValueError(
             f"{where}: {field} must be integer page ids, got {type(value).__name__} ({e}) "
             f"(room {room})"
@@ -38,18 +40,29 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":
-        raise ValueError(
-            f"{where}: {field} must hold integer page ids, got dtype {arr.dtype} (room {room})"
-        )
-    arr = arr.reshape(-1)
-    if arr.dtype.kind == "u":
-        over = int(arr.max()) >= num_pages
-    else:  # one reduction: a negative id read as uint64 is above any page count
-        over = int(arr.astype(np.int64, copy=False).view(np.uint64).max()) >= num_pages
-    if over:
+        bad = _int_outside(value, num_pages)
+        if bad is None:
+            raise ValueError(
+                f"{where}: {field} must hold integer page ids, got dtype {arr.dtype} (room {room})"
+            )
+    else:
+        arr = arr.reshape(-1)
+        u = arr if arr.dtype.kind == "u" else arr.astype(np.int64, copy=False).view(np.uint64)
+        # one reduction: a negative id read as uint64 is above any page count
+        if int(np.maximum.reduce(u)) < num_pages:
+            return arr.astype(np.int64, copy=False)  # the copy made above
         bad = int(arr[(arr < 0) | (arr >= num_pages)][0])
-        raise ValueError(
-            f"{where}: {field} has page {bad}, outside [0, {num_pages}) registered pages "
-            f"(room {room})"
-        )
-    return arr.astype(np.int64)  # a copy, always (astype's default)
+    raise ValueError(
+        f"{where}: {field} has page {bad}, outside [0, {num_pages}) registered pages (room {room})"
+    )
+
+
+def _int_outside(value: Any, num_pages: int) -> int | None:
+    """The first id outside ``[0, num_pages)`` of a flat list of Python/numpy ints that numpy
+    could not hold as int64 or uint64 (it made floats or objects of them), else ``None``."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    ints = [x for x in value if isinstance(x, (int, np.integer)) and not isinstance(x, bool)]
+    if len(ints) != len(value):
+        return None
+    return next((int(x) for x in ints if not 0 <= int(x) < num_pages), None)

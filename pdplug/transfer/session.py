@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +38,18 @@ _S = TypeVar("_S", bound="RoomSession")
 
 def _noop() -> None:
     return None
+
+
+def _seconds(value: object) -> float | None:
+    """``value`` as a timeout in seconds, or ``None`` when it is not a real number in
+    ``(0, threading.TIMEOUT_MAX]`` (booleans, NaN, infinities and overflowing ints included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        t = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return t if math.isfinite(t) and 0 < t <= threading.TIMEOUT_MAX else None
 
 
 class RoomSession:
@@ -98,21 +112,19 @@ class RoomSession:
         completion back to a waiting host), without planning or posting. A health check for
         operators, and the floor ``pdplug bench transfer`` reports.
 
-        :raises ValueError: ``timeout_s`` is not a finite number of seconds > 0.
+        :raises ValueError: ``timeout_s`` is not a real number of seconds in
+            ``(0, threading.TIMEOUT_MAX]``.
         :raises TransferError: the engine thread did not answer within ``timeout_s`` seconds,
             died, or the session is closed.
         """
-        if (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, (int, float))
-            or not math.isfinite(timeout_s)
-            or timeout_s <= 0
-        ):
+        t = _seconds(timeout_s)
+        if t is None:
             raise ValueError(
-                f"ping: timeout_s must be a finite number of seconds > 0, got {timeout_s!r}"
+                f"ping: timeout_s must be a finite number of seconds > 0 and at most "
+                f"{threading.TIMEOUT_MAX:g}, got {timeout_s!r}"
             )
         t0 = time.perf_counter()
-        self._loop.call(_noop, timeout_s)
+        self._loop.call(_noop, t)
         return time.perf_counter() - t0
 
     def close(self) -> None:

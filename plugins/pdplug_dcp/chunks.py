@@ -15,14 +15,11 @@ import msgspec
 import numpy as np
 
 from pdplug import PlanError
+from pdplug.packing import page_array
 from pdplug.types import SendChunk
 from pdplug_dcp.pairs import Pair
 
 __all__ = ["ChunkState", "chunk_state", "src_offsets", "token_runs"]
-
-
-#: page ids at or above this are refused: times a page stride they would overflow int64
-_MAX_PAGE = 1 << 40
 
 
 class ChunkState(msgspec.Struct, frozen=True):
@@ -58,15 +55,9 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
         )
     rel0 = chunk.rel_start if chunk.rel_start >= 0 else chunk.src_page_offset * ps
     s0 = (prefix + rel0) % ps
-    src_pages = _page_array(chunk, "src_pages", chunk.src_pages)
-    dst_pages = _page_array(chunk, "dst_pages", chunk.dst_pages)
+    src_pages = page_array(chunk.src_pages, "src_pages", chunk.room)
+    dst_pages = page_array(chunk.dst_pages, "dst_pages", chunk.room)
     n = chunk.num_tokens
-    for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
-        # ids past _MAX_PAGE would overflow int64 byte offsets (and no engine has that many)
-        # one reduction: a negative id read as uint64 is above any bound
-        if pages.shape[0] and int(pages.view(np.uint64).max()) >= _MAX_PAGE:
-            bad = int(pages.min()) if int(pages.min()) < 0 else int(pages.max())
-            raise PlanError(f"room {chunk.room}: {name} holds page id {bad}, outside [0, 2**40)")
     if n and src_pages.shape[0] * ps < s0 + n:
         raise PlanError(
             f"room {chunk.room}: num_tokens={n} from in-page offset {s0} needs "
@@ -82,22 +73,6 @@ def chunk_state(chunk: SendChunk, pair: Pair) -> ChunkState:
             f"has {dst_pages.shape[0]}"
         )
     return ChunkState(chunk, src_pages, dst_pages, rel0, s0, n)
-
-
-def _page_array(chunk: SendChunk, name: str, value: object) -> np.ndarray:
-    """``value`` as int64 ``[n]`` page ids.
-
-    :raises PlanError: not 1-D, or not integers (a float id would be truncated silently).
-    """
-    a = np.asarray(value)
-    if a.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise PlanError(
-            f"room {chunk.room}: {name} must be a 1-D array of integer page ids, got shape "
-            f"{a.shape} dtype {a.dtype}"
-        )
-    return a.astype(np.int64, copy=False)
 
 
 _INPAGE: dict[tuple[int, int, int, int, int], np.ndarray] = {}

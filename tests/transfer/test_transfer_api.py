@@ -162,7 +162,8 @@ def test_ping_times_the_engine_thread_round_trip_and_fails_once_closed(backend: 
     try:
         for s in (sender, recv):
             assert all(0.0 < s.ping() < 5.0 for _ in range(3))
-            for bad in (0, 0.0, -1.0, float("nan"), float("inf"), "1", None, True):
+            assert 0.0 < s.ping(np.float32(2.0)) < 2.0 and 0.0 < s.ping(np.int64(2)) < 2.0
+            for bad in (0, 0.0, -1.0, float("nan"), float("inf"), "1", None, True, 1e300, 2**1100):
                 with pytest.raises(ValueError, match=r"timeout_s must be a finite number"):
                     s.ping(bad)  # type: ignore[arg-type]
     finally:

@@ -1,0 +1,102 @@
+"""The host's page ids: what ``KVSender.send`` / ``KVReceiver.expect`` accept, refuse and keep
+(:func:`pdplug.transfer.pageids.page_ids`), and the planners' own conversion
+(:func:`pdplug.packing.page_array`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdplug import PlanError
+from pdplug.packing import page_array, segment_to_chunk
+from pdplug.transfer.pageids import page_ids
+from pdplug.types import Segment
+
+
+def _ids(value: object, n: int = 16) -> np.ndarray:
+    return page_ids(value, "src_pages", n, "KVSender.send", 3)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [0, 1, 15],
+        np.array([0, 1, 15], dtype=np.int8),
+        np.array([0, 1, 15], dtype=np.uint64),
+        np.array([0, 1, 15], dtype=">i8"),
+        np.arange(32)[::2][:3] - np.array([0, 1, 1]),
+        [[0, 1], [15]][0] + [15],
+        range(3),
+        np.int64(7),
+    ],
+)
+def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
+    got = _ids(value)
+    assert got.dtype == np.int64 and got.ndim == 1
+    assert got.tolist() == np.asarray(value).reshape(-1).astype(np.int64).tolist()
+    if isinstance(value, np.ndarray):
+        assert not np.shares_memory(got, value)
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ([0, -1], "has page -1, outside [0, 16)"),
+        ([0, 16], "has page 16, outside [0, 16)"),
+        (np.array([0, 2**64 - 1], dtype=np.uint64), f"has page {2**64 - 1}, outside"),
+        ([2**63, -1], f"has page {2**63}, outside"),
+        ([2**70], f"has page {2**70}, outside"),
+        ([-(2**63) - 1], f"has page {-(2**63) - 1}, outside"),
+        (np.array([0.0, 1.0]), "must hold integer page ids, got dtype float64"),
+        ([True, False], "must hold integer page ids, got dtype bool"),
+        (["0"], "must hold integer page ids, got dtype <U1"),
+        (None, "must hold integer page ids, got dtype object"),
+        ([[0, 1], [2]], "must be integer page ids, got list"),
+    ],
+)
+def test_bad_ids_are_refused_naming_the_value_the_field_and_the_room(
+    value: object, named: str
+) -> None:
+    with pytest.raises(ValueError) as ei:
+        _ids(value)
+    msg = str(ei.value)
+    assert msg.startswith("KVSender.send: src_pages") and named in msg and "(room 3)" in msg, msg
+
+
+def test_a_tensor_that_requires_grad_is_refused_as_a_value_error() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="src_pages must be integer page ids, got Tensor"):
+        _ids(torch.tensor([1.0, 2.0], requires_grad=True))
+    assert _ids(torch.tensor([1, 2])).tolist() == [1, 2]
+
+
+def test_the_check_reads_the_copy_it_returns() -> None:
+    """What is returned is what was checked: a buffer changed after the call changes nothing
+    (the engine thread reads the ids later)."""
+    buf = np.array([0, 1, 2], dtype=np.int64)
+    got = _ids(buf)
+    buf[:] = [0, 1, 10**9]
+    assert got.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (np.array([0, 2**64 - 1], dtype=np.uint64), f"src_pages holds page id {2**64 - 1}"),
+        (np.array([0, 2**63], dtype=np.uint64), f"src_pages holds page id {2**63}"),
+        (np.array([0, -3]), "src_pages holds page id -3, outside [0, 2**40)"),
+        (np.array([[0, 1]]), "must be a 1-D array of integer page ids, got shape (1, 2)"),
+        (np.array([0.9, 1.9]), "got shape (2,) dtype float64"),
+        (np.array([True]), "dtype bool"),
+    ],
+)
+def test_planner_page_arrays_are_1d_integers_named_exactly(value: object, named: str) -> None:
+    with pytest.raises(PlanError) as ei:
+        page_array(value, "src_pages", 4)
+    assert str(ei.value).startswith("room 4: ") and named in str(ei.value), str(ei.value)
+    # segment_to_chunk converts through it: a float id is never truncated into a page
+    seg = Segment(token_start=0, token_end=4, page_start=0, num_tokens=4, chunk_id=0, is_last=True)
+    with pytest.raises(ValueError, match=r"room 4: (src|dst)_pages"):
+        segment_to_chunk(4, seg, value, np.arange(2), 0, 4)
+    with pytest.raises(ValueError, match=r"room 4: dst_pages"):
+        segment_to_chunk(4, seg, np.arange(2), value, 0, 4)
