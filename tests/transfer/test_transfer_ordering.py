@@ -37,6 +37,7 @@ from _rig import (
 from pdplug import KVPoll, PluginManager, SchedulerConfig
 from pdplug.bootstrap import resolve
 from pdplug.transfer.gather import is_ready
+from pdplug.types import Segment
 
 OK, FAILED = KVPoll.Success, KVPoll.Failed
 
@@ -172,12 +173,12 @@ def test_kv_is_read_only_after_the_ready_marker(backend: str, dcp: int) -> None:
 
 
 @contextmanager
-def _dcp2_pair(backend: str) -> Iterator[tuple[Prefill, Decode]]:
-    """A prefill rank and a DCP-2 decode instance on a fresh rendezvous (closed after)."""
+def _pair(backend: str, dcp: int = 2) -> Iterator[tuple[Prefill, Decode]]:
+    """A prefill rank and a DCP-``dcp`` decode instance on a fresh rendezvous (closed after)."""
     with rendezvous() as srv:
         pm = PluginManager()
         pre = Prefill(pm, backend, srv.endpoint, pp=1)
-        dec = Decode(pm, backend, srv.endpoint, dcp=2)
+        dec = Decode(pm, backend, srv.endpoint, dcp=dcp)
         try:
             yield pre, dec
         finally:
@@ -185,11 +186,22 @@ def _dcp2_pair(backend: str) -> Iterator[tuple[Prefill, Decode]]:
             dec.close()
 
 
+def _whole(pre: Prefill, tokens: int = 64) -> Segment:
+    """The one segment of an unsplit send of ``tokens`` tokens from token 0."""
+    return pre.sched.split_send(
+        token_start=0,
+        token_end=tokens,
+        decode_prefix_len=0,
+        is_last_send=True,
+        capacity_tokens=None,
+    )[0]
+
+
 def test_a_write_waits_for_its_pack_and_a_segment_is_one_pack_all(backend: str) -> None:
     """The pack-done marker of the segment (a CUDA event on GPU; here a fake one) holds every
     write of the segment until it completes; each segment's two DCP jobs are packed by one
     ``pack_all`` call (never ``pack``), and the bytes arrive exact."""
-    with _dcp2_pair(backend) as (pre, dec):
+    with _pair(backend) as (pre, dec):
         s = pre.senders[0]
         marks: list[FakeEvent] = []
         s.engine = log = PostLog(s.engine, lambda: sum(m.fired_at is not None for m in marks))
@@ -283,36 +295,21 @@ def test_send_names_a_ready_without_query_and_a_page_outside_the_kv(backend: str
     """``ready`` must have ``query()``, and every source page id must lie in the registered
     KV (negative ids too); anything else is refused naming the value, nothing is queued, and
     the room still sends."""
-    with rendezvous() as srv:
-        pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1)
-        dec = Decode(pm, backend, srv.endpoint, dcp=1)
-        try:
-            s = pre.senders[0]
-            s.start(3)
-            dec.recvs[0].expect(3, _pages(0, 4), num_tokens=64)
-            _waiting(s, 3)
-            seg = pre.sched.split_send(
-                token_start=0,
-                token_end=64,
-                decode_prefix_len=0,
-                is_last_send=True,
-                capacity_tokens=None,
-            )[0]
-            with pytest.raises(TypeError, match="ready must have query"):
-                s.send(3, seg, _pages(0, 4), ready=True)
-            n = s._num_pages
-            for bad, pages in ((-1, [0, -1, 2, 3]), (n, [0, 1, n, 3]), (-(2**62), [-(2**62)])):
-                with pytest.raises(
-                    ValueError, match=rf"src_pages has page {bad}, outside \[0, {n}\)"
-                ):
-                    s.send(3, seg, np.array(pages, dtype=np.int64))
-            assert s.poll(3) == KVPoll.WaitingForInput and s.stats().get("segments", 0) == 0
-            s.send(3, seg, _pages(0, 4))
-            assert wait_all([s, *dec.recvs], 3, 30) == [KVPoll.Success] * 2, s.failure_reason(3)
-        finally:
-            pre.close()
-            dec.close()
+    with _pair(backend, dcp=1) as (pre, dec):
+        s = pre.senders[0]
+        s.start(3)
+        dec.recvs[0].expect(3, _pages(0, 4), num_tokens=64)
+        _waiting(s, 3)
+        seg = _whole(pre)
+        with pytest.raises(TypeError, match="ready must have query"):
+            s.send(3, seg, _pages(0, 4), ready=True)
+        n = s._num_pages
+        for bad, pages in ((-1, [0, -1, 2, 3]), (n, [0, 1, n, 3]), (-(2**62), [-(2**62)])):
+            with pytest.raises(ValueError, match=rf"src_pages has page {bad}, outside \[0, {n}\)"):
+                s.send(3, seg, np.array(pages, dtype=np.int64))
+        assert s.poll(3) == KVPoll.WaitingForInput and s.stats().get("segments", 0) == 0
+        s.send(3, seg, _pages(0, 4))
+        assert wait_all([s, *dec.recvs], 3, 30) == [KVPoll.Success] * 2, s.failure_reason(3)
 
 
 def test_send_and_expect_keep_the_page_ids_they_checked(backend: str) -> None:
@@ -320,42 +317,29 @@ def test_send_and_expect_keep_the_page_ids_they_checked(backend: str) -> None:
     that reuses its id buffers at once (here: before the send's ready marker completes, with
     a page id outside the KV and with other valid pages) changes nothing; the bytes go from and
     to the pages passed at call time. Ids that are not integers are refused naming the dtype."""
-    with rendezvous() as srv:
-        pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1)
-        dec = Decode(pm, backend, srv.endpoint, dcp=1)
-        try:
-            s, rc = pre.senders[0], dec.recvs[0]
-            for bad in (np.array([0.0, 1.0]), np.array([True, False]), ["0", "1"]):
-                with pytest.raises(ValueError, match="dst_pages must hold integer page ids"):
-                    rc.expect(6, bad, num_tokens=32)
-            sp, dp = _pages(0, 4), _pages(4, 4)
-            dbuf, sbuf = dp.copy(), sp.copy()
-            s.start(5)
-            rc.expect(5, dbuf, num_tokens=64)
-            dbuf[:] = _pages(20, 4)
-            _waiting(s, 5)
-            seg = pre.sched.split_send(
-                token_start=0,
-                token_end=64,
-                decode_prefix_len=0,
-                is_last_send=True,
-                capacity_tokens=None,
-            )[0]
-            for bad in (np.array([0.0, 1.0, 2.0, 3.0]), np.array([True] * 4), list("0123")):
-                with pytest.raises(ValueError, match="src_pages must hold integer page ids"):
-                    s.send(5, seg, bad)
-            ev = FakeEvent()
-            s.send(5, seg, sbuf, ready=ev)
-            sbuf[:] = [0, 1, s._num_pages + 100, 3]  # a page outside the KV, after the check
-            time.sleep(0.05)
-            sbuf[:] = _pages(8, 4)  # then other valid pages
-            ev.fire()
-            assert wait_all([s, rc], 5, 30) == [OK, OK], s.failure_reason(5)
-            assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
-        finally:
-            pre.close()
-            dec.close()
+    with _pair(backend, dcp=1) as (pre, dec):
+        s, rc = pre.senders[0], dec.recvs[0]
+        for bad in (np.array([0.0, 1.0]), np.array([True, False]), ["0", "1"]):
+            with pytest.raises(ValueError, match="dst_pages must hold integer page ids"):
+                rc.expect(6, bad, num_tokens=32)
+        sp, dp = _pages(0, 4), _pages(4, 4)
+        dbuf, sbuf = dp.copy(), sp.copy()
+        s.start(5)
+        rc.expect(5, dbuf, num_tokens=64)
+        dbuf[:] = _pages(20, 4)
+        _waiting(s, 5)
+        seg = _whole(pre)
+        for bad in (np.array([0.0, 1.0, 2.0, 3.0]), np.array([True] * 4), list("0123")):
+            with pytest.raises(ValueError, match="src_pages must hold integer page ids"):
+                s.send(5, seg, bad)
+        ev = FakeEvent()
+        s.send(5, seg, sbuf, ready=ev)
+        sbuf[:] = [0, 1, s._num_pages + 100, 3]  # a page outside the KV, after the check
+        time.sleep(0.05)
+        sbuf[:] = _pages(8, 4)  # then other valid pages
+        ev.fire()
+        assert wait_all([s, rc], 5, 30) == [OK, OK], s.failure_reason(5)
+        assert exact(dec, expected(pre, dec, 64, 0, sp, [dp]), [dp])
 
 
 @pytest.mark.skipif(
@@ -477,7 +461,7 @@ def test_a_freed_region_is_packed_again_before_the_next_segment_is_posted(backen
     k + 2 (into k's regions) starts before the engine thread posts segment k + 1, so the gather
     overlaps an engine that copies inside its post call (here each post holds the thread
     0.15 s). Four segments of 64 tokens to DCP 2, two regions per rank; bytes exact."""
-    with _dcp2_pair(backend) as (pre, dec):
+    with _pair(backend) as (pre, dec):
         s = pre.senders[0]
         s.engine = log = SlowPost(s.engine, 0.15)
         packer = TimedPacker(s._pipe.packer)
