@@ -181,7 +181,9 @@ class RendezvousServer:
             return dict(self._table.get(instance, {}))
 
     def stats(self) -> dict[str, int]:
-        """Counters (registered, refused, resolved, not_ready) and the codec's drop counters."""
+        """Counters of requests answered (registered, refused, resolved, not_ready: a client
+        that retried before its answer came counts once per request answered; registering is
+        idempotent) and the codec's drop counters."""
         with self._lock:
             out = dict(self.counts)
         out.update(self._codec.stats())

@@ -65,7 +65,8 @@ def test_resolve_answers_not_ready_until_every_rank_registered() -> None:
         assert [p.layout.pp_rank for p in peers] == [0, 1]
         assert peers[1].control_endpoint.endswith(":5001")
         st = server.stats()
-        assert st["registered"] == 2 and st["not_ready"] >= 1 and st["resolved"] >= 1
+        # a register retried under load (no answer within 0.25 s) is answered, and counted, again
+        assert st["registered"] >= 2 and st["not_ready"] >= 1 and st["resolved"] >= 1
 
 
 def test_geometry_conflict_and_decode_role_are_refused_with_a_reason() -> None:
