@@ -95,7 +95,9 @@ class TransferEngine(Protocol):
         ...
 
     def check(self, xfer: Any) -> str:
-        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"``; never raises for a failed write."""
+        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"``; never raises for a failed write.
+        An engine may also define ``failure(xfer) -> str | None`` (optional, not part of the
+        protocol): why a write that ended ``"ERR"`` failed, appended to the room's reason."""
         ...
 
     def cancel(self, xfer: Any) -> bool:

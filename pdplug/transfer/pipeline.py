@@ -434,6 +434,10 @@ class SendPipeline:
         elif st != XFER_DONE:
             self.counts["post_failed"] += 1
             reason = f"write of chunk {x.tag.chunk_id} to dcp {job.dst_rank} failed (engine {st})"
+            why = getattr(self.engine, "failure", None)
+            detail = why(x.handle) if callable(why) else None
+            if detail:
+                reason = f"{reason}: {detail}"
             self._on_fail(lease, reason)
         # the room's outcome first, then free the region: a drained notice must follow the
         # last byte, and the completion must not wait for the release

@@ -11,6 +11,18 @@ only its own writes, never another peer's. A batch is cut into calls of at most 
 descriptors because a TCP lane whose queue overflows rejects the batch and stays unusable
 (measured on mooncake 0.3.13). The engine has no completion notifications: the session reports
 completion and failure over the ZMQ control channel.
+
+**Probe before the handshake.** The first write to a session (and the first after a failed
+one, after which the binding forgets the session) opens it with a metadata handshake that the
+Python binding runs while holding the one mutex every write takes, with no timeout on the
+peer's answer (mooncake 0.3.13; later releases bound it by 60 s). A peer whose address accepts
+TCP and never answers (a frozen host, a NAT or firewall that swallows the reply, a wrong
+advertised host) therefore wedged every write of the process, to healthy peers too (field case
+C17). So a session is opened only right after ``send_probe`` answered within
+``probe_timeout_s`` (an empty batch write opens it then, on the peer's worker, when the session
+is first connected): the probe runs on a daemon thread of its own and takes no binding lock, so
+a probe that never returns costs its peer's writes only (they fail at once, naming the probe);
+a peer that answers again later is probed again by the next write bound for it.
 """
 
 from __future__ import annotations
@@ -46,8 +58,11 @@ class _Worker:
         self._thread.start()
         self.running = False
 
-    def submit(self, fn: Callable[[], int]) -> Future[int]:
+    def submit(self, fn: Callable[[], int], key: list[int] | None = None) -> Future[int]:
+        """Queue ``fn``; ``key`` (if given) receives ``id`` of the returned future first."""
         fut: Future[int] = Future()
+        if key is not None:
+            key.append(id(fut))
         self._q.put((fn, fut))
         return fut
 
@@ -69,11 +84,17 @@ class _Worker:
 
 
 class _Peer(msgspec.Struct, kw_only=True):
-    """A peer session (``host:port``) and its worker; ``refs``: connects not yet undone."""
+    """A peer session (``host:port``) and its worker; ``refs``: connects not yet undone.
+
+    ``verified``: the binding holds an open segment for ``session`` (a probe answered and no
+    write failed since); ``probe``: the last probe's thread while it has not returned.
+    """
 
     session: str
     worker: _Worker
     refs: int = 0
+    verified: bool = False
+    probe: threading.Thread | None = None
 
 
 class MooncakeEngine:
@@ -82,7 +103,9 @@ class MooncakeEngine:
     :param config: the rank's KVConfig. ``extra`` keys: ``protocol`` (``"tcp"`` default,
         ``"rdma"`` in production), ``device_name`` (NIC filter, default ``""`` = auto),
         ``host`` (advertised host, default ``config.wire.bind_host``), ``max_batch``
-        (descriptors per write call, default 1024).
+        (descriptors per write call, default 1024), ``probe_timeout_s`` (seconds a peer has
+        to answer the handshake probe before its writes fail, default
+        ``min(2, transfer_timeout_s / 2)``).
     :raises ImportError: mooncake is not installed.
     :raises TransferError: ``initialize`` failed (names host and protocol).
     """
@@ -109,7 +132,17 @@ class MooncakeEngine:
         self._max_batch = int(extra.get("max_batch", "1024"))
         if self._max_batch <= 0:
             raise ValueError(f"KVConfig.extra['max_batch'] must be > 0, got {self._max_batch}")
+        probe = extra.get("probe_timeout_s", str(min(2.0, config.transfer_timeout_s / 2)))
+        try:
+            self._probe_s = float(probe)
+        except ValueError:
+            self._probe_s = -1.0
+        if not 0 < self._probe_s < float("inf"):
+            raise ValueError(
+                f"KVConfig.extra['probe_timeout_s'] must be a number of seconds > 0, got {probe!r}"
+            )
         self._peers: dict[str, _Peer] = {}
+        self._failures: dict[int, str] = {}  # id(write future) -> why it failed
         self._regions: list[tuple[int, int]] = []
         self._waker: Callable[[], None] | None = None
         self.counts: Counter[str] = Counter()
@@ -150,6 +183,9 @@ class MooncakeEngine:
         if p is None:
             worker = _Worker(f"pdplug-mooncake-write-{session}")
             p = self._peers[session] = _Peer(session=session, worker=worker)
+            # verify the session now, off the write path: the first write need not wait
+            peer_ref = p
+            worker.submit(lambda: self._verify(peer_ref))
         p.refs += 1
         return p
 
@@ -173,22 +209,68 @@ class MooncakeEngine:
         """Queue the write on the peer's worker thread; :meth:`check` reports it (and the
         waker, if set, fires when it finishes)."""
         s, d, n = src.tolist(), dst.tolist(), length.tolist()
-        fut = peer.worker.submit(lambda: self._write(peer.session, s, d, n))
+        key: list[int] = []  # the future's id, known before the worker can run the write
+        fut: Future[int] = peer.worker.submit(lambda: self._write(peer, key, s, d, n), key)
         if self._waker is not None:
             waker = self._waker
             fut.add_done_callback(lambda _f: waker())
         return fut
 
-    def _write(self, session: str, src: list[int], dst: list[int], ln: list[int]) -> int:
+    def _verify(self, peer: _Peer) -> int:
+        """Probe ``peer``'s session (on its worker thread) unless it is verified; 0 when the
+        binding may open it, else -1 with the reason kept in ``peer``'s last failure."""
+        if peer.verified:
+            return 0
+        if peer.probe is not None and peer.probe.is_alive():
+            return -1  # an earlier probe never returned: do not stack threads on a dead peer
+        answer: list[int] = []
+        t = threading.Thread(
+            target=lambda: answer.append(int(self._engine.send_probe(peer.session))),
+            name=f"pdplug-mooncake-probe-{peer.session}",
+            daemon=True,
+        )
+        peer.probe = t
+        t.start()
+        t.join(self._probe_s)
+        if t.is_alive() or not answer or answer[0] != 0:
+            self.counts["probe_failed"] += 1
+            return -1
+        peer.probe = None
+        # open the segment now, while the peer is known to answer: an empty batch makes the
+        # binding run its handshake (under its lock), so no later write opens it on a peer that
+        # stopped answering since (a peer that dies within this window still costs that lock)
+        if self._engine.batch_transfer_sync_write(peer.session, [], [], []) != 0:
+            self.counts["open_failed"] += 1
+            return -1
+        peer.verified = True
+        return 0
+
+    def _write(
+        self, peer: _Peer, key: list[int], src: list[int], dst: list[int], ln: list[int]
+    ) -> int:
+        fid = key[0]
+        if self._verify(peer) != 0:
+            self._failures[fid] = (
+                f"mooncake session {peer.session} did not answer a handshake probe within "
+                f"{self._probe_s:g} s (KVConfig.extra['probe_timeout_s']); its writes fail "
+                "until it answers again"
+            )
+            return -1
         step = self._max_batch
         for i in range(0, len(ln), step):
             rc = self._engine.batch_transfer_sync_write(
-                session, src[i : i + step], dst[i : i + step], ln[i : i + step]
+                peer.session, src[i : i + step], dst[i : i + step], ln[i : i + step]
             )
             self.counts["batch_calls"] += 1
             if rc != 0:
+                peer.verified = False  # the binding dropped the segment: re-probe next time
+                self._failures[fid] = f"mooncake write to {peer.session} returned {rc}"
                 return int(rc)
         return 0
+
+    def failure(self, xfer: Any) -> str | None:
+        """Why a write whose :meth:`check` said ``"ERR"`` failed, when the engine knows."""
+        return self._failures.get(id(xfer))
 
     def check(self, xfer: Any) -> str:
         """``"PROC"`` while the write runs, then ``"DONE"`` (rc 0) or ``"ERR"``."""
@@ -203,7 +285,8 @@ class MooncakeEngine:
         return bool(xfer.cancel())
 
     def release(self, xfer: Any) -> None:
-        """Nothing to release (a future)."""
+        """Forget the write's failure reason (nothing else to release: a future)."""
+        self._failures.pop(id(xfer), None)
 
     def notify(self, peer: Any, tag: bytes) -> None:
         """Unsupported: completion goes over the control channel.
