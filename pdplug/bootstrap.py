@@ -58,6 +58,7 @@ __all__ = [
     "rank_of",
     "world_of",
     "bind_random",
+    "Registrar",
 ]
 
 log = logging.getLogger(__name__)
@@ -344,6 +345,55 @@ def register(
     if not reply.ok:
         raise TransferError(f"rendezvous {endpoint} refused {peer.instance}: {reply.reason}")
     return reply
+
+
+class Registrar:
+    """Keeps one prefill rank registered: :func:`register` again every ``every_s`` seconds on
+    a daemon thread (its own sockets), so a rendezvous that restarted — its table lives in
+    memory — knows the rank again within ``every_s``. A refusal or a rendezvous that does not
+    answer is logged and counted; the next round tries again.
+
+    :param endpoint: the rendezvous; ``peer``: what the rank publishes (its ``PeerInfo``).
+    :param every_s: seconds between two registrations (> 0).
+    :param timeout_s: how long one registration waits for its answer (seconds).
+    :raises ValueError: ``every_s`` is not > 0.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        peer: PeerInfo,
+        every_s: float,
+        *,
+        timeout_s: float = 5.0,
+        wire: WireConfig | None = None,
+    ) -> None:
+        if not every_s > 0:
+            raise ValueError(f"Registrar: every_s must be > 0 seconds, got {every_s!r}")
+        self.endpoint, self.peer, self.every_s = endpoint, peer, every_s
+        self._timeout_s = min(timeout_s, every_s)
+        self._wire = wire
+        self._stop = threading.Event()
+        self.counts = {"registered": 0, "failed": 0}
+        self._thread = threading.Thread(
+            target=self._run, name=f"pdplug-registrar-{peer_identity(peer)}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                register(self.endpoint, self.peer, timeout_s=self._timeout_s, wire=self._wire)
+                self.counts["registered"] += 1
+            except Exception as e:  # the rendezvous is down or refused: try again next round
+                self.counts["failed"] += 1
+                log.debug("rendezvous %s: refresh of %s failed: %s", self.endpoint,
+                          peer_identity(self.peer), e)  # fmt: skip
+
+    def stop(self) -> None:
+        """Stop refreshing (a registration under way finishes on its daemon thread; it only
+        repeats the one the rank had); idempotent, never blocks."""
+        self._stop.set()
 
 
 def resolve(

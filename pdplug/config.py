@@ -130,6 +130,9 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     :ivar rendezvous_timeout_s: how long ``register_kv`` waits for the rendezvous to confirm
         this rank's registration (separate from the room deadlines, so a short
         ``bootstrap_timeout_s`` for fast room failure does not make start-up fragile).
+    :ivar rendezvous_refresh_s: a prefill rank registers again at the rendezvous this often
+        (seconds; 0: never), so a rendezvous that restarted (its table is in memory) knows
+        every live rank again within this time.
     :ivar waiting_timeout_s: a room stuck in WaitingForInput this long fails.
     :ivar transfer_timeout_s: a room stuck in Transferring this long fails.
     :ivar pack_region_tokens: capacity of one pack region in tokens (rounded down to pages).
@@ -146,6 +149,7 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_endpoint: str = ""
     bootstrap_timeout_s: float = 30.0
     rendezvous_timeout_s: float = 30.0
+    rendezvous_refresh_s: float = 5.0
     waiting_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
     pack_region_tokens: int = 8192
@@ -161,3 +165,6 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not self.rendezvous_timeout_s > 0:
             got = self.rendezvous_timeout_s
             raise ValueError(f"KVConfig.rendezvous_timeout_s must be > 0 seconds, got {got!r}")
+        if not 0 <= self.rendezvous_refresh_s < float("inf"):
+            got = self.rendezvous_refresh_s
+            raise ValueError(f"KVConfig.rendezvous_refresh_s must be >= 0 seconds, got {got!r}")

@@ -356,7 +356,13 @@ class KVReceiver(Protocol):
         """What this rank sends to prefill ranks at the handshake."""
         ...
 
-    def connect(self, prefill: Sequence[PeerInfo], timeout_s: float | None = None) -> None:
+    def connect(
+        self,
+        prefill: Sequence[PeerInfo],
+        timeout_s: float | None = None,
+        *,
+        rendezvous: str | None = None,
+    ) -> None:
         """Handshake with the ranks of a prefill instance that feed this rank (bounded by
         ``timeout_s``, default ``bootstrap_timeout_s``). Pass every rank of the instance
         (:func:`pdplug.bootstrap.resolve`); the receiver keeps the (PP, TP) ranks that hold its
@@ -364,7 +370,8 @@ class KVReceiver(Protocol):
         completes a room once each of them delivered its chunks. Connecting to an instance
         again (a re-handshake) keeps the rooms in flight with the prefill processes that are
         still the same. After a refusal, rooms expected from that instance fail at once naming
-        it.
+        it. An instance whose ranks died or restarted is found again at ``rendezvous``
+        (default ``KVConfig.bootstrap_endpoint``; ``""``: never) by the next room bound for it.
 
         :raises pdplug.errors.CompatError: naming every mismatch (model, dtype, head counts,
             head size, layers, page size, entry geometry, layout version, backend, DCP size,

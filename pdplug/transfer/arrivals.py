@@ -6,9 +6,11 @@ generation, the source rank the connection or agent belongs to, no duplicate and
 source's last chunk; anything else is dropped and counted by the codec it came through.
 
 A failed room is *drained* only when every source it was sent to confirmed it stopped writing
-its pages (a drained failure notice) or is known dead — never by a timer. Until then the
-decode rank asks again (an ``Abort``) every ``ask_s`` seconds, so a lost notice cannot pin the
-pages forever, and the room counts as ``undrained`` in ``stats()``.
+its pages (a drained failure notice) or has ended (:meth:`PrefillSources.ended`: its process is
+gone; silence alone is not enough, a partition silences a source whose writes still land) —
+never by a timer. Until then the decode rank asks again (an ``Abort``) every ``ask_s`` seconds,
+so a lost notice cannot pin the pages forever, and the room counts as ``undrained`` in
+``stats()``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class RecvLeases:
     :param ask_s: seconds between two ``Abort`` s for a failed room that has not drained.
     :param event: ``(kind, lease, **fields)`` observer hook of the session.
     :param counts: the session's counters.
+    :param refind: ``(instance) -> bool``: look ``instance`` up again at its rendezvous and
+        reconnect, in the background (True: under way; False: the session cannot); the session
+        calls :meth:`unpark` when it ends.
     """
 
     def __init__(
@@ -70,33 +75,68 @@ class RecvLeases:
         ask_s: float,
         event: Callable[..., None],
         counts: Counter[str],
+        refind: Callable[[str], bool] = lambda _instance: False,
     ) -> None:
         self._rooms = rooms
         self._sources = sources
         self._ask_s = ask_s
         self._event = event
         self._counts = counts
+        self._refind = refind
         self.leases: dict[int, RecvLease] = {}
         self.draining: dict[int, dict[int, RecvLease]] = {}  # room -> generation -> lease
+        self.parked: dict[str, list[RecvLease]] = {}  # instance -> leases waiting for it
 
     # ------------------------------------------------------------------ host calls
     def expect(self, instance: str, dest: DestInfo, now: float) -> None:
-        """Send ``dest`` to every source of ``instance`` (or fail at once if one is not
-        connected: then nothing was sent and the room is drained)."""
+        """Send ``dest`` to every source of ``instance``. When a source is dead or the
+        instance is not connected, the room waits while the session finds the instance again
+        (``refind``; :meth:`unpark` sends it then), or, when it cannot, fails at once (nothing
+        was sent: the room is drained)."""
         room, gen = dest.room, dest.generation
         if self._rooms.generation(room) != gen:
             return
-        table = self._sources.table(instance)
         lease = RecvLease(room=room, generation=gen, instance=instance, dest=dest)
         self.leases[room] = lease
-        dead = [s.rank for s in table.values() if not s.alive or s.state != "accepted"]
-        if dead or not table:
+        dead = self._unusable(instance)
+        if dead is not None:
+            if instance in self.parked or self._refind(instance):
+                self.parked.setdefault(instance, []).append(lease)
+                self._counts["expect_parked"] += 1
+                return
             self.failed(lease, f"prefill {instance} ranks {dead} are not connected", now)
             return
+        self._send_dest(lease, instance)
+
+    def _unusable(self, instance: str) -> list[int] | None:
+        """The ranks of ``instance`` that cannot take a DestInfo now (``[]``: none connected),
+        or ``None`` when every source is alive and accepted."""
+        table = self._sources.table(instance)
+        dead = [s.rank for s in table.values() if not s.alive or s.state != "accepted"]
+        return dead if dead or not table else None
+
+    def _send_dest(self, lease: RecvLease, instance: str) -> None:
+        table = self._sources.table(instance)
         lease.srcs = dict(table)
         for src in table.values():
-            self._sources.send(src, dest)
+            self._sources.send(src, lease.dest)
         self._counts["expected"] += 1
+
+    def unpark(self, instance: str, error: str | None, now: float) -> None:
+        """The session's search for ``instance`` ended (``error``: why it failed): send the
+        DestInfos of the rooms that waited for it, or fail them naming why."""
+        for lease in self.parked.pop(instance, []):
+            view = self._rooms.view(lease.room)
+            if view is None or view.generation != lease.generation:
+                continue  # cleared meanwhile (nothing was sent: nothing to drain)
+            if view.status == KVPoll.Failed or self.leases.get(lease.room) is not lease:
+                continue
+            dead = self._unusable(instance) if error is None else None
+            if error is not None or dead is not None:
+                why = error or f"ranks {dead} are not connected"
+                self.failed(lease, f"prefill {instance} not found again: {why}", now)
+                continue
+            self._send_dest(lease, instance)
 
     def abort(self, room: int, gen: int, reason: str, now: float) -> None:
         """The host aborted ``room``: tell every source."""
@@ -162,13 +202,25 @@ class RecvLeases:
         live = view is not None and view.generation == lease.generation
         if live and view is not None and view.status != KVPoll.Failed:
             return False  # still live (a cleared lease was aborted, so it failed)
-        return all(r in lease.stopped or not s.alive for r, s in lease.srcs.items())
+        return all(r in lease.stopped or self._sources.ended(s) for r, s in lease.srcs.items())
 
     def source_dead(self, src: Source, reason: str, now: float) -> None:
         """Fail every room that waits for ``src`` (telling the other sources)."""
         for lease in self.leases.values():
             if lease.srcs.get(src.rank) is src and not lease.done:
                 self.failed(lease, reason, now, tell=True)
+
+    def stranded(self) -> set[str]:
+        """Instances with a failed room that is not drained and waits for a source that is
+        not alive: only finding the instance again (the same process answers the room's
+        ``Abort``, or another process replaced it) can drain it."""
+        out: set[str] = set()
+        for lease in self._all():
+            if not lease.failed_at or lease.instance in out or self._lease_drained(lease):
+                continue
+            if any(not s.alive and r not in lease.stopped for r, s in lease.srcs.items()):
+                out.add(lease.instance)
+        return out
 
     def keep_alive(self, src: Source, generations: tuple[int, ...]) -> None:
         """``src`` says these rooms' work is moving there (queued or being written): re-arm

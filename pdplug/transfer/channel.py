@@ -187,6 +187,7 @@ class DealerChannel:
         self._endpoints: dict[bytes, str] = {}
         self._ids: dict[Any, bytes] = {}  # DEALER or its monitor -> connection id
         self._cut: dict[bytes, float] = {}  # connection id -> when libzmq cut it
+        self._peer_closed: set[bytes] = set()  # cut, and not connected again since
         self._closed: Counter[str] = Counter()  # counters of closed connections' codecs
 
     def open(self, endpoint: str, member: str) -> bytes:
@@ -221,6 +222,7 @@ class DealerChannel:
     def _detach(self, cid: bytes) -> None:
         sock, mon = self._socks.pop(cid), self._monitors.pop(cid)
         self._cut.pop(cid, None)
+        self._peer_closed.discard(cid)
         for s in (mon, sock):
             del self._ids[s]
             self._loop.remove_socket(s)
@@ -265,8 +267,17 @@ class DealerChannel:
                 continue
             if event & _CUT_EVENTS:
                 self._cut[cid] = time.monotonic()
+                self._peer_closed.add(cid)
             else:
                 self._cut.pop(cid, None)
+                if event & zmq.EVENT_CONNECTED:
+                    self._peer_closed.discard(cid)
+
+    def closed_by_peer(self, cid: bytes) -> bool:
+        """Whether connection ``cid`` was cut (the far end closed or reset it: its process
+        ended, or its kernel forgot the connection) and has not connected again since. A
+        partition never shows here: no FIN or RST crosses it."""
+        return cid in self._peer_closed
 
     def codec(self, cid: bytes) -> Codec[Any] | None:
         """The codec of connection ``cid`` (``None`` once closed)."""

@@ -44,6 +44,7 @@ from pdplug.transfer.handshake import (
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Done, Heartbeat, HelloAck, control_codec, tag_codec
 from pdplug.transfer.pageids import page_ids
+from pdplug.transfer.refind import Finder
 from pdplug.transfer.session import RoomSession
 from pdplug.transfer.sources import PrefillSources
 from pdplug.types import DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
@@ -126,6 +127,17 @@ class KVReceiverSession(RoomSession):
             ask_s=max(0.25, min(2.0, config.transfer_timeout_s / 4)),
             event=self._event,
             counts=self.counts,
+            refind=lambda inst: self._finder.start(inst),
+        )
+        self._finder = Finder(
+            name=self._loop.name,
+            connect=lambda peers, where: self.connect(peers, rendezvous=where),
+            submit=self._loop.submit,
+            on_found=lambda inst, err: self._table.unpark(inst, err, time.monotonic()),
+            timeout_s=config.bootstrap_timeout_s,
+            retry_s=max(1.0, config.transfer_timeout_s),
+            wire=config.wire,
+            counts=self.counts,
         )
         # engine-thread tables, named for tools that inspect what a session holds
         self._leases = self._table.leases
@@ -158,10 +170,26 @@ class KVReceiverSession(RoomSession):
             raise TransferError("KVReceiver.peer_info: call register_kv first")
         return self._info
 
-    def connect(self, prefill: Sequence[PeerInfo], timeout_s: float | None = None) -> None:
+    def connect(
+        self,
+        prefill: Sequence[PeerInfo],
+        timeout_s: float | None = None,
+        *,
+        rendezvous: str | None = None,
+    ) -> None:
         """Handshake with every rank of one prefill instance (from
         :func:`pdplug.bootstrap.resolve`); bounded by ``timeout_s`` (default
         ``bootstrap_timeout_s``).
+
+        The instance stays known after its sources die: a prefill rank dropped as silent (a
+        partition, a host that vanished) or replaced (a rolling restart: new processes that
+        registered again) is looked up again at ``rendezvous`` and reconnected by the next
+        :meth:`expect` bound for it, in the background (that room waits, bounded by its
+        deadline), and whenever a failed room waits for such a source to drain.
+
+        :param rendezvous: where the instance registers (default
+            ``KVConfig.bootstrap_endpoint``; ``""``: never look it up again, rooms to a dead
+            source fail at once).
 
         :raises CompatError: naming every mismatch, from this side's check and from each
             prefill rank's refusal (page size, bytes per token, dtype, layout version, backend,
@@ -214,6 +242,9 @@ class KVReceiverSession(RoomSession):
             self._loop.call(lambda: self._sources.disconnect(instance), 10.0)
             self._refuse(instance, merged)
         self._refused.pop(instance, None)
+        self._finder.remember(
+            instance, self.config.bootstrap_endpoint if rendezvous is None else rendezvous
+        )
 
     def _refuse(self, instance: str, mismatches: list[str]) -> NoReturn:
         """Remember why ``instance`` refused this rank (later rooms for it fail naming it) and
@@ -333,7 +364,7 @@ class KVReceiverSession(RoomSession):
                     f"instances are connected ({names})"
                 )
             return names[0]
-        if instance not in names:
+        if instance not in names and instance not in self._finder.rendezvous:
             raise ValueError(f"KVReceiver.expect: prefill instance {instance!r} not connected")
         return instance
 
@@ -359,6 +390,7 @@ class KVReceiverSession(RoomSession):
 
     def _shutdown(self) -> None:
         self._down = True
+        self._finder.closed = True
         self._flush_events()
         self._sources.close()
         self._channel.close_all()
@@ -412,6 +444,7 @@ class KVReceiverSession(RoomSession):
         if self._live.due(now):
             self._sources.heartbeat(now)
             self._table.sweep(now)
+            self._finder.for_drain(self._table.stranded(), now)
 
     def _drained(self, room: int) -> bool:
         return self._table.drained(room)

@@ -130,6 +130,7 @@ class KVSenderSession(RoomSession):
         self._pack: torch.Tensor | None = None
         self._num_pages = 0
         self._info: PeerInfo | None = None
+        self._registrar: bootstrap.Registrar | None = None
         self._next_periodic = 0.0
         self._live = Liveness(config.transfer_timeout_s)
         self._loop = EngineLoop(
@@ -223,13 +224,15 @@ class KVSenderSession(RoomSession):
         # the packer reads tensors through their storage, raw regions by address
         mem = [t if hasattr(t, "data_ptr") else b for t, b in zip(items, reg.base)]
         self._loop.call(lambda: self._register(mem, reg), 60.0)
-        if self.config.bootstrap_endpoint:
-            bootstrap.register(
-                self.config.bootstrap_endpoint,
-                self.peer_info(),
-                timeout_s=self.config.rendezvous_timeout_s,
-                wire=self.config.wire,
-            )
+        cfg, at = self.config, self.config.bootstrap_endpoint
+        if at:
+            wait_s = cfg.rendezvous_timeout_s
+            bootstrap.register(at, self.peer_info(), timeout_s=wait_s, wire=cfg.wire)
+            if cfg.rendezvous_refresh_s > 0:  # a restarted rendezvous learns this rank again
+                every = cfg.rendezvous_refresh_s
+                self._registrar = bootstrap.Registrar(
+                    at, self.peer_info(), every, timeout_s=wait_s, wire=cfg.wire
+                )
 
     def peer_info(self) -> PeerInfo:
         """What this rank publishes at the rendezvous (after :meth:`register_kv`).
@@ -376,6 +379,12 @@ class KVSenderSession(RoomSession):
             pack_nbytes=0 if self._pack is None else int(self._pack.numel()),
             extra={"agent_name": self.engine.agent_name(), "rank": str(self.rank)},
         )
+
+    def close(self) -> None:
+        """Stop refreshing the rank's registration, then close the session; idempotent."""
+        if self._registrar is not None:
+            self._registrar.stop()
+        super().close()
 
     def _shutdown(self) -> None:
         self._down = True

@@ -7,6 +7,13 @@ tags are attributed to a source by its connection (control channel) or its engin
 (engine notifications). A source silent for ``transfer_timeout_s`` is declared dead; the
 session's ``on_dead`` fails the rooms that wait for it. Connecting to an instance again replaces
 its sources; a rank served by the same process (same agent) keeps its rooms (``on_replace``).
+
+Silence is not proof that a source stopped writing: a partition silences a prefill rank whose
+writes land once it heals. A source has **ended** (:meth:`PrefillSources.ended`: nothing it
+posted can land any more) only when its control connection was closed by the far end and not
+reconnected since (its process ended: a FIN or RST came back, which no partition sends) while it
+was silent, or when the instance answered again with another process at that rank (a restart:
+the old incarnation is gone). Until then a failed room bound to it is not drained.
 Runs on the engine thread.
 """
 
@@ -35,6 +42,8 @@ class Source(msgspec.Struct, kw_only=True):
 
     :ivar cid: the control connection's id; ``rank``: the prefill rank id.
     :ivar state: ``pending`` | ``accepted`` | ``refused`` (with ``mismatches``).
+    :ivar silent: declared dead for its silence (``alive`` is then False too).
+    :ivar over: nothing it posted can land any more (:meth:`PrefillSources.ended`).
     """
 
     instance: str
@@ -47,6 +56,8 @@ class Source(msgspec.Struct, kw_only=True):
     alive: bool = True
     state: str = "pending"
     mismatches: tuple[str, ...] = ()
+    silent: bool = False
+    over: bool = False
 
 
 class PrefillSources:
@@ -79,6 +90,9 @@ class PrefillSources:
         self.by_instance: dict[str, dict[int, Source]] = {}
         self.by_cid: dict[bytes, Source] = {}
         self.by_agent: dict[str, Source] = {}
+        # the last accepted source of each (instance, rank), kept after its connection closed:
+        # rooms failed while it was silent stay bound to it until it is replaced or answers
+        self._last: dict[tuple[str, int], Source] = {}
         self._pending: list[tuple[list[Source], Future[list[Source]]]] = []
 
     def table(self, instance: str) -> dict[int, Source]:
@@ -112,10 +126,15 @@ class PrefillSources:
         self.by_instance[instance] = {s.rank: s for s in group}
         self._pending.append((group, fut))
         for src in group:
-            prev = old.get(src.rank)
+            prev = old.get(src.rank) or self._last.get((instance, src.rank))
             if prev is not None and prev.agent_name and prev.agent_name == src.agent_name:
                 self._on_replace(prev, src)
         return fut
+
+    def ended(self, src: Source) -> bool:
+        """Whether nothing ``src`` posted can land any more (module docstring): another process
+        answered for its rank since, or it is silent and the far end closed its connection."""
+        return src.over or (src.silent and self._channel.closed_by_peer(src.cid))
 
     def abandon(self, fut: Future[list[Source]]) -> list[int]:
         """Give up a connect that timed out; returns the ranks that never answered."""
@@ -123,14 +142,18 @@ class PrefillSources:
             if f is fut:
                 self._pending.remove((group, f))
                 missing = [s.rank for s in group if s.state == "pending"]
-                if group:
-                    self.disconnect(group[0].instance)
+                first = group[0] if group else None
+                # only if still current: a later connect to the instance may have replaced it
+                if first is not None and self.table(first.instance).get(first.rank) is first:
+                    self.disconnect(first.instance)
                 return missing
         return []
 
     def disconnect(self, instance: str) -> None:
         """Close every connection to ``instance``."""
         for src in self.by_instance.pop(instance, {}).values():
+            if src.silent and self._channel.closed_by_peer(src.cid):
+                src.over = True  # what its connection said stays true once it is closed
             src.alive = False
             self.by_cid.pop(src.cid, None)
             if self.by_agent.get(src.agent_name) is src:
@@ -158,6 +181,10 @@ class PrefillSources:
             src.state = "accepted"
             if src.agent_name:
                 self.by_agent[src.agent_name] = src
+            prev = self._last.get((src.instance, src.rank))
+            if prev is not None and prev is not src and prev.agent_name != src.agent_name:
+                prev.over = True  # a new incarnation answers for this rank
+            self._last[(src.instance, src.rank)] = src
         else:
             src.state = "refused"
             src.mismatches = tuple(ack.mismatches) or ("refused without a reason",)
@@ -177,6 +204,7 @@ class PrefillSources:
                     self.send(src, Heartbeat(seq=self._live.seq))
                     continue
                 src.alive = False
+                src.silent = True
                 self._counts["sources_dead"] += 1
                 reason = (
                     f"prefill {inst} rank {src.rank} silent for {silent:.1f} s "

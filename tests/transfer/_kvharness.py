@@ -113,7 +113,16 @@ REQUESTS: dict[str, dict[int, tuple[int, int]]] = {
         217: (150, 0),
     },
     # 303: the 96-token grid leaves a 1-token last segment: DCP ranks 1-3 own no token of it
-    "dec-dcp4": {301: (237, 0), 302: (400, 1), 303: (97, 0)},
+    "dec-dcp4": {
+        301: (237, 0),
+        302: (400, 1),
+        303: (97, 0),
+        # the prefill found again (kvscenarios.refind_*)
+        311: (150, 0),
+        312: (150, 0),
+        313: (150, 0),
+        314: (150, 0),
+    },
 }
 DCP = {"dec-tp": 1, "dec-dcp2": 2, "dec-dcp4": 4}
 FAILURE_ROOMS = (211, 212, 213, 214, 215, 216, 217)

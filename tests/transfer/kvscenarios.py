@@ -386,3 +386,107 @@ def late_tags(backend: str) -> None:
         dec.stop()
         rogue.close()
         server.stop()
+
+
+def _drained(dec: Any, room: int, within: float) -> list[bool]:
+    """Poll the decode's ``drained`` for ``room`` until all are True or ``within`` seconds."""
+    t_end = time.monotonic() + within
+    while True:
+        dec.cmd(op="drained", room=room)
+        got: list[bool] = dec.wait("drained", 10, room=room)["drained"]
+        if all(got) or time.monotonic() > t_end:
+            return got
+        time.sleep(0.1)
+
+
+def refind_restarted_prefill(backend: str) -> None:
+    """A rolling restart: the prefill process dies mid-room (SIGKILL) and a new one (new
+    agents, same instance) registers. The decode, not restarted, finds the instance again for
+    its next room, which succeeds byte-exact; the room of the dead process failed and drained
+    (its connection was closed by the far end: nothing of it can land)."""
+    timeout = 2.0
+    with pair(backend, ["dec-dcp4"], timeout=timeout) as (srv, pre, dec):
+        dec.cmd(op="expect", rooms=[311])
+        pre.cmd(op="serve", rooms=[311])
+        d = dec.wait("done", 30, room=311)
+        assert d["status"] == [OK] * 4 and d["bytes_ok"], d
+        pre.cmd(op="serve", rooms=[312], hold=[312])
+        dec.cmd(op="expect", rooms=[312])
+        pre.wait("sent_first", 30, room=312)
+        pre.proc.kill()
+        pre.proc.join(10)
+        d = dec.wait("done", 10, room=312)
+        assert d["status"] == [FAILED] * 4, d
+        assert _drained(dec, 312, timeout + 2.0) == [True] * 4
+        new = kh.Child(kh.prefill_main, srv.endpoint, backend, {"timeout": timeout})
+        try:
+            new.wait("ready", 90)
+            t0 = time.monotonic()
+            new.cmd(op="serve", rooms=[313])
+            dec.cmd(op="expect", rooms=[313])
+            d = dec.wait("done", 30, room=313)
+            assert d["status"] == [OK] * 4 and d["bytes_ok"], d
+            assert time.monotonic() - t0 < 2 * timeout + 2.0
+            dec.cmd(op="stats")
+            st = dec.wait("stats", 10)["stats"]["dec-dcp4"]
+            assert all(s.get("refound", 0) >= 1 for s in st), st
+        finally:
+            new.stop()
+
+
+def refind_frozen_prefill(backend: str) -> None:
+    """The prefill process freezes (SIGSTOP) for 2.5 x the timeout mid-room, as a partitioned
+    or hung host: the decode fails the room for its silence but keeps it undrained (a frozen
+    or partitioned source may still write once it resumes); after SIGCONT its next room finds
+    the same process again and succeeds byte-exact, and the failed room drains (its abort is
+    answered on the new connection)."""
+    import os
+    import signal
+
+    timeout = 2.0
+    with pair(backend, ["dec-dcp4"], timeout=timeout) as (_s, pre, dec):
+        pre.cmd(op="serve", rooms=[312], hold=[312])
+        dec.cmd(op="expect", rooms=[312])
+        pre.wait("sent_first", 30, room=312)
+        pid = pre.info["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            d = dec.wait("done", timeout + 3.0, room=312)
+            assert d["status"] == [FAILED] * 4, d
+            time.sleep(timeout * 0.5)
+            assert _drained(dec, 312, 0.0) == [False] * 4  # silence is not an end
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        pre.cmd(op="serve", rooms=[314])
+        dec.cmd(op="expect", rooms=[314])
+        d = dec.wait("done", 30, room=314)
+        assert d["status"] == [OK] * 4 and d["bytes_ok"], d
+        assert time.monotonic() - t0 < 2 * timeout + 2.0
+        assert _drained(dec, 312, 2 * timeout + 2.0) == [True] * 4
+        dec.cmd(op="final_check")
+        assert dec.wait("final_check", 30)["ok"] is True
+
+
+def rendezvous_restart(backend: str) -> None:
+    """The rendezvous restarts (same port, empty table): the prefill ranks register again
+    within ``rendezvous_refresh_s`` and resolve works as before."""
+    from pdplug.bootstrap import RendezvousServer, resolve
+
+    with pair(backend, ["dec-dcp4"]) as (srv, _pre, _dec):
+        port = int(srv.endpoint.rsplit(":", 1)[1])
+        srv.stop()
+        t_end = time.monotonic() + 5.0
+        while True:  # libzmq releases the port on its I/O thread, shortly after close
+            try:
+                new = RendezvousServer(port=port).start()
+                break
+            except zmq.ZMQError:
+                if time.monotonic() > t_end:
+                    raise
+                time.sleep(0.05)
+        try:
+            peers = resolve(new.endpoint, kh.PREFILL, timeout_s=15)
+            assert len(peers) == kh.PP
+        finally:
+            new.stop()
