@@ -54,6 +54,7 @@ from pdplug.adapters.vllm.extra import ExtraConfig, parse_extra
 from pdplug.adapters.vllm.scheduler import PushBook, StepPlan
 from pdplug.adapters.vllm.stats import PdplugKVConnectorStats, PdplugPromMetrics
 from pdplug.adapters.vllm.worker import PushWorker
+from pdplug.adapters.wire import WILDCARD_HOSTS
 from pdplug.bootstrap import RendezvousServer
 
 if TYPE_CHECKING:
@@ -175,6 +176,11 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         dcp = par.decode_context_parallel_size
         aw = extra.adapter_wire()
         host = extra.bootstrap_host or aw.advertise_host
+        wire = aw.wire
+        if wire.bind_host in WILDCARD_HOSTS:
+            # a rank publishes the endpoint its KV channel bound: bind the advertised address,
+            # not 0.0.0.0, so decode ranks on other hosts can reach it
+            wire = msgspec.structs.replace(wire, bind_host=aw.advertise_host)
         knobs: dict[str, Any] = extra.timeouts()
         if extra.pack_region_tokens is not None:
             knobs["pack_region_tokens"] = extra.pack_region_tokens
@@ -193,7 +199,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
             scheduler=self.selections["scheduler"],
             chunk_tokens=extra.chunk_tokens
             or int(vllm_config.scheduler_config.max_num_batched_tokens),
-            wire=aw.wire, **knobs,
+            wire=wire, **knobs,
         )  # fmt: skip
 
     def _resolve_components(self) -> None:

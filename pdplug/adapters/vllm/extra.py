@@ -41,7 +41,9 @@ class ExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     :ivar hmac_key: the shared secret inline (its UTF-8 bytes; vLLM logs its config, so
         prefer ``hmac_key_file``); not with ``hmac_key_file``.
     :ivar bind_host: interface every pdplug socket of this engine binds (each rank's KV
-        control channel; the rendezvous unless ``bootstrap_host``) ("" = 127.0.0.1).
+        control channel; the rendezvous unless ``bootstrap_host``) ("" = 127.0.0.1); with a
+        wildcard (``0.0.0.0``) the KV channels bind ``advertise_host``, the address they
+        publish.
     :ivar advertise_host: host peers reach this engine at (the ranks' rendezvous endpoint)
         ("" = ``bind_host``; required when ``bind_host`` is ``0.0.0.0`` or ``::``).
     """
