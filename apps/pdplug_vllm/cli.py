@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from pdplug.adapters.vllm.params import MAX_ALLOCATOR_ID
+from pdplug.adapters.room_ids import MAX_ALLOCATOR_ID
 
 __all__ = ["proxy"]
 

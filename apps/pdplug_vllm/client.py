@@ -2,7 +2,7 @@
 
 Requests go out concurrently (bounded), each is bounded in time, and every answer is checked:
 an HTTP error, an error event in the stream, or a wrong token count is a
-:class:`RequestFailed` in the result, never a silent short answer.
+:class:`~pdplug_engines.tokens.RequestFailed` in the result, never a silent short answer.
 """
 
 from __future__ import annotations
@@ -13,31 +13,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
+from pdplug_engines.tokens import Completion, RequestFailed
 
-__all__ = ["Completion", "RequestFailed", "complete_all", "percentile"]
-
-
-class RequestFailed(msgspec.Struct, frozen=True):
-    """Why one request failed (HTTP status or stream error text)."""
-
-    index: int
-    reason: str
-
-
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """One answered request.
-
-    :ivar index: position in the prompt list.
-    :ivar tokens: generated token ids.
-    :ivar ttft_s: seconds from sending to the first generated token.
-    :ivar latency_s: seconds from sending to the last byte.
-    """
-
-    index: int
-    tokens: tuple[int, ...]
-    ttft_s: float
-    latency_s: float
+__all__ = ["complete_all"]
 
 
 async def _one(
@@ -115,12 +93,3 @@ def complete_all(
     :param timeout_s: bound of one request (seconds).
     """
     return asyncio.run(_all(url, prompts, max_tokens, concurrency, timeout_s))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100, nearest rank) of ``values``; 0.0 when empty."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, round(q / 100 * len(s) + 0.5) - 1))
-    return s[k]

@@ -20,11 +20,14 @@ import msgspec
 
 from pdplug.ports import free_ports
 from pdplug.transfer.faults import FAULT_ENV
-from pdplug_vllm.client import Completion, RequestFailed, complete_all, percentile
-from pdplug_vllm.engines import EngineError, EngineSpec, kv_transfer_config, running
-from pdplug_vllm.phases import FaultResult, KillResult, fault_phase, kill_decode_mid_run, scrape
+from pdplug_engines.metrics import settled
+from pdplug_engines.procs import EngineError, running
+from pdplug_engines.tiny_model import TinyLlama, build_tiny_llama, token_prompts
+from pdplug_engines.tokens import Completion, compare_tokens, kv_bytes_bounds, percentile
+from pdplug_vllm.client import complete_all
+from pdplug_vllm.engines import EngineSpec, kv_transfer_config
+from pdplug_vllm.phases import FaultResult, KillResult, fault_phase, kill_decode_mid_run
 from pdplug_vllm.proxy import ProxyConfig, make_app
-from pdplug_vllm.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 
 __all__ = [
     "CONNECTORS",
@@ -34,7 +37,6 @@ __all__ = [
     "kill_decode_mid_run",
     "proxy_thread",
     "run_parity",
-    "scrape",
     "warm_up",
 ]
 
@@ -105,45 +107,6 @@ BYTES_METRIC = {
     "pdplug": ("vllm:pdplug_bytes_transferred_total", "prefill"),
     "nixl": ("vllm:nixl_bytes_transferred_sum", "decode"),
 }
-
-
-def kv_bytes_bounds(
-    prompts: Sequence[Sequence[int]], spec: TinyLlama, block_size: int, unit_tokens: int
-) -> tuple[int, int, int]:
-    """``(min, max, unit)`` bytes a decode engine receives for ``prompts`` sent in order.
-
-    ``max``: no decode prefix-cache hit. ``min``: each prompt hits every full block an
-    earlier prompt shares (vLLM caches full blocks and always computes the last prompt
-    token). ``unit``: ``unit_tokens`` tokens of KV (1 for a token-exact transfer,
-    ``block_size`` when whole blocks move).
-    """
-    per_token = spec.num_hidden_layers * spec.num_key_value_heads * 2 * spec.head_dim
-    per_token *= 4 if spec.dtype == "float32" else 2
-    seen: set[tuple[int, ...]] = set()
-    lo = hi = 0
-    for p in prompts:
-        blocks = [tuple(p[: (i + 1) * block_size]) for i in range(len(p) // block_size)]
-        hit = 0
-        for b in blocks:
-            if b not in seen or len(b) >= len(p):
-                break
-            hit = len(b)
-        seen.update(blocks)
-        units = lambda n: -(-n // unit_tokens) * unit_tokens  # noqa: E731
-        lo += units(len(p) - hit)
-        hi += units(len(p))
-    return lo * per_token, hi * per_token, per_token * unit_tokens
-
-
-def _settled(url: str, metric: str, timeout_s: float = 15.0) -> int:
-    # the engine's stats reach /metrics with its next outputs: read until two reads agree
-    last, deadline = -1.0, time.monotonic() + timeout_s
-    while True:
-        now = scrape(url, [metric])[metric]
-        if now == last or time.monotonic() > deadline:
-            return int(now)
-        last = now
-        time.sleep(1.0)
 
 
 def disagg_specs(
@@ -235,7 +198,7 @@ def warm_up(url: str, prompt: Sequence[int], max_tokens: int, *, timeout_s: floa
     seconds on a loaded 2-core host). Measured request sets start after this.
 
     :returns: seconds until the first whole answer.
-    :raises pdplug_vllm.engines.EngineError: no whole answer within ``timeout_s`` (the last
+    :raises pdplug_engines.procs.EngineError: no whole answer within ``timeout_s`` (the last
         failure is named).
     """
     t0 = time.monotonic()
@@ -282,7 +245,7 @@ def run_parity(
         ``kv_load_failure_policy="recompute"``) and through a second decode engine started with
         ``"fail"`` (its own proxy); 0: no fault phase, one decode engine with vLLM's default.
     :param prefill_pp: PP stages of the prefill engine (each stage pushes its layers).
-    :raises pdplug_vllm.engines.EngineError: an engine did not start.
+    :raises pdplug_engines.procs.EngineError: an engine did not start.
     :raises ValueError: bad prompts, or ``fault_prompts`` with another connector.
     """
     t0 = time.monotonic()
@@ -344,7 +307,7 @@ def run_parity(
                                timeout_s=request_timeout_s)  # fmt: skip
             disagg_run_s = time.monotonic() - t2
             metric, side = BYTES_METRIC[connector]
-            kv_bytes = _settled((prefill if side == "prefill" else decode).url, metric)
+            kv_bytes = settled((prefill if side == "prefill" else decode).url, metric)
             if fault_prompts:
                 faults = _fault_phases(
                     url, [[(t + 2) % spec.vocab_size for t in p] for p in prompts[:fault_prompts]],
@@ -361,18 +324,7 @@ def run_parity(
                     url, fresh, max(max_tokens, 512), p_engine, d_engine, timeout_s=kill_timeout_s,
                     rooms=connector == "pdplug", hold_switch=switch if hold else None,
                 )  # fmt: skip
-    failed = [(r.index, f"single: {r.reason}") for r in ref if isinstance(r, RequestFailed)]
-    failed += [(r.index, f"disagg: {r.reason}") for r in got if isinstance(r, RequestFailed)]
-    pairs = [
-        (a, b) for a, b in zip(ref, got) if isinstance(a, Completion) and isinstance(b, Completion)
-    ]
-    identical = sum(a.tokens == b.tokens for a, b in pairs)
-    differ = [
-        (a.index, next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
-         len(prompts[a.index]))
-        for a, b in pairs
-        if a.tokens != b.tokens
-    ]  # fmt: skip
+    parity = compare_tokens(ref, got, prompts)
     ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
     ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
     bs = prefill.block_size
@@ -383,9 +335,9 @@ def run_parity(
         requests=requests,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
-        identical=identical,
-        failed=failed,
-        differ=differ,
+        identical=parity.identical,
+        failed=parity.failed,
+        differ=parity.differ,
         start_s=start_s,
         wall_s=time.monotonic() - t0,
         single_run_s=single_run_s,

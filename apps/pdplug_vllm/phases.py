@@ -24,8 +24,10 @@ from pathlib import Path
 import msgspec
 
 from pdplug.transfer.faults import HOLD
-from pdplug_vllm.client import Completion, RequestFailed, complete_all
-from pdplug_vllm.engines import Engine
+from pdplug_engines.metrics import scrape
+from pdplug_engines.procs import Engine
+from pdplug_engines.tokens import Completion, RequestFailed
+from pdplug_vllm.client import complete_all
 
 __all__ = [
     "FaultResult",
@@ -34,7 +36,6 @@ __all__ = [
     "ROOM_METRICS",
     "fault_phase",
     "kill_decode_mid_run",
-    "scrape",
     "wait_idle",
 ]
 
@@ -50,26 +51,6 @@ ROOM_METRICS = (
     "vllm:pdplug_rooms_succeeded_total",
     "vllm:pdplug_rooms_failed_total",
 )
-
-
-def scrape(url: str, names: Sequence[str]) -> dict[str, float]:
-    """Sum of every sample of each Prometheus metric in ``names`` at ``url/metrics`` (missing
-    metrics: 0.0).
-
-    :raises httpx.HTTPError: the engine did not answer.
-    """
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=10.0).text
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.split("{", 1)[0]
-        if name in out:
-            out[name] += float(value)
-    return out
 
 
 class IdleResult(msgspec.Struct, frozen=True, kw_only=True):

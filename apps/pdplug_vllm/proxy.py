@@ -4,7 +4,7 @@ Like vLLM's disaggregated-serving example proxies, it turns one client request i
 prefill request (``max_tokens=1``, ``do_remote_decode``) and a decode request that streams
 the answer back. Two modes:
 
-* ``push`` (``PdplugConnector``): a room from :class:`pdplug.adapters.vllm.params.RoomAllocator`
+* ``push`` (``PdplugConnector``): a room from :class:`pdplug.adapters.room_ids.RoomAllocator`
   goes to both engines, and both requests are sent at once, so the decode engine registers
   its destination blocks while the prefill engine computes and writes them.
 * ``pull`` (vLLM's ``NixlConnector``): the prefill request runs first; its response's
@@ -29,11 +29,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdplug.adapters.vllm.params import (
-    RoomAllocator,
-    decode_request_params,
-    prefill_request_params,
-)
+from pdplug.adapters.room_ids import RoomAllocator
+from pdplug.adapters.vllm.params import decode_request_params, prefill_request_params
 
 __all__ = ["ProxyConfig", "make_app", "serve"]
 

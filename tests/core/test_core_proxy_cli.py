@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from pdplug.adapters.vllm.params import MAX_ALLOCATOR_ID
+from pdplug.adapters.room_ids import MAX_ALLOCATOR_ID
 from pdplug_vllm.cli import proxy
 
 

@@ -1,60 +1,17 @@
-"""The vLLM adapter's request params and room allocation (no vLLM needed)."""
+"""The vLLM adapter's request params and version gate (no vLLM needed)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from pdplug.adapters.vllm import unsupported_reason
 from pdplug.adapters.vllm.params import (
-    MAX_ALLOCATOR_ID,
-    ROOM_BITS,
     DecodeParams,
-    RoomAllocator,
     decode_request_params,
     parse_decode,
     parse_prefill,
     prefill_request_params,
 )
-
-
-@given(a=st.integers(0, MAX_ALLOCATOR_ID), b=st.integers(0, MAX_ALLOCATOR_ID),
-       n=st.integers(1, 200))  # fmt: skip
-def test_rooms_of_distinct_allocators_never_collide(a: int, b: int, n: int) -> None:
-    ra, rb = RoomAllocator(a), RoomAllocator(b)
-    xs = [ra() for _ in range(n)]
-    ys = [rb() for _ in range(n)]
-    assert len(set(xs)) == n and all(0 <= x < 1 << 63 for x in xs + ys)
-    assert (set(xs) & set(ys)) == set() if a != b else xs == ys
-    assert {x >> ROOM_BITS for x in xs} == {a}
-
-
-def test_allocator_is_thread_safe() -> None:
-    alloc = RoomAllocator(3)
-    out: list[int] = []
-    lock = threading.Lock()
-
-    def take() -> None:
-        got = [alloc() for _ in range(500)]
-        with lock:
-            out.extend(got)
-
-    threads = [threading.Thread(target=take) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(set(out)) == 2000
-
-
-def test_allocator_id_out_of_range_is_named() -> None:
-    with pytest.raises(ValueError, match=r"allocator_id=-1"):
-        RoomAllocator(-1)
-    with pytest.raises(ValueError, match=rf"allocator_id={MAX_ALLOCATOR_ID + 1}"):
-        RoomAllocator(MAX_ALLOCATOR_ID + 1)
 
 
 def test_params_round_trip_and_side_flags() -> None:

@@ -18,7 +18,7 @@ if importlib.util.find_spec("vllm") is None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of the tiny random-weight Llama checkpoint (built once per session)."""
-    from pdplug_vllm.tiny_model import build_tiny_llama
+    from pdplug_engines.tiny_model import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 

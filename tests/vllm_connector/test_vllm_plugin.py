@@ -95,3 +95,26 @@ def test_prefill_serves_the_rendezvous_and_accepts_pp_handshakes(tiny_model: str
     assert conn.handshake_ranks == ((0, 0), (1, 0))
     s.shutdown()
     assert conn.rendezvous is None
+
+
+def test_a_key_file_seals_the_rendezvous_the_prefill_serves(tiny_model: str, tmp_path) -> None:
+    """``hmac_key_file``: the rendezvous answers a lookup sealed with the key; one without it
+    is dropped (no answer: the lookup times out), so a decode engine needs the same key."""
+    from pdplug.bootstrap import resolve
+    from pdplug.config import WireConfig
+    from pdplug.errors import TransferError
+
+    key = tmp_path / "pdplug.key"
+    key.write_text("s3cret-for-the-test\n")
+    s = make_scheduler(tiny_model, "prefill", extra={"hmac_key_file": str(key)})
+    endpoint = s.connector.rendezvous.endpoint
+    try:
+        assert s.connector.rendezvous.wire.hmac_key == b"s3cret-for-the-test"
+        with pytest.raises(TransferError, match=r"prefill-0.*not ready"):  # answered
+            resolve(endpoint, "prefill-0", timeout_s=2.0,
+                    wire=WireConfig(hmac_key=b"s3cret-for-the-test"))  # fmt: skip
+        with pytest.raises(TransferError) as unkeyed:
+            resolve(endpoint, "prefill-0", timeout_s=1.0)
+        assert "not ready" not in str(unkeyed.value)  # dropped, never answered
+    finally:
+        s.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdplug.adapters.vllm.push import step_ready
+from pdplug.adapters.push import step_ready
 from pdplug.transfer.gather import check_ready
 
 

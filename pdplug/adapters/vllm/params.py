@@ -1,4 +1,4 @@
-"""The ``kv_transfer_params`` pdplug adds to a vLLM request, and how rooms are allocated.
+"""The ``kv_transfer_params`` pdplug adds to a vLLM request.
 
 A proxy (``pdplug proxy`` or any router) sends one request to the prefill engine and, at the
 same time, one to the decode engine; both carry the same bootstrap room under the
@@ -7,27 +7,21 @@ same time, one to the decode engine; both carry the same bootstrap room under th
 still say which side a request is on, so vLLM's scheduler treats the request as it treats its
 NIXL ones.
 
-Rooms: a room identifies one request's transfer on every rank of both engines, so two live
-requests must never share one. :class:`RoomAllocator` hands out ``allocator_id << 48 | n``
-with ``n`` a per-allocator counter: one allocator never repeats a room for 2**48 requests, and
-allocators with different ids (one per proxy replica, set by the operator) never collide. A
+Rooms come from :class:`pdplug.adapters.room_ids.RoomAllocator` (shared by every adapter). A
 prefill engine that still holds a live room refuses a second request with it (the request ends
 with an error in its ``kv_transfer_params``) instead of mixing two requests' pages.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import Any
 
 import msgspec
 
+from pdplug.adapters.room_ids import check_room
+
 __all__ = [
     "PARAMS_KEY",
-    "ROOM_BITS",
-    "MAX_ALLOCATOR_ID",
-    "RoomAllocator",
     "PrefillParams",
     "DecodeParams",
     "prefill_request_params",
@@ -38,37 +32,6 @@ __all__ = [
 
 #: key of pdplug's sub-document inside ``kv_transfer_params``
 PARAMS_KEY = "pdplug"
-#: bits of the per-allocator counter in a room
-ROOM_BITS = 48
-#: largest allocator id (rooms stay below 2**63, a non-negative int64 on every wire)
-MAX_ALLOCATOR_ID = (1 << (63 - ROOM_BITS)) - 1
-
-
-class RoomAllocator:
-    """Thread-safe allocator of bootstrap rooms that never collide across allocators.
-
-    :param allocator_id: this allocator's id in ``[0, MAX_ALLOCATOR_ID]``; every proxy replica
-        in front of the same engines needs its own.
-    :raises ValueError: an id outside the range.
-    """
-
-    def __init__(self, allocator_id: int = 0) -> None:
-        if not 0 <= allocator_id <= MAX_ALLOCATOR_ID:
-            raise ValueError(
-                f"RoomAllocator: allocator_id={allocator_id} not in [0, {MAX_ALLOCATOR_ID}]"
-            )
-        self.allocator_id = allocator_id
-        self._base = allocator_id << ROOM_BITS
-        self._count = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def __call__(self) -> int:
-        """The next room (an int in ``[0, 2**63)``)."""
-        with self._lock:
-            n = next(self._count)
-        if n >= 1 << ROOM_BITS:
-            raise OverflowError(f"RoomAllocator {self.allocator_id}: 2**{ROOM_BITS} rooms used")
-        return self._base | n
 
 
 class PrefillParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -82,8 +45,7 @@ class PrefillParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     decode_instance: str = ""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.room < 1 << 63:
-            raise ValueError(f"kv_transfer_params.pdplug.room={self.room} not in [0, 2**63)")
+        check_room(self.room, f"kv_transfer_params.{PARAMS_KEY}.room")
 
 
 class DecodeParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -100,8 +62,7 @@ class DecodeParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     bootstrap: str
 
     def __post_init__(self) -> None:
-        if not 0 <= self.room < 1 << 63:
-            raise ValueError(f"kv_transfer_params.pdplug.room={self.room} not in [0, 2**63)")
+        check_room(self.room, f"kv_transfer_params.{PARAMS_KEY}.room")
         if not self.prefill_instance:
             raise ValueError("kv_transfer_params.pdplug.prefill_instance is empty")
         if not self.bootstrap.startswith("tcp://"):

@@ -1,7 +1,7 @@
-"""Where a vLLM worker sits (its :class:`RankPlacement`) and what it reports per step.
+"""What a vLLM worker reports per step, and vLLM's KV caches in layer order.
 
-Plain values the connector reads from vLLM's config and parallel state, so
-:class:`pdplug.adapters.vllm.worker.PushWorker` needs no vLLM import.
+Plain values, so :class:`pdplug.adapters.vllm.worker.PushWorker` needs no vLLM import; where
+a worker sits is the shared :class:`pdplug.adapters.placement.RankPlacement`.
 """
 
 from __future__ import annotations
@@ -11,53 +11,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["RankPlacement", "TransferResults", "ordered_layers"]
-
-
-class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a vLLM worker sits and what its KV holds.
-
-    :ivar side: ``"prefill"`` or ``"decode"``.
-    :ivar instance: this engine's pdplug instance id.
-    :ivar model: model name (both engines must agree).
-    :ivar engine_version: vLLM version string.
-    :ivar num_kv_heads: KV heads of the whole model.
-    :ivar head_size: elements per head.
-    :ivar block_size: tokens per vLLM block (pdplug page).
-    :ivar tp_size/tp_rank/pp_size/pp_rank/dcp_size/dcp_rank: placement of this worker.
-    :ivar bootstrap: prefill: the rendezvous endpoint ``tcp://host:port`` its ranks publish at.
-    :ivar kv_sender/pack_planner/scheduler: pdplug selections (None = default).
-    :ivar chunk_tokens: split grid (tokens) of the selected scheduler.
-    :ivar pack_region_tokens: pack region capacity (tokens).
-    :ivar bootstrap_timeout_s/transfer_timeout_s/waiting_timeout_s: room deadlines (seconds).
-    :ivar whole_blocks: move a request's last block whole, not only its prompt tokens: vLLM's
-        CPU attention stores a block's K slab in its own tiled order, so a token is not a row
-        of the slab and only whole blocks can be copied (as vLLM's NixlConnector does).
-    """
-
-    side: str
-    instance: str
-    model: str
-    engine_version: str
-    num_kv_heads: int
-    head_size: int
-    block_size: int
-    tp_size: int = 1
-    tp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    dcp_size: int = 1
-    dcp_rank: int = 0
-    bootstrap: str = ""
-    kv_sender: str | None = None
-    pack_planner: str | None = None
-    scheduler: str | None = None
-    chunk_tokens: int = 2048
-    pack_region_tokens: int = 2048
-    bootstrap_timeout_s: float = 60.0
-    transfer_timeout_s: float = 30.0
-    waiting_timeout_s: float = 120.0
-    whole_blocks: bool = True
+__all__ = ["TransferResults", "ordered_layers"]
 
 
 class TransferResults(msgspec.Struct, kw_only=True):

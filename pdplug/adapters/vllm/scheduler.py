@@ -9,11 +9,12 @@ rules can be read and tested on their own; ``tests/vllm_connector`` drives them 
 
 Prefill engine (``kv_producer``), per request carrying a room:
 
-* every step that computes a chunk adds a :class:`SendJob`: the tokens ``[token_start,
-  token_end)`` that are in the KV cache once the step's forward ends (``token_start`` is 0 on
-  the first job, so blocks the prefill engine took from its own prefix cache are sent too)
-  and the request's block ids so far; the job whose ``token_end`` reaches the prompt is
-  ``is_last``. The workers split each job at ``min(grid, pack capacity)`` and post it;
+* every step that computes a chunk adds a :class:`~pdplug.adapters.push.SendJob`: the
+  tokens ``[token_start, token_end)`` that are in the KV cache once the step's forward ends
+  (``token_start`` is 0 on the first job, so blocks the prefill engine took from its own
+  prefix cache are sent too) and the request's block ids so far (its ``page_ids``); the
+  job whose ``token_end`` reaches the prompt is ``is_last``. The workers split each job at
+  ``min(grid, pack capacity)`` and post it;
 * when the request finishes, its blocks stay held (``delay_free``) if any job was issued,
   until every worker reported the room drained (``finished_sending``); a request that ends
   before its last job (abort, error, preemption) has its room aborted first;
@@ -45,30 +46,10 @@ from typing import Any
 
 import msgspec
 
+from pdplug.adapters.push import SendJob
 from pdplug.adapters.vllm.params import DecodeParams, parse_decode, parse_prefill
 
-__all__ = ["SendJob", "RecvJob", "Cancel", "StepPlan", "PushBook"]
-
-
-class SendJob(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill workers: push tokens ``[token_start, token_end)`` of ``room`` after this step.
-
-    :ivar req_id: vLLM request id on the prefill engine.
-    :ivar room: bootstrap room.
-    :ivar block_ids: every block id of the request so far (vLLM block = pdplug page), in
-        token order; block ``i`` holds tokens ``[i*block_size, (i+1)*block_size)``.
-    :ivar token_start/token_end: the tokens whose KV is complete after this step (tokens).
-    :ivar num_prompt_tokens: prompt length (tokens).
-    :ivar is_last: ``token_end`` reaches the prompt: the room completes with this job.
-    """
-
-    req_id: str
-    room: int
-    block_ids: tuple[int, ...]
-    token_start: int
-    token_end: int
-    num_prompt_tokens: int
-    is_last: bool
+__all__ = ["RecvJob", "Cancel", "StepPlan", "PushBook"]
 
 
 class RecvJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -302,7 +283,7 @@ class PushBook:
         job = SendJob(
             req_id=req_id,
             room=st.room,
-            block_ids=tuple(st.block_ids),
+            page_ids=tuple(st.block_ids),
             token_start=st.sent_upto,
             token_end=end,
             num_prompt_tokens=st.num_prompt_tokens,

@@ -7,10 +7,11 @@ go through the pdplug components the engine selected (``PluginManager.make_kv_se
 ``make_kv_receiver``, ``make_pack_planner``, ``make_scheduler``), so a third-party pdplug
 plugin serves vLLM unchanged.
 
-Prefill (``kv_producer``): each :class:`~pdplug.adapters.vllm.scheduler.SendJob` leases its
+Prefill (``kv_producer``): each :class:`~pdplug.adapters.push.SendJob` leases its
 room on first sight (``KVSender.start``); once the decode's DestInfo arrived the job's tokens
-are split at ``min(grid, pack capacity)`` by the selected scheduler (chunk ids continue across
-jobs, a non-last job's partial page waits for the next) and posted. Jobs that come before the
+are split at ``min(grid, pack capacity)`` by the selected scheduler
+(:func:`pdplug.adapters.push.segments_for_job`: chunk ids continue across jobs, a non-last
+job's partial page waits for the next) and posted. Jobs that come before the
 DestInfo wait here (the room is ``Bootstrapping``, bounded by ``bootstrap_timeout_s``). A room
 of a finished request is reported in ``finished_sending`` once it ended (Success or Failed)
 and :meth:`~pdplug.protocols.KVSender.drained`, so vLLM frees its blocks only when no write
@@ -46,15 +47,17 @@ import msgspec
 import numpy as np
 
 from pdplug import bootstrap
-from pdplug.adapters.vllm.placement import RankPlacement, TransferResults, ordered_layers
-from pdplug.adapters.vllm.resolve import Resolver
-from pdplug.adapters.vllm.scheduler import Cancel, RecvJob, SendJob, StepPlan
-from pdplug.config import KVConfig, SchedulerConfig, WireConfig
+from pdplug.adapters.placement import RankPlacement
+from pdplug.adapters.push import PushCursor, SendJob, segments_for_job
+from pdplug.adapters.resolve import Resolver
+from pdplug.adapters.vllm.placement import TransferResults, ordered_layers
+from pdplug.adapters.vllm.scheduler import Cancel, RecvJob, StepPlan
+from pdplug.config import KVConfig, SchedulerConfig
 from pdplug.geometry import make_layout, slab_views
 from pdplug.transfer.faults import inject_from_env
 from pdplug.types import KVPoll
 
-__all__ = ["RankPlacement", "PushWorker", "TransferResults"]
+__all__ = ["PushWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +66,8 @@ _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 class _SendRoom(msgspec.Struct, kw_only=True):
     req_id: str
+    cursor: PushCursor  # tokens posted, next chunk id, whether the last segment went
     pending: list[SendJob] = []
-    sent_upto: int = -1  # tokens posted (-1: nothing yet, starts at decode_prefix_len)
-    next_chunk: int = 0
-    posted_last: bool = False
     aborted: bool = False
     ready: Any = None  # the latest step's readiness: covers every earlier step's KV writes
 
@@ -101,7 +102,7 @@ class PushWorker:
         self._recv: dict[int, _RecvRoom] = {}
         self._finished: set[str] = set()  # prefill requests vLLM finished (blocks held)
         self._connected: set[str] = set()
-        self._resolver = Resolver(where.bootstrap_timeout_s)
+        self._resolver = Resolver(where.bootstrap_timeout_s, wire=where.wire)
         self._publish: threading.Thread | None = None
         self.publish_error: str | None = None
         self._failed_local: dict[int, str] = {}  # rooms failed here, never leased
@@ -151,7 +152,7 @@ class PushWorker:
             instance=w.instance, role=w.side, layout=lay, bootstrap_endpoint="",
             bootstrap_timeout_s=w.bootstrap_timeout_s, waiting_timeout_s=w.waiting_timeout_s,
             transfer_timeout_s=w.transfer_timeout_s, pack_region_tokens=w.pack_region_tokens,
-            max_dst_dcp=8, device=str(first.device),
+            max_dst_dcp=8, device=str(first.device), wire=w.wire,
         )  # fmt: skip
         if w.side == "prefill":
             planner = self.pm.make_pack_planner(name=w.pack_planner)
@@ -176,7 +177,7 @@ class PushWorker:
         try:
             bootstrap.register(
                 self.where.bootstrap, self.session.peer_info(), timeout_s=600.0,
-                wire=WireConfig(),
+                wire=self.where.wire,
             )  # fmt: skip
         except Exception as e:  # reported through every room's failure
             self.publish_error = f"{type(e).__name__}: {e}"
@@ -226,7 +227,7 @@ class PushWorker:
         """Prefill: post every queued job whose room has its destination (after the forward).
 
         :param ready: ``None`` (the step's KV is in the blocks now, CPU) or the step's
-            readiness (:func:`pdplug.adapters.vllm.push.step_ready`, a CUDA event recorded
+            readiness (:func:`pdplug.adapters.push.step_ready`, a CUDA event recorded
             after the forward's KV writes) passed to every ``KVSender.send`` of this step.
         """
         for room, st in list(self._send.items()):
@@ -325,7 +326,7 @@ class PushWorker:
     def _new_send_room(self, room: int, req_id: str) -> _SendRoom:
         # every room tracked here is reported ended once (rooms_ok or rooms_failed), so
         # rooms_started - rooms_ok - rooms_failed is what this rank still holds
-        st = self._send[room] = _SendRoom(req_id=req_id)
+        st = self._send[room] = _SendRoom(req_id=req_id, cursor=PushCursor(room=room))
         self._counts["rooms_started"] += 1
         return st
 
@@ -337,34 +338,24 @@ class PushWorker:
         if status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
             return
         s = self.session
-        dest = s.dest(room)
-        prefix = dest[0].decode_prefix_len
-        if st.sent_upto < 0:
-            st.sent_upto = prefix
+        prefix = s.dest(room)[0].decode_prefix_len
         cap = s.capacity_tokens(room)
         jobs, st.pending = st.pending, []
-        bs = self.where.block_size
         for job in jobs:
-            if st.posted_last:
+            if st.cursor.done:
                 break
-            end = max(self._tokens(job.token_end) if job.is_last else job.token_end, st.sent_upto)
             try:
-                segs = self._sched.split_send(
-                    token_start=st.sent_upto, token_end=end, decode_prefix_len=prefix,
-                    is_last_send=job.is_last, capacity_tokens=cap,
-                    first_chunk_id=st.next_chunk,
+                segs = segments_for_job(
+                    st.cursor, job, decode_prefix_len=prefix, capacity_tokens=cap,
+                    block_size=self.where.block_size, scheduler=self._sched,
+                    whole_pages=self.where.whole_blocks,
                 )  # fmt: skip
-                pages = np.asarray(job.block_ids, dtype=np.int64)
-                for seg in segs:
-                    s.send(room, seg, pages[seg.token_start // bs :], ready=st.ready)
+                for seg, pages in segs:
+                    s.send(room, seg, pages, ready=st.ready)
             except ValueError as e:
                 self._abort(room, f"send failed: {e}")
                 st.aborted = True
                 return
-            if segs:
-                st.sent_upto = segs[-1].token_end
-                st.next_chunk = segs[-1].chunk_id + 1
-            st.posted_last = job.is_last
 
     # ------------------------------------------------------------------ decode helpers
     def _connect(self, instance: str, endpoint: str) -> None:

@@ -2,10 +2,12 @@
 
 No hub access is needed: ``config.json`` and ``model.safetensors`` are written from seeded
 random weights, so every process that builds the same :class:`TinyLlama` gets bit-identical
-weights. vLLM loads it with ``skip_tokenizer_init=True`` and token-id prompts.
+weights. Any engine that loads a Hugging Face ``LlamaForCausalLM`` loads it (vLLM and SGLang
+with their tokenizer skipped, token-id prompts).
 
-Sizes fit vLLM's CPU attention: head size 32 (its smallest supported), KV block size a
-multiple of 32 tokens, float32 so greedy decoding is reproducible across engines.
+The defaults fit vLLM's CPU attention: head size 32 (its smallest supported), KV block size a
+multiple of 32 tokens, float32 so greedy decoding is reproducible across engines; other
+engines pick their own geometry and dtype (e.g. 4 layers, bfloat16).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class TinyLlama(msgspec.Struct, frozen=True, kw_only=True):
     :ivar intermediate_size: MLP width.
     :ivar num_hidden_layers: decoder layers (PP prefill slices these).
     :ivar num_attention_heads/num_key_value_heads: query and KV heads (GQA).
-    :ivar head_dim: channels per head (vLLM CPU attention needs >= 32).
+    :ivar head_dim: channels per head (vLLM's CPU attention needs >= 32).
     :ivar max_position_embeddings: longest sequence in tokens.
     :ivar dtype: ``torch_dtype`` of the checkpoint.
     :ivar seed: seed of the random weights.

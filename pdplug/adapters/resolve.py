@@ -1,10 +1,11 @@
-"""Decode workers' lookup of a prefill instance, remembering the ones that did not answer.
+"""A decode rank's lookup of a prefill instance, remembering the ones that did not answer.
 
-``pdplug.bootstrap.resolve`` blocks the calling vLLM worker's step for up to
+``pdplug.bootstrap.resolve`` blocks the calling engine worker's step (a vLLM worker, an SGLang
+decode scheduler) for up to
 ``bootstrap_timeout_s`` when a request names a prefill instance that is dead, restarting or
 unknown. :class:`Resolver` remembers such a failure for that long, so the next requests naming
-it fail at once (their rooms fail, vLLM applies ``kv_load_failure_policy``) instead of each
-stalling the engine again.
+it fail at once (their rooms fail; vLLM then applies ``kv_load_failure_policy``, SGLang
+reports ``KVPoll.Failed``) instead of each stalling the engine again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 from pdplug import bootstrap
+from pdplug.config import WireConfig
 from pdplug.errors import TransferError
 
 __all__ = ["Resolver"]
@@ -23,10 +25,13 @@ class Resolver:
 
     :param timeout_s: how long one resolve may wait, and how long a failure is remembered
         (seconds; ``KVConfig.bootstrap_timeout_s``).
+    :param wire: socket rules of the lookups (the HMAC key the prefill's rendezvous checks;
+        default ``WireConfig()``, loopback without a key).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, wire: WireConfig | None = None) -> None:
         self.timeout_s = timeout_s
+        self.wire = wire
         #: (instance, endpoint) -> (monotonic time, reason) of a resolve that failed
         self.unreachable: dict[tuple[str, str], tuple[float, str]] = {}
 
@@ -45,7 +50,7 @@ class Resolver:
                 f" s ago ({seen[1]}); not retried before bootstrap_timeout_s={self.timeout_s:g} s"
             )
         try:
-            peers = bootstrap.resolve(endpoint, instance, timeout_s=self.timeout_s)
+            peers = bootstrap.resolve(endpoint, instance, timeout_s=self.timeout_s, wire=self.wire)
         except Exception as e:
             self.forget_after_failure(key, f"{type(e).__name__}: {e}")
             raise

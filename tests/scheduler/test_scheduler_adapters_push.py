@@ -1,19 +1,20 @@
-"""The vLLM adapter's push segmentation with the selected (default) pdplug scheduler: every
-prompt token beyond the decode prefix is sent exactly once, in order, within the cut bound,
-with the right source blocks, whatever the chunking of the prefill."""
+"""The adapters' push segmentation with the selected (default) pdplug scheduler, on the jobs
+the vLLM adapter issues: every prompt token beyond the decode prefix is sent exactly once, in
+order, within the cut bound, with the right source blocks, whatever the chunking of the
+prefill."""
 
 from __future__ import annotations
 
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdplug import SchedulerConfig
-from pdplug.adapters.vllm.push import PushCursor, segments_for_job
-from pdplug.adapters.vllm.scheduler import SendJob
+from pdplug.adapters.push import PushCursor, SendJob, segments_for_job
 
 
 def jobs_for(prompt: int, chunks: list[int], block: int, room: int = 9) -> list[SendJob]:
@@ -23,7 +24,7 @@ def jobs_for(prompt: int, chunks: list[int], block: int, room: int = 9) -> list[
         end = min(done + c, prompt)
         blocks = list(range(100, 100 + -(-end // block)))
         out.append(
-            SendJob(req_id="r", room=room, block_ids=tuple(blocks), token_start=done,
+            SendJob(req_id="r", room=room, page_ids=tuple(blocks), token_start=done,
                     token_end=end, num_prompt_tokens=prompt, is_last=end == prompt)
         )  # fmt: skip
         done = end
@@ -94,3 +95,40 @@ def test_misuse_is_named(plugin_manager):
     segments_for_job(cur, job, decode_prefix_len=0, **kw)
     with pytest.raises(ValueError, match="already sent its last segment"):
         segments_for_job(cur, job, decode_prefix_len=0, **kw)
+
+
+def test_a_chunk_of_pages_from_first_page_sends_what_the_whole_list_sends(plugin_manager):
+    """An engine that hands over one chunk's pages per send (SGLang's ``kv_indices``) gets the
+    same segments and source pages as one that hands over every page so far (vLLM)."""
+    sched = plugin_manager.make_scheduler(SchedulerConfig(page_size=32, chunk_size=64))
+    whole, chunked = PushCursor(room=9), PushCursor(room=9)
+    kw = {"decode_prefix_len": 32, "capacity_tokens": None, "block_size": 32, "scheduler": sched}
+    for job in jobs_for(300, [128, 128, 128], 32):
+        first = job.token_start // 32
+        part = msgspec.structs.replace(job, page_ids=job.page_ids[first:], first_page=first)
+        a = segments_for_job(whole, job, **kw)
+        b = segments_for_job(chunked, part, **kw)
+        assert [(s, p.tolist()) for s, p in a] == [(s, p.tolist()) for s, p in b]
+    assert whole.done and chunked.done
+
+
+def test_whole_pages_round_the_last_segment_up_to_a_page(plugin_manager):
+    sched = plugin_manager.make_scheduler(SchedulerConfig(page_size=32, chunk_size=64))
+    kw = {"decode_prefix_len": 0, "capacity_tokens": None, "block_size": 32, "scheduler": sched}
+    (job,) = jobs_for(70, [70], 32)
+    plain = segments_for_job(PushCursor(room=9), job, **kw)
+    whole = segments_for_job(PushCursor(room=9), job, whole_pages=True, **kw)
+    assert plain[-1][0].token_end == 70 and whole[-1][0].token_end == 96
+    assert whole[-1][1].tolist() == [100, 101, 102]  # the partial page too, moved whole
+
+
+def test_pages_that_do_not_hold_a_segment_are_named(plugin_manager):
+    sched = plugin_manager.make_scheduler(SchedulerConfig(page_size=32, chunk_size=64))
+    kw = {"decode_prefix_len": 0, "capacity_tokens": None, "block_size": 32, "scheduler": sched}
+    (job,) = jobs_for(96, [96], 32)
+    short = msgspec.structs.replace(job, page_ids=job.page_ids[:2])
+    with pytest.raises(ValueError, match=r"need pages \[0, 3\), the job holds pages \[0, 2\)"):
+        segments_for_job(PushCursor(room=9), short, **kw)
+    late = msgspec.structs.replace(job, page_ids=job.page_ids[1:], first_page=1)
+    with pytest.raises(ValueError, match=r"need pages \[0, 3\), the job holds pages \[1, 3\)"):
+        segments_for_job(PushCursor(room=9), late, **kw)

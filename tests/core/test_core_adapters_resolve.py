@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdplug.adapters.vllm.resolve import Resolver
+from pdplug.adapters.resolve import Resolver
 from pdplug.errors import TransferError
 
 
