@@ -363,7 +363,8 @@ class PushWorker:
             return
         peers = self._resolver.resolve(instance, endpoint)  # fails fast on a dead instance
         try:
-            self.session.connect(peers)
+            # the session finds the instance again at endpoint when its ranks die or restart
+            self.session.connect(peers, rendezvous=endpoint)
         except Exception as e:
             self._resolver.forget_after_failure((instance, endpoint), f"{type(e).__name__}: {e}")
             raise
