@@ -172,6 +172,7 @@ class DecodePeer:
         self.proc.start()
         self.infos: dict[str, list[PeerInfo]] = {}
         self._seq = 0
+        self._backlog: list[dict[str, Any]] = []  # events that came while waiting for another
 
     def _recv(self, timeout: float) -> dict[str, Any]:
         if not self.conn.poll(timeout):
@@ -209,11 +210,19 @@ class DecodePeer:
             poison=poison,
         )
 
-    def _reply(self, event: str, ident: int, timeout: float) -> dict[str, Any]:
+    def _next(self, event: str, key: str, value: Any, timeout: float) -> dict[str, Any]:
+        """The first event named ``event`` whose ``key`` is ``value``; others are kept."""
+        for i, msg in enumerate(self._backlog):
+            if msg.get("event") == event and msg.get(key) == value:
+                return self._backlog.pop(i)
         while True:
             msg = self._recv(timeout)
-            if msg.get("event") == event and msg.get("id") == ident:
+            if msg.get("event") == event and msg.get(key) == value:
                 return msg
+            self._backlog.append(msg)
+
+    def _reply(self, event: str, ident: int, timeout: float) -> dict[str, Any]:
+        return self._next(event, "id", ident, timeout)
 
     def fill(
         self, instance: str, pages: list[list[int]], value: int, timeout: float = 120.0
@@ -241,11 +250,8 @@ class DecodePeer:
         return list(self._reply("digest", self._seq, timeout)["digests"])
 
     def done(self, room: int, timeout: float = 120.0) -> dict[str, Any]:
-        """The decode side's verdict on ``room``."""
-        while True:
-            msg = self._recv(timeout)
-            if msg.get("event") == "done" and msg["room"] == room:
-                return msg
+        """The decode side's verdict on ``room`` (verdicts of other rooms are kept)."""
+        return self._next("done", "room", room, timeout)
 
     def clear(self, instance: str, room: int) -> None:
         """Forget ``room`` on every receiver of ``instance``."""

@@ -98,6 +98,20 @@ def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tuple[Ra
                 raise click.ClickException(f"raw nixl transfer ended {st}")
             return dt
 
+        def post() -> Callable[[], bool]:
+            st = agent.transfer(h)
+
+            def done() -> bool:
+                nonlocal st
+                if st == "PROC":
+                    st = agent.check_xfer_state(h)
+                if st not in ("PROC", "DONE"):
+                    raise click.ClickException(f"raw nixl transfer ended {st}")
+                return bool(st == "DONE")
+
+            return done
+
+        run.post = post  # type: ignore[attr-defined]
         return run
 
     def close() -> None:
@@ -138,6 +152,20 @@ def _raw_mooncake(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tupl
                     raise click.ClickException(f"raw mooncake write returned {rc}")
             return time.perf_counter() - t0
 
+        def post() -> Callable[[], bool]:
+            # the engine's asynchronous batch: submitted now, waited for by done()
+            ids = [eng.batch_transfer_async_write(session, bs, bd, bn) for bs, bd, bn in batches]
+            if not all(ids):
+                raise click.ClickException("raw mooncake async write was refused")
+
+            def done() -> bool:
+                if eng.get_batch_transfer_status(ids) != 0:
+                    raise click.ClickException("raw mooncake async write failed")
+                return True
+
+            return done
+
+        run.post = post  # type: ignore[attr-defined]
         return run
 
     def close() -> None:
@@ -159,187 +187,247 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def _bench_backend(
-    backend: str, sizes: list[int], repeats: int, corrupt: bool = False
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows per size and mode, and the byte-check failures (empty when all bytes matched)."""
-    import numpy as np
-    import torch
+class Rig:
+    """One prefill sender (this process), one spawned decode process, a rendezvous and the raw
+    engine registered on the same source memory, for sends up to ``max_bytes``.
 
-    from pdplug import KVConfig, KVLayout, KVPoll, PluginManager
-    from pdplug.bootstrap import RendezvousServer
-    from pdplug.layout import entry_map
-    from pdplug.packing import run_addresses, segment_to_chunk
-    from pdplug.types import Segment
-    from pdplug_bench._kvpeer import DecodeInstance, DecodePeer
-    from pdplug_bench.bytecheck import POISON, rows_digest, src_rows
+    Use as a context manager; :meth:`room` gives fresh room ids, :meth:`case` the pages,
+    segment, plan and prepared raw run of a send of ``size`` bytes.
+    """
 
-    bpt_total = sum(BPT)
-    max_tokens = max(sizes) // bpt_total
-    pages = -(-max_tokens // PAGE) + 16
-    src_l = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
-    dst_l = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
-    server = RendezvousServer().start()
-    pm = PluginManager()
-    planner = pm.make_pack_planner()
-    cfg = KVConfig(
-        instance="bench-prefill",
-        role="prefill",
-        layout=src_l,
-        bootstrap_endpoint=server.endpoint,
-        bootstrap_timeout_s=60,
-        waiting_timeout_s=120,
-        transfer_timeout_s=60,
-        pack_region_tokens=PAGE,
-        max_dst_dcp=1,
-    )
-    sender = pm.make_kv_sender(cfg, planner, name=backend)
-    g = torch.Generator().manual_seed(0)
-    kv = [torch.randint(1, 256, (pages * PAGE, b), dtype=torch.uint8, generator=g) for b in BPT]
-    sender.register_kv(kv)
-    peer = DecodePeer(
-        backend,
-        server.endpoint,
-        "bench-prefill",
-        [DecodeInstance(name="bench-decode", layout=dst_l, rows=pages * PAGE)],
-    )
-    rows: list[dict[str, Any]] = []
-    failures: list[str] = []
-    raw_close: Any = None
-    try:
-        peer.wait_ready(300)  # a spawned decode process starts slowly on a loaded machine
-        dinfo = peer.infos["bench-decode"][0]
-        regions = [(t.data_ptr(), t.numel()) for t in kv]
-        prepare, raw_close = (_raw_nixl if backend == "nixl" else _raw_mooncake)(
+    def __init__(self, backend: str, max_bytes: int) -> None:
+        import torch
+
+        from pdplug import KVConfig, KVLayout, PluginManager
+        from pdplug.bootstrap import RendezvousServer
+        from pdplug_bench._kvpeer import DecodeInstance, DecodePeer
+
+        self.backend = backend
+        max_tokens = max_bytes // sum(BPT)
+        self.pages = -(-max_tokens // PAGE) + 16
+        self.src_l = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
+        self.dst_l = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
+        self.server = RendezvousServer().start()
+        pm = PluginManager()
+        self.planner = pm.make_pack_planner()
+        cfg = KVConfig(
+            instance="bench-prefill",
+            role="prefill",
+            layout=self.src_l,
+            bootstrap_endpoint=self.server.endpoint,
+            bootstrap_timeout_s=60,
+            waiting_timeout_s=120,
+            transfer_timeout_s=60,
+            pack_region_tokens=PAGE,
+            max_dst_dcp=1,
+        )
+        self.sender = pm.make_kv_sender(cfg, self.planner, name=backend)
+        self.gen = torch.Generator().manual_seed(0)
+        self.kv = [
+            torch.randint(1, 256, (self.pages * PAGE, b), dtype=torch.uint8, generator=self.gen)
+            for b in BPT
+        ]
+        self.sender.register_kv(self.kv)
+        self.peer = DecodePeer(
+            backend,
+            self.server.endpoint,
+            "bench-prefill",
+            [DecodeInstance(name="bench-decode", layout=self.dst_l, rows=self.pages * PAGE)],
+        )
+        self._raw_close: Any = None
+        self._room = 0
+
+    def __enter__(self) -> Rig:
+        import numpy as np
+
+        from pdplug.layout import entry_map
+
+        self.peer.wait_ready(300)  # a spawned decode process starts slowly on a loaded machine
+        dinfo = self.peer.infos["bench-decode"][0]
+        regions = [(t.data_ptr(), t.numel()) for t in self.kv]
+        self.prepare, self._raw_close = (_raw_nixl if self.backend == "nixl" else _raw_mooncake)(
             regions, dinfo.agent
         )
-        src_base = np.array([t.data_ptr() for t in kv], dtype=np.int64)
-        dst_base = np.asarray(dinfo.entry_base, dtype=np.int64)
-        emap = entry_map(src_l, dst_l)
-        rng = np.random.default_rng(1)
-        room = 1
-        for size in sizes:
-            n_tok = size // bpt_total
-            n_pages = -(-n_tok // PAGE)
-            sp = rng.permutation(pages)[:n_pages].astype(np.int64)
-            dp = rng.permutation(pages)[:n_pages].astype(np.int64)
-            seg = Segment(
-                token_start=0,
-                token_end=n_tok,
-                page_start=0,
-                num_tokens=n_tok,
-                chunk_id=0,
-                is_last=True,
+        self.src_base = np.array([t.data_ptr() for t in self.kv], dtype=np.int64)
+        self.dst_base = np.asarray(dinfo.entry_base, dtype=np.int64)
+        self.emap = entry_map(self.src_l, self.dst_l)
+        self.rng = np.random.default_rng(1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._raw_close is not None:
+            self._raw_close()
+        self.peer.close()
+        self.sender.close()
+        self.server.stop()
+
+    def room(self) -> int:
+        """A room id not used before in this rig."""
+        self._room += 1
+        return self._room
+
+    def case(self, size: int) -> dict[str, Any]:
+        """A send of ``size`` bytes (``size // 4,096`` tokens) between shuffled pages: its
+        source and destination pages, segment, token count, plan (with the planner's time)
+        and the raw engine prepared on the plan's descriptors."""
+        from pdplug.packing import run_addresses, segment_to_chunk
+        from pdplug.types import Segment
+        from pdplug_bench.bytecheck import rows_digest, src_rows
+
+        n_tok = size // sum(BPT)
+        n_pages = -(-n_tok // PAGE)
+        sp = self.rng.permutation(self.pages)[:n_pages].astype("int64")
+        dp = self.rng.permutation(self.pages)[:n_pages].astype("int64")
+        seg = Segment(
+            token_start=0, token_end=n_tok, page_start=0, num_tokens=n_tok, chunk_id=0,
+            is_last=True,
+        )  # fmt: skip
+        chunk = segment_to_chunk(0, seg, sp, dp, 0, PAGE)
+        t0 = time.perf_counter()
+        plan = self.planner.plan(chunk, self.src_l, self.dst_l, 0, None)
+        plan_ms = (time.perf_counter() - t0) * 1e3  # the planner's share of pdplug's time
+        raw = self.prepare(*run_addresses(plan, self.src_base, self.dst_base, self.emap))
+        want = rows_digest(self.kv, src_rows(sp, PAGE, n_tok))
+        return {"sp": sp, "dp": dp, "seg": seg, "n_tok": n_tok, "plan": plan,
+                "plan_ms": plan_ms, "raw": raw, "want": want}  # fmt: skip
+
+    def check(
+        self, c: dict[str, Any], what: str, failures: list[str], corrupt: bool = False
+    ) -> None:
+        """Compare the digest of the rows that landed for case ``c`` with its source's."""
+        (got,) = self.peer.digest("bench-decode", [c["dp"].tolist()], [c["n_tok"]],
+                                  corrupt=corrupt)  # fmt: skip
+        if got != c["want"]:
+            failures.append(
+                f"{what}: the {c['n_tok']:,} tokens that landed differ from the source "
+                f"(digest {got} != {c['want']})"
             )
-            chunk = segment_to_chunk(0, seg, sp, dp, 0, PAGE)
+
+    def expect(self, rooms: list[int], c: dict[str, Any], poison: int | None) -> None:
+        """Every room of ``rooms`` expected by the decode and started here, ``WaitingForInput``
+        on return (poisoning the pages first when ``poison`` is given)."""
+        from pdplug import KVPoll
+
+        for room in rooms:
+            self.peer.expect("bench-decode", room, [c["dp"].tolist()], c["n_tok"],
+                             poison=poison)  # fmt: skip
+            self.sender.start(room)
+        for room in rooms:
+            if self.sender.wait(room, (KVPoll.WaitingForInput,), 60) != KVPoll.WaitingForInput:
+                raise click.ClickException(f"{self.backend}: {self.sender.failure_reason(room)}")
+
+    def finish(self, rooms: list[int], check: Callable[[], object] = lambda: None) -> None:
+        """Check the decode's verdict on every room, then ``check()`` (a byte check while the
+        rooms' pages still hold what landed), and clear the rooms on both sides."""
+        for room in rooms:
+            verdict = self.peer.done(room)
+            if not verdict["ok"]:
+                raise click.ClickException(f"{self.backend} decode: {verdict['reasons']}")
+        check()
+        for room in rooms:
+            self.sender.clear(room)
+            self.peer.clear("bench-decode", room)
+
+
+def _bench_backend(
+    rig: Rig, sizes: list[int], repeats: int, corrupt: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows per size and mode, and the byte-check failures (empty when all bytes matched)."""
+    import torch
+
+    from pdplug import KVPoll
+    from pdplug_bench.bytecheck import POISON
+
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    backend = rig.backend
+    sender, peer, g = rig.sender, rig.peer, rig.gen
+    for size in sizes:
+        c = rig.case(size)
+        plan, plan_ms, raw = c["plan"], c["plan_ms"], c["raw"]
+        src_t = torch.randint(1, 256, (size,), dtype=torch.uint8, generator=g)
+        dst_t = torch.zeros(size, dtype=torch.uint8)
+        reps = min(40, max(repeats, (256 * MIB) // size))
+        tag = f"{backend} {size / MIB:g} MiB"
+
+        def run_pdplug(checked: bool, rep: int, c: dict[str, Any] = c,
+                       tag: str = tag) -> float:  # fmt: skip
+            room = rig.room()
+            rig.expect([room], c, POISON if checked else None)
             t0 = time.perf_counter()
-            plan = planner.plan(chunk, src_l, dst_l, 0, None)
-            plan_ms = (time.perf_counter() - t0) * 1e3  # the planner's share of pdplug's time
-            raw = prepare(*run_addresses(plan, src_base, dst_base, emap))
-            want = rows_digest(kv, src_rows(sp, PAGE, n_tok))
-            src_t = torch.randint(1, 256, (size,), dtype=torch.uint8, generator=g)
-            dst_t = torch.zeros(size, dtype=torch.uint8)
-            reps = min(40, max(repeats, (256 * MIB) // size))
-            tag = f"{backend} {size / MIB:g} MiB"
+            sender.send(room, c["seg"], c["sp"])
+            st = sender.wait(room, timeout_s=60)  # blocks on a condition: no spinning host
+            dt = time.perf_counter() - t0
+            if st != KVPoll.Success:
+                raise click.ClickException(f"{backend}: {sender.failure_reason(room)}")
 
-            def check(mode: str, rep: int, corrupt: bool = False, tag: str = tag,
-                      dp: Any = dp, n_tok: int = n_tok, want: str = want) -> None:  # fmt: skip
-                (got,) = peer.digest("bench-decode", [dp.tolist()], [n_tok], corrupt=corrupt)
-                if got != want:
-                    failures.append(
-                        f"{tag} {mode} round {rep}: the {n_tok:,} tokens that landed differ "
-                        f"from the source (digest {got} != {want})"
-                    )
-
-            def run_pdplug(room: int, checked: bool, rep: int, dp: Any = dp, sp: Any = sp,
-                           seg: Any = seg, n_tok: int = n_tok) -> float:  # fmt: skip
-                peer.expect("bench-decode", room, [dp.tolist()], n_tok,
-                            poison=POISON if checked else None)  # fmt: skip
-                sender.start(room)
-                if sender.wait(room, (KVPoll.WaitingForInput,), 60) != KVPoll.WaitingForInput:
-                    raise click.ClickException(f"{backend}: {sender.failure_reason(room)}")
-                t0 = time.perf_counter()
-                sender.send(room, seg, sp)
-                st = sender.wait(room, timeout_s=60)  # blocks on a condition: no spinning host
-                dt = time.perf_counter() - t0
-                if st != KVPoll.Success:
-                    raise click.ClickException(f"{backend}: {sender.failure_reason(room)}")
-                verdict = peer.done(room)
-                if not verdict["ok"]:
-                    raise click.ClickException(f"{backend} decode: {verdict['reasons']}")
+            def bytes_ok() -> None:
                 if checked:
-                    check("pdplug", rep, corrupt=corrupt and rep == 0)
-                sender.clear(room)
-                peer.clear("bench-decode", room)
-                return dt
+                    rig.check(c, f"{tag} pdplug round {rep}", failures, corrupt and rep == 0)
 
-            def run_raw(checked: bool, rep: int, dp: Any = dp, raw: Any = raw) -> float:
-                if checked:
-                    peer.fill("bench-decode", [dp.tolist()], POISON)
-                dt = float(raw())
-                if checked:
-                    check("raw", rep)
-                return float(dt)
+            rig.finish([room], bytes_ok)
+            return dt
 
-            times: dict[str, list[float]] = {"pdplug": [], "raw": [], "memcpy": []}
-            pair_ratio: list[float] = []
-            for rep in range(reps + 2):
-                # the first round warms connections and pages up, the last is an extra check;
-                # both are checked and untimed
-                checked = rep in (0, reps + 1)
-                # pairs in ABBA order, so drift on a shared machine hits both modes alike
-                if rep % 2:
-                    dt = run_pdplug(room, checked, rep)
-                    t_raw = run_raw(checked, rep)
-                else:
-                    t_raw = run_raw(checked, rep)
-                    dt = run_pdplug(room, checked, rep)
-                room += 1
-                dst_t.zero_()
-                t0 = time.perf_counter()
-                dst_t.copy_(src_t)
-                t_cpy = time.perf_counter() - t0
-                if checked and not torch.equal(dst_t, src_t):
-                    failures.append(f"{tag} memcpy round {rep}: copy differs from its source")
-                if not checked:
-                    times["pdplug"].append(dt)
-                    times["raw"].append(t_raw)
-                    times["memcpy"].append(t_cpy)
-                    pair_ratio.append(t_raw / dt)
-            q1, q3 = _quartiles(pair_ratio)
-            # the floor of pdplug's design: an empty round trip to the sender's engine thread
-            # right after a transfer of this size (caches as a finished send leaves them)
-            hops: list[float] = []
-            ping: Callable[[], float] | None = getattr(sender, "ping", None)
-            for _ in range(min(reps, 15)):
-                if ping is None:
-                    break
-                raw()
-                hops.append(ping())
-            hop_ms = statistics.median(hops) * 1e3 if hops else None  # a sender without ping
-            for mode, ts in times.items():
-                rows.append(
-                    {
-                        "backend": backend,
-                        "bytes": size,
-                        "mode": mode,
-                        "gbps": size / statistics.median(ts) / 1e9,
-                        "runs": plan.num_runs,
-                        "repeats": reps,
-                        "pdplug_over_raw": statistics.median(pair_ratio),
-                        "ratio_q1": q1,
-                        "ratio_q3": q3,
-                        "plan_ms": plan_ms,
-                        "hop_ms": hop_ms,
-                        "raw_ms": statistics.median(times["raw"]) * 1e3,
-                    }
-                )
-    finally:
-        if raw_close is not None:
-            raw_close()
-        peer.close()
-        sender.close()
-        server.stop()
+        def run_raw(checked: bool, rep: int, c: dict[str, Any] = c, tag: str = tag) -> float:
+            if checked:
+                peer.fill("bench-decode", [c["dp"].tolist()], POISON)
+            dt = float(c["raw"]())
+            if checked:
+                rig.check(c, f"{tag} raw round {rep}", failures)
+            return dt
+
+        times: dict[str, list[float]] = {"pdplug": [], "raw": [], "memcpy": []}
+        pair_ratio: list[float] = []
+        for rep in range(reps + 2):
+            # the first round warms connections and pages up, the last is an extra check;
+            # both are checked and untimed
+            checked = rep in (0, reps + 1)
+            # pairs in ABBA order, so drift on a shared machine hits both modes alike
+            if rep % 2:
+                dt = run_pdplug(checked, rep)
+                t_raw = run_raw(checked, rep)
+            else:
+                t_raw = run_raw(checked, rep)
+                dt = run_pdplug(checked, rep)
+            dst_t.zero_()
+            t0 = time.perf_counter()
+            dst_t.copy_(src_t)
+            t_cpy = time.perf_counter() - t0
+            if checked and not torch.equal(dst_t, src_t):
+                failures.append(f"{tag} memcpy round {rep}: copy differs from its source")
+            if not checked:
+                times["pdplug"].append(dt)
+                times["raw"].append(t_raw)
+                times["memcpy"].append(t_cpy)
+                pair_ratio.append(t_raw / dt)
+        q1, q3 = _quartiles(pair_ratio)
+        # the floor of pdplug's design: an empty round trip to the sender's engine thread
+        # right after a transfer of this size (caches as a finished send leaves them)
+        hops: list[float] = []
+        ping: Callable[[], float] | None = getattr(sender, "ping", None)
+        for _ in range(min(reps, 15)):
+            if ping is None:
+                break
+            raw()
+            hops.append(ping())
+        hop_ms = statistics.median(hops) * 1e3 if hops else None  # a sender without ping
+        for mode, ts in times.items():
+            rows.append(
+                {
+                    "backend": backend,
+                    "bytes": size,
+                    "mode": mode,
+                    "gbps": size / statistics.median(ts) / 1e9,
+                    "runs": plan.num_runs,
+                    "repeats": reps,
+                    "pdplug_over_raw": statistics.median(pair_ratio),
+                    "ratio_q1": q1,
+                    "ratio_q3": q3,
+                    "plan_ms": plan_ms,
+                    "hop_ms": hop_ms,
+                    "raw_ms": statistics.median(times["raw"]) * 1e3,
+                }
+            )
     return rows, failures
 
 
@@ -351,22 +439,51 @@ def _bench_backend(
               help="Sizes in MiB, comma-separated (each at least one page).")  # fmt: skip
 @click.option("--repeats", default=9, show_default=True, type=click.IntRange(1, 1000),
               help="Timed pairs per size (at least 256 MiB / size, at most 40).")  # fmt: skip
+@click.option("--small-sizes", default="0.0625,1,16", show_default=True,
+              help="Sizes in MiB of the fixed-cost table (one send alone), comma-separated; "
+                   "'' skips the table.")  # fmt: skip
+@click.option(
+    "--steps",
+    default="8,32",
+    show_default=True,
+    help="K sends posted in one step (at the smallest small size), comma-separated.",
+)
 @click.option("--inject-fault", is_flag=True, hidden=True,
               help="Tests only: flip one landed byte before the first check.")  # fmt: skip
 @json_option
-def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: str | None) -> None:
-    """pdplug's KV sender vs the raw engine on prepared descriptors, and vs memcpy; bytes
-    checked."""
+def cli(
+    backend: str,
+    sizes: str,
+    repeats: int,
+    small_sizes: str,
+    steps: str,
+    inject_fault: bool,
+    json_path: str | None,
+) -> None:
+    """pdplug's KV sender vs the raw engine on prepared descriptors, and vs memcpy; the fixed
+    cost of one send and of K sends per step; bytes checked."""
     from rich.console import Console
     from rich.table import Table
 
     from pdplug_bench.machine import machine_line, write_json
     from pdplug_bench.options import component_names, number_list
+    from pdplug_bench.sendcost import fixed_cost
 
     page_mib = sum(BPT) * PAGE / MIB
     size_list = [int(s * MIB) for s in number_list(sizes, "--sizes", "MiB", page_mib)]
     if max(size_list) > 4096 * MIB:
         raise click.BadParameter(f"{sizes!r}: at most 4096 MiB", param_hint="'--sizes'")
+    tok_mib = sum(BPT) / MIB
+    small = (
+        [int(s * MIB) for s in number_list(small_sizes, "--small-sizes", "MiB", tok_mib)]
+        if small_sizes.strip()
+        else []
+    )
+    if small and max(small) > 256 * MIB:
+        raise click.BadParameter(f"{small_sizes!r}: at most 256 MiB", param_hint="'--small-sizes'")
+    step_list = [int(k) for k in number_list(steps, "--steps", "sends", 1)] if small else []
+    if any(k != int(k) or not 1 <= k <= 64 for k in number_list(steps, "--steps", "sends", 1)):
+        raise click.BadParameter(f"{steps!r}: whole numbers 1-64", param_hint="'--steps'")
     backends = component_names(backend, "kv_sender", "--backend")
     console = Console(width=150)  # tables stay whole when piped
     console.print(machine_line())
@@ -374,13 +491,21 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
         f"KV: {len(BPT)} entries x {BPT[0]} B/token, page {PAGE} tokens "
         f"({BPT[0] * PAGE // 1024} KiB per page and entry), shuffled pages; sizes "
         + ", ".join(f"{s / MIB:g} MiB" for s in size_list)
+        + ("; small sends " + ", ".join(f"{s / MIB:g} MiB" for s in small) if small else "")
     )
     rows: list[dict[str, Any]] = []
+    small_rows: list[dict[str, Any]] = []
     failures: list[str] = []
     for b in backends:
-        r, f = _bench_backend(b, size_list, repeats, corrupt=inject_fault)
-        rows.extend(r)
-        failures.extend(f)
+        need = max(size_list + [s * max([1, *step_list]) for s in small[:1]] + small)
+        with Rig(b, need) as rig:
+            r, f = _bench_backend(rig, size_list, repeats, corrupt=inject_fault)
+            rows.extend(r)
+            failures.extend(f)
+            if small:
+                r, f = fixed_cost(rig, small, step_list, repeats)
+                small_rows.extend(r)
+                failures.extend(f)
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
     for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "memcpy",
                 "pdplug/raw", "IQR", "overhead", "plan ms", "hop ms", "hop/raw"):  # fmt: skip
@@ -422,6 +547,31 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
         "send pays before planning or posting anything; hop/raw: that floor as a share of the "
         "raw time"
     )
+    fixed: dict[str, dict[str, float]] = {}
+    if small_rows:
+        ft = Table(title="fixed cost per send (us; median of paired differences send() -> "
+                   "poll() Success minus raw post -> completion)")  # fmt: skip
+        for col in ("backend", "size", "K per step", "pairs", "pdplug us", "raw us",
+                    "fixed us / send", "IQR"):  # fmt: skip
+            ft.add_column(col, justify="right")
+        for sr in small_rows:
+            if sr["k"] == 1:
+                fixed.setdefault(sr["backend"], {})[f"{sr['bytes'] / MIB:g}"] = sr["fixed_us"]
+            ft.add_row(
+                sr["backend"], f"{sr['bytes'] / MIB:g} MiB", str(sr["k"]), str(sr["pairs"]),
+                f"{sr['pdplug_us']:.1f}", f"{sr['raw_us']:.1f}", f"{sr['fixed_us']:.1f}",
+                f"{sr['q1_us']:.1f}-{sr['q3_us']:.1f}",
+            )  # fmt: skip
+        console.print(ft)
+        for b, per in fixed.items():
+            below = [k for k, v in per.items() if float(k) <= 1 and v > 100]
+            verdict = f"above it at {', '.join(below)} MiB" if below else "met"
+            console.print(
+                f"{b}: fixed cost per send (K = 1): "
+                + ", ".join(f"{k} MiB {v:.0f} us" for k, v in per.items())
+                + f" (goal <= 100 us at 64 KiB and 1 MiB: {verdict}); K rows: the cost of "
+                "one send when a step posts K (send_many when the sender has it)"
+            )
     console.print(
         f"bytes: {'all checked rounds identical' if not failures else 'MISMATCH'} (pdplug, raw "
         "and memcpy; warm-up and final round per size, destination poisoned first)"
@@ -433,6 +583,8 @@ def cli(backend: str, sizes: str, repeats: int, inject_fault: bool, json_path: s
                 "rows": [{k: r[k] for k in ("backend", "bytes", "mode", "gbps")} for r in rows],
                 "pairs": [{k: r[k] for k in _PAIR_KEYS} for r in rows if r["mode"] == "pdplug"],
                 "overhead": overhead,
+                "fixed_cost_us": fixed,
+                "small_sends": small_rows,
                 "byte_failures": failures,
                 "layout": {"entries_bytes_per_token": list(BPT), "page_size": PAGE},
             },

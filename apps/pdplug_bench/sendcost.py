@@ -1,0 +1,143 @@
+"""``pdplug bench transfer``'s small-send table: the fixed cost of one send, and of a step's K.
+
+**Fixed cost per send** (K = 1): from the host's ``sender.send(room, segment, pages)`` until the
+host's ordinary ``sender.poll(room)``, called in a loop, first answers ``Success``, minus the raw
+engine's post-to-completion time on the same prepared descriptors and size (NIXL: one
+transfer handle made once and re-posted, polled with ``check_xfer_state``; Mooncake:
+``batch_transfer_sync_write`` in the caller's thread), paired (ABBA order) and reported as the
+median of the paired differences in microseconds. The room's bootstrap (the decode's DestInfo,
+``WaitingForInput``) happens before the clock starts, as in a real step.
+
+**K sends per step**: a step posts K rooms of the same size at once (``send_many`` when the
+sender has it, else K ``send`` calls) and polls them all to ``Success``; the raw baseline posts
+K prepared transfers back to back and waits for all (NIXL: K handles, then ``check_xfer_state``
+on each; Mooncake: K ``batch_transfer_async_write`` and ``get_batch_transfer_status``). The row
+gives ``(t_pdplug - t_raw) / K``: what one send costs when a step posts K.
+
+Bytes: the first and last round of each size are checked (destination poisoned first, digest of
+the rows that landed against the source's) for pdplug and raw; a mismatch fails the run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import click
+
+__all__ = ["fixed_cost"]
+
+MIB = 1 << 20
+
+
+def _spin(sender: Any, rooms: list[int], backend: str) -> None:
+    """Poll every room until it is terminal (no sleep: the host's own loop), then check."""
+    from pdplug import KVPoll
+
+    todo = list(rooms)
+    t_end = time.monotonic() + 60.0
+    while todo:
+        todo = [r for r in todo if sender.poll(r) not in (KVPoll.Success, KVPoll.Failed)]
+        if time.monotonic() > t_end:
+            raise click.ClickException(f"{backend}: rooms {todo} not done after 60 s")
+    for r in rooms:
+        if sender.poll(r) != KVPoll.Success:
+            raise click.ClickException(f"{backend}: {sender.failure_reason(r)}")
+
+
+def _post_step(sender: Any, items: list[tuple[int, Any, Any]]) -> None:
+    many = getattr(sender, "send_many", None)
+    if many is not None and len(items) > 1:
+        many(items)
+    else:
+        for room, seg, sp in items:
+            sender.send(room, seg, sp)
+
+
+def fixed_cost(
+    rig: Any, sizes: list[int], steps: list[int], repeats: int
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows ``{backend, bytes, k, pairs, pdplug_us, raw_us, fixed_us, q1_us, q3_us}`` (per send)
+    for every size at K = 1 and, at the smallest size, for every K in ``steps``; and the
+    byte-check failures.
+
+    :param rig: a :class:`pdplug_bench.transfer.Rig` (entered).
+    :param sizes: send sizes in bytes; ``steps``: the K values of the per-step rows.
+    :param repeats: timed pairs per row (each row runs at least 20).
+    """
+    from pdplug_bench.bytecheck import POISON
+
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    shapes = [(size, 1) for size in sizes] + [(min(sizes), k) for k in steps if k > 1]
+    for size, k in shapes:
+        cases = [rig.case(size) for _ in range(k)]
+        tag = f"{rig.backend} {size / MIB:g} MiB x {k}"
+
+        def run_pdplug(checked: bool, rep: int, cases: list[Any] = cases, tag: str = tag) -> float:
+            rooms = [rig.room() for _ in cases]
+            for room, c in zip(rooms, cases):
+                rig.expect([room], c, POISON if checked else None)
+            items = [(room, c["seg"], c["sp"]) for room, c in zip(rooms, cases)]
+            t0 = time.perf_counter()
+            _post_step(rig.sender, items)
+            _spin(rig.sender, rooms, rig.backend)
+            dt = time.perf_counter() - t0
+
+            def bytes_ok() -> None:
+                if checked:
+                    for i, c in enumerate(cases):
+                        rig.check(c, f"{tag} pdplug round {rep} send {i}", failures)
+
+            rig.finish(rooms, bytes_ok)
+            return dt
+
+        def run_raw(checked: bool, rep: int, cases: list[Any] = cases, tag: str = tag) -> float:
+            if checked:
+                for c in cases:
+                    rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
+            if len(cases) == 1:
+                dt = float(cases[0]["raw"]())
+            else:
+                t0 = time.perf_counter()
+                waits = [c["raw"].post() for c in cases]
+                while not all(w() for w in waits):
+                    pass
+                dt = time.perf_counter() - t0
+            if checked:
+                for i, c in enumerate(cases):
+                    rig.check(c, f"{tag} raw round {rep} send {i}", failures)
+            return dt
+
+        reps = max(20, repeats)
+        pd: list[float] = []
+        raw: list[float] = []
+        diff: list[float] = []
+        for rep in range(reps + 2):
+            checked = rep in (0, reps + 1)  # warm-up and last round: checked, untimed
+            if rep % 2:
+                t_p = run_pdplug(checked, rep)
+                t_r = run_raw(checked, rep)
+            else:
+                t_r = run_raw(checked, rep)
+                t_p = run_pdplug(checked, rep)
+            if not checked:
+                pd.append(t_p)
+                raw.append(t_r)
+                diff.append((t_p - t_r) / k)
+        q = statistics.quantiles(diff, n=4, method="inclusive")
+        rows.append(
+            {
+                "backend": rig.backend,
+                "bytes": size,
+                "k": k,
+                "pairs": reps,
+                "pdplug_us": statistics.median(pd) / k * 1e6,
+                "raw_us": statistics.median(raw) / k * 1e6,
+                "fixed_us": statistics.median(diff) * 1e6,
+                "q1_us": q[0] * 1e6,
+                "q3_us": q[2] * 1e6,
+            }
+        )
+    return rows, failures
