@@ -1,0 +1,178 @@
+"""Small network programs the harness tests run inside host namespaces (``python
+_nettools.py TOOL ARGS``). Each prints one JSON object per line on stdout, flushed, so the
+test reads them as they come. Stdlib only: they run in a bare interpreter."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+
+def say(**kw: object) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def tcp_sink(addr: str, port: str) -> None:
+    """Accept one connection, count its bytes until EOF: ``{bytes, seconds, peer}`` (seconds
+    from the first byte to EOF)."""
+    srv = socket.create_server((addr, int(port)))
+    say(ready=True)
+    conn, peer = srv.accept()
+    n, first = 0, None
+    while data := conn.recv(1 << 20):
+        first = first or time.monotonic()
+        n += len(data)
+    say(bytes=n, seconds=time.monotonic() - (first or time.monotonic()), peer=peer[0])
+
+
+def tcp_send(addr: str, port: str, limit: str) -> None:
+    """Connect and send: ``Ns`` for N seconds, or N bytes; ``{sent, local}``."""
+    s = socket.create_connection((addr, int(port)), timeout=10)
+    local = s.getsockname()[0]
+    buf = b"\x5a" * (1 << 18)
+    sent = 0
+    if limit.endswith("s"):
+        end = time.monotonic() + float(limit[:-1])
+        while time.monotonic() < end:
+            s.sendall(buf)
+            sent += len(buf)
+    else:
+        total = int(limit)
+        while sent < total:
+            chunk = buf[: total - sent]
+            s.sendall(chunk)
+            sent += len(chunk)
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)  # wait for the sink's close: every byte was received
+    say(sent=sent, local=local)
+
+
+def tcp_echo(addr: str, port: str) -> None:
+    """Accept connections one after another and echo each until EOF; ``{peer}`` per accept."""
+    srv = socket.create_server((addr, int(port)))
+    say(ready=True)
+    while True:
+        conn, peer = srv.accept()
+        say(peer=peer[0])
+        while data := conn.recv(65536):
+            conn.sendall(data)
+        conn.close()
+
+
+def _recv_result(s: socket.socket, timeout: float) -> dict[str, object]:
+    s.settimeout(timeout)
+    try:
+        data = s.recv(65536)
+    except TimeoutError:
+        return {"result": "timeout"}
+    except OSError as e:
+        return {"result": "error", "errno": e.errno, "error": str(e)}
+    return {"result": "data", "data": data.decode()} if data else {"result": "eof"}
+
+
+def tcp_client(addr: str, port: str) -> None:
+    """Connect, then follow commands on stdin, one per line: ``send MSG TIMEOUT`` (send,
+    then wait for the echo) or ``recv TIMEOUT``; answers ``{result: data|timeout|eof|error}``."""
+    s = socket.create_connection((addr, int(port)), timeout=10)
+    say(connected=True, local=s.getsockname()[0])
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "send":
+            s.sendall(args[0].encode())
+            say(**_recv_result(s, float(args[1])))
+        elif cmd == "recv":
+            say(**_recv_result(s, float(args[0])))
+        else:
+            say(result="unknown command", line=line)
+
+
+def tcp_watch(addr: str, port: str, timeout: str) -> None:
+    """Accept one connection, read its first message (``{hello}``), then wait ``timeout`` s
+    for more: ``{result: timeout|eof|error|data}`` (what a peer of a dying host sees)."""
+    srv = socket.create_server((addr, int(port)))
+    say(ready=True)
+    conn, _ = srv.accept()
+    say(hello=conn.recv(100).decode())
+    say(**_recv_result(conn, float(timeout)))
+
+
+def tcp_hello(addr: str, port: str) -> None:
+    """Connect, send ``hello``, then sleep (a process with an open connection)."""
+    s = socket.create_connection((addr, int(port)), timeout=10)
+    s.sendall(b"hello")
+    say(sent=True)
+    time.sleep(3600)
+
+
+def udp_sink(addr: str, port: str, idle: str) -> None:
+    """Count distinct datagrams until ``idle`` s pass without one (10 s without the first):
+    ``{received}``."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    s.bind((addr, int(port)))
+    say(ready=True)
+    seen: set[bytes] = set()
+    wait = 10.0
+    while select.select([s], [], [], wait)[0]:
+        seen.add(s.recv(64))
+        wait = float(idle)
+    say(received=len(seen))
+
+
+def udp_send(addr: str, port: str, count: str) -> None:
+    """Send ``count`` numbered datagrams, paced (50 per ms at most): ``{sent}``."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    n = int(count)
+    for i in range(n):
+        s.sendto(str(i).encode(), (addr, int(port)))
+        if i % 50 == 49:
+            time.sleep(0.001)
+    say(sent=n)
+
+
+def cpu_loop(iterations: str) -> None:
+    """A fixed amount of CPU work: ``{wall, cpu}`` seconds."""
+    t0, c0 = time.monotonic(), time.process_time()
+    x = 0
+    for i in range(int(iterations)):
+        x += i
+    say(wall=time.monotonic() - t0, cpu=time.process_time() - c0)
+
+
+def make_cluster(prefix: str, mode: str) -> None:
+    """Build a two-host cluster with a sleeping process on host ``b`` and report
+    ``{namespaces, sleeper, start}``; then ``hold`` (sleep until signalled) or ``exit``
+    (``sys.exit(3)`` without closing: the atexit hook must clean up)."""
+    from pdplug.testing.netns import Cluster
+    from pdplug.testing.netns.cleanup import process_start
+
+    c = Cluster(["a", "b"], prefix=prefix).start()
+    sleeper = c["b"].popen(["sleep", "3600"])
+    while sleeper.pid not in c["b"].pids():  # it entered the namespace
+        time.sleep(0.005)
+    say(namespaces=c.namespaces, sleeper=sleeper.pid, start=process_start(sleeper.pid))
+    if mode == "exit":
+        sys.exit(3)
+    time.sleep(3600)
+
+
+TOOLS: dict[str, Callable[..., None]] = {
+    "tcp-sink": tcp_sink,
+    "tcp-send": tcp_send,
+    "tcp-echo": tcp_echo,
+    "tcp-client": tcp_client,
+    "tcp-watch": tcp_watch,
+    "tcp-hello": tcp_hello,
+    "udp-sink": udp_sink,
+    "udp-send": udp_send,
+    "cpu-loop": cpu_loop,
+    "make-cluster": make_cluster,
+}
+
+if __name__ == "__main__":
+    tool, *argv = sys.argv[1:]
+    TOOLS[tool](*argv)
