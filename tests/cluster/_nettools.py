@@ -90,6 +90,21 @@ def tcp_client(addr: str, port: str) -> None:
             say(result="unknown command", line=line)
 
 
+def tcp_rtt(addr: str, port: str, count: str) -> None:
+    """Connect to an echo server and time ``count`` one-byte round trips, 20 ms apart:
+    ``{rtt_ms: [...]}``."""
+    s = socket.create_connection((addr, int(port)), timeout=10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(int(count)):
+        t0 = time.monotonic()
+        s.sendall(b"x")
+        s.recv(1)
+        rtts.append((time.monotonic() - t0) * 1000)
+        time.sleep(0.02)
+    say(rtt_ms=rtts)
+
+
 def tcp_watch(addr: str, port: str, timeout: str) -> None:
     """Accept one connection, read its first message (``{hello}``), then wait ``timeout`` s
     for more: ``{result: timeout|eof|error|data}`` (what a peer of a dying host sees)."""
@@ -112,7 +127,9 @@ def udp_sink(addr: str, port: str, idle: str) -> None:
     """Count distinct datagrams until ``idle`` s pass without one (10 s without the first):
     ``{received}``."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    # 4 MiB whatever rmem_max says (root): a receiver slowed by a busy machine must not drop
+    # datagrams itself, or the loss measured would be its own
+    s.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), 1 << 22)
     s.bind((addr, int(port)))
     say(ready=True)
     seen: set[bytes] = set()
@@ -132,6 +149,21 @@ def udp_send(addr: str, port: str, count: str) -> None:
         if i % 50 == 49:
             time.sleep(0.001)
     say(sent=n)
+
+
+def udp_flood(addr: str, port: str, mbit: str, seconds: str) -> None:
+    """Send 1400-byte datagrams at ``mbit`` Mbit/s for ``seconds`` s: ``{sent}``."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    payload = b"\0" * 1400
+    per_ms = float(mbit) * 1e6 / 8 / len(payload) / 1000
+    t0 = time.monotonic()
+    sent = 0
+    while (now := time.monotonic()) < t0 + float(seconds):
+        while sent < (now - t0) * 1000 * per_ms:
+            s.sendto(payload, (addr, int(port)))
+            sent += 1
+        time.sleep(0.001)
+    say(sent=sent)
 
 
 def cpu_loop(iterations: str) -> None:
@@ -166,9 +198,11 @@ TOOLS: dict[str, Callable[..., None]] = {
     "tcp-echo": tcp_echo,
     "tcp-client": tcp_client,
     "tcp-watch": tcp_watch,
+    "tcp-rtt": tcp_rtt,
     "tcp-hello": tcp_hello,
     "udp-sink": udp_sink,
     "udp-send": udp_send,
+    "udp-flood": udp_flood,
     "cpu-loop": cpu_loop,
     "make-cluster": make_cluster,
 }

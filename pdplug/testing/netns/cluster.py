@@ -339,10 +339,11 @@ class Host:
         what it sends (``out``) and on :attr:`switch_dev`'s egress for what it receives
         (``in``). Replaces an earlier limit in the same direction.
 
-        A saturated link queues packets: each waits up to ``latency_ms`` (a TCP flow filling
-        the bucket sees its round trip grow by up to that much per direction) and a packet
-        that would wait longer is dropped. An idle link adds no delay: there is no netem
-        here, so no fixed latency.
+        A saturated link queues packets: each waits up to ``latency_ms`` and a packet that
+        would wait longer is dropped. An idle link adds no delay (there is no netem here,
+        so no fixed latency), and one TCP flow seldom fills the queue (the receiver's window
+        autotuning keeps it short); traffic above the rate keeps it full, and every packet
+        through it then waits about ``latency_ms``.
 
         :param rate_mbit: rate, Mbit/s (10**6 bit/s).
         :param latency_ms: the most a packet waits in the bucket's queue, ms.
