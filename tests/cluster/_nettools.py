@@ -175,6 +175,51 @@ def cpu_loop(iterations: str) -> None:
     say(wall=time.monotonic() - t0, cpu=time.process_time() - c0)
 
 
+def nixl_write(role: str, folder: str, nbytes: str) -> None:
+    """One NIXL (UCX) WRITE of ``nbytes`` from the ``initiator`` into the ``target``'s
+    buffer, agent metadata exchanged through files in ``folder``: the target answers
+    ``{ok}`` (every byte landed, the notification came), the initiator ``{state}``."""
+    import pathlib
+
+    import numpy as np
+
+    from pdplug.testing import probe_module
+
+    api, why = probe_module("nixl")
+    assert api is not None, why
+    n = int(nbytes)
+    agent = api.nixl_agent(role, api.nixl_agent_config(backends=["UCX"]))
+    pattern = (np.arange(n, dtype=np.uint64) % 251 + 1).astype(np.uint8)
+    buf = np.zeros(n, dtype=np.uint8) if role == "target" else pattern.copy()
+    agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, n, 0, "")], "DRAM"))
+    info = pathlib.Path(folder, "target.json")
+    end = time.monotonic() + 30
+    if role == "target":
+        meta = bytes(agent.get_agent_metadata()).hex()
+        tmp = info.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "addr": buf.ctypes.data}))
+        tmp.rename(info)
+        say(ready=True)
+        while not agent.get_new_notifs() and time.monotonic() < end:
+            time.sleep(0.001)
+        say(ok=bool((buf == pattern).all()))
+        return
+    while not info.exists():
+        assert time.monotonic() < end, "no target"
+        time.sleep(0.01)
+    target = json.loads(info.read_text())
+    peer = agent.add_remote_agent(bytes.fromhex(target["meta"]))
+    local = agent.get_xfer_descs([(buf.ctypes.data, n, 0)], "DRAM")
+    remote = agent.get_xfer_descs([(target["addr"], n, 0)], "DRAM")
+    handle = agent.initialize_xfer("WRITE", local, remote, peer, b"done")
+    state = agent.transfer(handle)
+    while state not in ("DONE", "ERR") and time.monotonic() < end:
+        state = agent.check_xfer_state(handle)
+        time.sleep(0.001)
+    say(state=str(state))
+    time.sleep(0.5)  # keep the agent up while the target reads its notification
+
+
 def make_cluster(prefix: str, mode: str) -> None:
     """Build a two-host cluster with a sleeping process on host ``b`` and report
     ``{namespaces, sleeper, start}``; then ``hold`` (sleep until signalled) or ``exit``
@@ -205,6 +250,7 @@ TOOLS: dict[str, Callable[..., None]] = {
     "udp-flood": udp_flood,
     "cpu-loop": cpu_loop,
     "make-cluster": make_cluster,
+    "nixl-write": nixl_write,
 }
 
 if __name__ == "__main__":
