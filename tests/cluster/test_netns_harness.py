@@ -106,7 +106,13 @@ def _transfer(src: Host, dst: Host, limit: str, port: str = "5001") -> dict[str,
 # --------------------------------------------------------------------------- topology
 
 
+def _root_links() -> list[str]:
+    out = subprocess.run(["ip", "-j", "link"], capture_output=True, text=True, check=True)
+    return sorted(link["ifname"] for link in json.loads(out.stdout))
+
+
 def test_hosts_reach_each_other_on_their_own_addresses_only(netns_cluster: MakeCluster) -> None:
+    links_before = _root_links()
     c = netns_cluster(["a", "b", "c"], subnet="10.213.7.0/29")
     assert [h.addr for h in c] == ["10.213.7.1", "10.213.7.2", "10.213.7.3"]
     assert set(c.namespaces) <= set(list_namespaces())
@@ -119,10 +125,11 @@ def test_hosts_reach_each_other_on_their_own_addresses_only(netns_cluster: MakeC
         client.send(f"send from-{h.name} 5")
         assert client.read() == {"result": "data", "data": f"from-{h.name}"}
         client.proc.kill()
-    # the root namespace has neither the addresses nor a route to them, and no link changed
+    # the root namespace has neither the addresses nor a link of the cluster
+    assert _root_links() == links_before
     root_addrs = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True)
     assert all(h.addr not in root_addrs.stdout for h in c)
-    with socket.socket() as s:  # the root namespace may route it somewhere: never to a
+    with socket.socket() as s:  # the root namespace may route it somewhere, never to host a
         s.settimeout(0.5)
         if s.connect_ex((c["a"].addr, 6000)) == 0:
             s.sendall(b"root")
@@ -157,7 +164,7 @@ def test_without_gso_every_frame_is_one_mtu(netns_cluster: MakeCluster) -> None:
     assert moved.tx_packets >= n / 1500  # no frame carries more than one MTU of payload
 
 
-def test_env_sends_ucx_over_the_veth(two: Cluster) -> None:
+def test_popen_and_run_add_the_hosts_env(two: Cluster) -> None:
     env = two["b"].env()
     assert env == {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
     out = two["b"].run(["sh", "-c", "echo $UCX_TLS $UCX_NET_DEVICES"], capture_output=True)
