@@ -6,7 +6,12 @@
   ``PDPLUG_REQUIRE=nixl,mooncake,triton,torch`` lists it: then it is a failure.
 * torch is an optional dependency (extra ``[torch]``): a test module that cannot even be
   imported without torch is reported as skipped ("needs torch"), under the same rule.
+* Network namespaces: mark a test ``@pytest.mark.netns`` (or use the ``netns_cluster``
+  fixture, or call ``pdplug.testing.netns.require_netns()``): skips naming why where they
+  cannot be made (not root, no ``nft``), fails instead when ``PDPLUG_REQUIRE`` lists ``netns``.
 * ``plugin_manager``: a fresh PluginManager (defaults only, autoload off, strict).
+* ``netns_cluster``: a factory of started :class:`pdplug.testing.netns.Cluster` (closed at
+  teardown; the test fails if any of its namespaces is left).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import pytest
 from pdplug.testing import (
     BACKEND_MODULES,
     REQUIRE_ENV,
+    netns_cluster,  # noqa: F401  (re-exported fixture)
     plugin_manager,  # noqa: F401  (re-exported fixture)
     probe_module,
     require,
     required_modules,
 )
+from pdplug.testing.netns import NETNS, netns_available, require_netns
 
 #: optional modules a test can be marked with: the backends plus torch
 OPTIONAL = (*BACKEND_MODULES, "torch")
@@ -36,6 +43,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     for name in OPTIONAL:
         mod, why = probe_module(name)
         lines.append(f"pdplug backend {name}: " + (mod.__name__ if mod else f"missing ({why})"))
+    ok, why = netns_available()
+    lines.append(f"pdplug network namespaces: {'available' if ok else f'missing ({why})'}")
     lines.append(f"{REQUIRE_ENV}={','.join(sorted(required_modules())) or '(unset)'}")
     return lines
 
@@ -45,6 +54,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     for name in OPTIONAL:
         if item.get_closest_marker(name) is not None:
             require(name)
+    if item.get_closest_marker(NETNS) is not None:
+        require_netns()
 
 
 @pytest.hookimpl(wrapper=True)
