@@ -72,7 +72,7 @@ def fixed_cost(
     failures: list[str] = []
     shapes = [(size, 1) for size in sizes] + [(min(sizes), k) for k in steps if k > 1]
     for size, k in shapes:
-        cases = [rig.case(size) for _ in range(k)]
+        cases = rig.cases(size, k)
         tag = f"{rig.backend} {size / MIB:g} MiB x {k}"
 
         def run_pdplug(checked: bool, rep: int, cases: list[Any] = cases, tag: str = tag) -> float:

@@ -15,6 +15,7 @@ so a lost notice cannot pin the pages forever, and the room counts as ``undraine
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -94,26 +95,32 @@ class RecvLeases:
         (``refind``; :meth:`unpark` sends it then), or, when it cannot, fails at once (nothing
         was sent: the room is drained)."""
         room, gen = dest.room, dest.generation
-        if self._rooms.generation(room) != gen:
-            return
         lease = RecvLease(room=room, generation=gen, instance=instance, dest=dest)
+        if self._rooms.generation(room) != gen:
+            # the host aborted and cleared it before this thread saw it: nothing was sent,
+            # and the lease still ends once
+            lease.reported = True
+            self._counts["rooms_failed"] += 1
+            self._event("transfer_failed", lease, reason="cleared before its DestInfo was sent")
+            return
         self.leases[room] = lease
         dead = self._unusable(instance)
-        if dead is not None:
-            if instance in self.parked or self._refind(instance):
-                self.parked.setdefault(instance, []).append(lease)
-                self._counts["expect_parked"] += 1
-                return
+        if dead is None:
+            self._send_dest(lease, instance)
+        elif dead == "pending" or instance in self.parked or self._refind(instance):
+            self.parked.setdefault(instance, []).append(lease)  # sent once it answers
+            self._counts["expect_parked"] += 1
+        else:
             self.failed(lease, f"prefill {instance} ranks {dead} are not connected", now)
-            return
-        self._send_dest(lease, instance)
 
-    def _unusable(self, instance: str) -> list[int] | None:
-        """The ranks of ``instance`` that cannot take a DestInfo now (``[]``: none connected),
-        or ``None`` when every source is alive and accepted."""
+    def _unusable(self, instance: str) -> list[int] | str | None:
+        """``None`` when every source of ``instance`` is alive and accepted; ``"pending"``
+        while a handshake with it is under way (none dead); else the ranks that cannot take a
+        DestInfo (``[]``: none connected)."""
         table = self._sources.table(instance)
-        dead = [s.rank for s in table.values() if not s.alive or s.state != "accepted"]
-        return dead if dead or not table else None
+        if table and all(s.alive and s.state in ("accepted", "pending") for s in table.values()):
+            return None if all(s.state == "accepted" for s in table.values()) else "pending"
+        return [s.rank for s in table.values() if not s.alive or s.state != "accepted"]
 
     def _send_dest(self, lease: RecvLease, instance: str) -> None:
         table = self._sources.table(instance)
@@ -123,17 +130,19 @@ class RecvLeases:
         self._counts["expected"] += 1
 
     def unpark(self, instance: str, error: str | None, now: float) -> None:
-        """The session's search for ``instance`` ended (``error``: why it failed): send the
-        DestInfos of the rooms that waited for it, or fail them naming why."""
+        """A handshake with ``instance`` or a search for it ended (``error``: why it failed):
+        send the DestInfos of the rooms that waited for it, or fail them naming why."""
+        state = self._unusable(instance) if error is None else None
+        if state == "pending":
+            return  # another handshake is under way: its end unparks them
         for lease in self.parked.pop(instance, []):
             view = self._rooms.view(lease.room)
             if view is None or view.generation != lease.generation:
                 continue  # cleared meanwhile (nothing was sent: nothing to drain)
             if view.status == KVPoll.Failed or self.leases.get(lease.room) is not lease:
                 continue
-            dead = self._unusable(instance) if error is None else None
-            if error is not None or dead is not None:
-                why = error or f"ranks {dead} are not connected"
+            if error is not None or state is not None:
+                why = error or f"ranks {state} are not connected"
                 self.failed(lease, f"prefill {instance} not found again: {why}", now)
                 continue
             self._send_dest(lease, instance)
@@ -192,8 +201,11 @@ class RecvLeases:
         lease.asked_at = now
         msg = Abort(room=lease.room, generation=lease.generation, reason=reason[:512])
         for rank, src in lease.srcs.items():
-            if src.alive and rank not in lease.stopped:
-                self._sources.send(src, msg)
+            # the connection that serves the rank now: a failed room keeps the source it was
+            # sent to (its drain evidence), the answer may come on a newer connection
+            cur = src if src.alive else self._sources.current(lease.instance, rank)
+            if cur is not None and rank not in lease.stopped:
+                self._sources.send(cur, msg)
 
     def _lease_drained(self, lease: RecvLease) -> bool:
         if lease.done:
@@ -202,7 +214,8 @@ class RecvLeases:
         live = view is not None and view.generation == lease.generation
         if live and view is not None and view.status != KVPoll.Failed:
             return False  # still live (a cleared lease was aborted, so it failed)
-        return all(r in lease.stopped or self._sources.ended(s) for r, s in lease.srcs.items())
+        now = time.monotonic()
+        return all(r in lease.stopped or self._sources.ended(s, now) for r, s in lease.srcs.items())
 
     def source_dead(self, src: Source, reason: str, now: float) -> None:
         """Fail every room that waits for ``src`` (telling the other sources)."""
@@ -231,9 +244,10 @@ class RecvLeases:
                 self._rooms.touch(lease.room, lease.generation)
 
     def rebind(self, old: Source, new: Source) -> None:
-        """The same prefill process was connected again: its rooms continue on ``new``."""
+        """The same prefill process was connected again: its live rooms continue on ``new``
+        (a failed one keeps ``old``, the evidence of its drain; its Abort reaches ``new``)."""
         for lease in self._all():
-            if lease.srcs.get(old.rank) is old:
+            if lease.srcs.get(old.rank) is old and not lease.failed_at:
                 lease.srcs[old.rank] = new
 
     def _all(self) -> list[RecvLease]:

@@ -11,9 +11,10 @@ its sources; a rank served by the same process (same agent) keeps its rooms (``o
 Silence is not proof that a source stopped writing: a partition silences a prefill rank whose
 writes land once it heals. A source has **ended** (:meth:`PrefillSources.ended`: nothing it
 posted can land any more) only when its control connection was closed by the far end and not
-reconnected since (its process ended: a FIN or RST came back, which no partition sends) while it
-was silent, or when the instance answered again with another process at that rank (a restart:
-the old incarnation is gone). Until then a failed room bound to it is not drained.
+reconnected since (its process ended: a FIN or RST came back, which no partition sends) and it
+has been silent for ``transfer_timeout_s``, or when the instance answered again with another
+process at that rank (a restart: the old incarnation is gone). Until then a failed room bound
+to it is not drained; its Abort goes to whichever connection serves that rank now.
 Runs on the engine thread.
 """
 
@@ -43,7 +44,9 @@ class Source(msgspec.Struct, kw_only=True):
     :ivar cid: the control connection's id; ``rank``: the prefill rank id.
     :ivar state: ``pending`` | ``accepted`` | ``refused`` (with ``mismatches``).
     :ivar silent: declared dead for its silence (``alive`` is then False too).
-    :ivar over: nothing it posted can land any more (:meth:`PrefillSources.ended`).
+    :ivar cut: its connection was closed by the far end and not reconnected when this side
+        closed it (kept: the socket that told is gone).
+    :ivar over: another process answered for its rank since (:meth:`PrefillSources.ended`).
     """
 
     instance: str
@@ -57,6 +60,7 @@ class Source(msgspec.Struct, kw_only=True):
     state: str = "pending"
     mismatches: tuple[str, ...] = ()
     silent: bool = False
+    cut: bool = False
     over: bool = False
 
 
@@ -69,6 +73,8 @@ class PrefillSources:
     :param on_dead: ``(source, reason)`` when a source is declared dead.
     :param on_replace: ``(old, new)`` when a reconnect reaches the same prefill process.
     :param counts: the session's counters (``sources_dead``).
+    :param on_answered: ``(instance)`` when a handshake with it ended (every rank answered,
+        or it was given up).
     """
 
     def __init__(
@@ -80,7 +86,9 @@ class PrefillSources:
         on_dead: Callable[[Source, str], None],
         on_replace: Callable[[Source, Source], None],
         counts: Counter[str],
+        on_answered: Callable[[str], None] = lambda _instance: None,
     ) -> None:
+        self._on_answered = on_answered
         self._channel = channel
         self._codec = codec
         self._live = liveness
@@ -131,10 +139,20 @@ class PrefillSources:
                 self._on_replace(prev, src)
         return fut
 
-    def ended(self, src: Source) -> bool:
+    def ended(self, src: Source, now: float) -> bool:
         """Whether nothing ``src`` posted can land any more (module docstring): another process
-        answered for its rank since, or it is silent and the far end closed its connection."""
-        return src.over or (src.silent and self._channel.closed_by_peer(src.cid))
+        answered for its rank since, or the far end closed its connection and it has been
+        silent for ``transfer_timeout_s`` since its last frame."""
+        if src.over:
+            return True
+        cut = src.cut or self._channel.closed_by_peer(src.cid)
+        return cut and self._live.silent_for(src.last_seen, now) is not None
+
+    def current(self, instance: str, rank: int) -> Source | None:
+        """The accepted, live source of ``instance`` at ``rank`` now (the connection a room's
+        Abort goes to, whichever connection the room was expected on)."""
+        src = self.table(instance).get(rank)
+        return src if src is not None and src.alive and src.state == "accepted" else None
 
     def abandon(self, fut: Future[list[Source]]) -> list[int]:
         """Give up a connect that timed out; returns the ranks that never answered."""
@@ -146,14 +164,14 @@ class PrefillSources:
                 # only if still current: a later connect to the instance may have replaced it
                 if first is not None and self.table(first.instance).get(first.rank) is first:
                     self.disconnect(first.instance)
+                    self._on_answered(first.instance)
                 return missing
         return []
 
     def disconnect(self, instance: str) -> None:
         """Close every connection to ``instance``."""
         for src in self.by_instance.pop(instance, {}).values():
-            if src.silent and self._channel.closed_by_peer(src.cid):
-                src.over = True  # what its connection said stays true once it is closed
+            src.cut = src.cut or self._channel.closed_by_peer(src.cid)  # kept past the socket
             src.alive = False
             self.by_cid.pop(src.cid, None)
             if self.by_agent.get(src.agent_name) is src:
@@ -192,6 +210,7 @@ class PrefillSources:
             if all(s.state != "pending" for s in group):
                 self._pending.remove((group, fut))
                 fut.set_result(group)
+                self._on_answered(src.instance)
 
     def heartbeat(self, now: float) -> None:
         """Heartbeat every accepted source; declare the silent ones dead."""

@@ -246,7 +246,9 @@ def kill_prefill(backend: str) -> None:
             if drained == [True, True] or time.monotonic() > t_end:
                 break
             time.sleep(0.1)
-        assert drained == [True, True]
+        if drained != [True, True]:
+            dec.cmd(op="stats")
+        assert drained == [True, True], dec.wait("stats", 10)["stats"]
 
 
 class Rogue:
