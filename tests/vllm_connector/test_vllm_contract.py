@@ -29,6 +29,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
+from pdplug.adapters.version import minor_version
 from pdplug.adapters.vllm import SUPPORTED_VLLM, installed_vllm
 from pdplug.adapters.vllm.connector import PdplugConnector
 from pdplug.adapters.vllm.stats import PdplugKVConnectorStats
@@ -37,7 +38,8 @@ pytestmark = pytest.mark.vllm
 
 _found = installed_vllm()
 assert _found is not None
-release = tuple(int(x) for x in _found[1].split(".")[:2])
+release = minor_version(_found[1])
+assert release is not None, _found
 BASES = (base.KVConnectorBase_V1, base.SupportsHMA)
 #: hooks a release added to KVConnectorBase_V1: (major, minor) of the first release with it
 SINCE = {

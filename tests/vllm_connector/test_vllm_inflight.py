@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 from _sched import InFlight, assert_scheduler_empty, make_request, make_scheduler
 from vllm.v1.request import RequestStatus
 
+from pdplug.adapters.version import minor_version
 from pdplug.adapters.vllm import installed_vllm
 from pdplug.adapters.vllm.params import decode_request_params
 
@@ -29,9 +30,9 @@ pytestmark = pytest.mark.vllm
 
 BOOT = "tcp://127.0.0.1:40001"
 _found = installed_vllm()
-_VERSION = tuple(int(x) for x in _found[1].split(".")[:2]) if _found else (0, 0)
+_release = (minor_version(_found[1]) if _found else None) or (0, 0)
 needs_deferred_loads = pytest.mark.skipif(
-    _VERSION < (0, 33), reason="vLLM < 0.33 starts every async load in schedule()"
+    _release < (0, 33), reason="vLLM < 0.33 starts every async load in schedule()"
 )
 
 
