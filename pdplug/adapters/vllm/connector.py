@@ -60,6 +60,7 @@ from pdplug.bootstrap import RendezvousServer
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -114,8 +115,9 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         ``kv_producer`` (prefill) or ``kv_consumer`` (decode).
     :param role: scheduler or worker.
     :param kv_cache_config: the engine's KV cache groups (exactly one group is supported).
-    :raises ValueError: ``kv_both``, several KV cache groups, PP or DCP on the wrong side, or
-        a bad ``kv_connector_extra_config`` value (named).
+    :raises ValueError: ``kv_both``, several KV cache groups, PP or DCP on the wrong side,
+        auxiliary outputs (``--enable-return-routed-experts``), or a bad
+        ``kv_connector_extra_config`` value (named).
     :raises pdplug.errors.PluginError: a selected pdplug component cannot be built.
     """
 
@@ -134,6 +136,15 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         if len(groups) != 1:
             raise ValueError(
                 f"PdplugConnector supports one KV cache group, the model has {len(groups)}"
+            )
+        if vllm_config.aux_output_config.enabled:
+            # vLLM refuses this for its own P/D connectors ("PD auxiliary output is not
+            # supported"); from 0.33 its AuxOutputSchedulerConnector also caps the external
+            # hit to what its store holds (cap_external_hit), which would turn every decode
+            # request into a silent local prefill
+            raise ValueError(
+                "PdplugConnector: --enable-return-routed-experts (aux_output_config) is not "
+                "supported with prefill/decode disaggregation"
             )
         extra = parse_extra(kv.kv_connector_extra_config)
         self.instance = extra.instance or str(kv.engine_id)
@@ -208,6 +219,38 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         pm = get_plugin_manager()
         for point, name in self.selections.items():
             pm.resolve(point, name)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM >= 0.33 asks; vLLM then refuses ``--enable-sleep-mode`` with this connector).
+
+        Sleep mode frees the KV cache and maps it again on wake-up, possibly at other
+        addresses. pdplug's KV sender and receiver register the KV memory once per session
+        (``register_kv``; there is no unregister), the decode ranks' addresses go to every
+        prefill rank at the handshake, and prefill ranks write into them (push): following a
+        remap needs re-registration, a new handshake and every peer told, which pdplug's
+        transfer layer does not offer. vLLM's own NixlPushConnector answers False for the same
+        reason.
+        """
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Refused (see :meth:`supports_sleep_mode`): vLLM's inherited no-op would leave peers
+        writing into memory that sleep mode frees.
+
+        :raises RuntimeError: always.
+        """
+        raise RuntimeError(
+            "PdplugConnector does not support sleep mode: its KV memory stays registered "
+            "with its peers for the whole session"
+        )
+
+    def restore_kv_caches(self) -> None:
+        """Refused, as :meth:`unregister_kv_caches`.
+
+        :raises RuntimeError: always.
+        """
+        self.unregister_kv_caches()
 
     # ------------------------------------------------------------------ scheduler side
     def on_new_request(self, request: Request) -> None:
