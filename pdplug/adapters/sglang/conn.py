@@ -707,7 +707,15 @@ class PdplugKVSender(BaseKVSender):
         raise KVTransferError(self.bootstrap_room, reason)
 
     def abort(self) -> None:
-        """Fail the room here and tell the decode."""
+        """Fail the room here and tell the decode; a room that already succeeded stays a
+        success (SGLang's router closes the prefill request once decode answered, which can
+        be before this rank polled the room's end)."""
+        if self.conclude_state == KVPoll.Success or (
+            self.conclude_state is None
+            and self.kv_mgr.room_status(self.bootstrap_room) == KVPoll.Success
+        ):
+            self.conclude_state = KVPoll.Success
+            return
         self.kv_mgr.abort_room(self.bootstrap_room, "aborted by SGLang")
         rs = self.kv_mgr.room(self.bootstrap_room)
         if rs is not None and self.conclude_state is None:
