@@ -499,8 +499,8 @@ class PdplugKVManager(BaseKVManager):
         if self.serves_aux:
             if rs.aux_index is None:
                 raise ValueError("the last send came before init() gave the metadata slot")
+            # not counted in sent_bytes: SGLang's own backends report KV and state bytes only
             self.sessions[PLANE_AUX].send(room, one, np.array([rs.aux_index], dtype=np.int64))
-            rs.sent_bytes += self.plane_by_name[PLANE_AUX].layout.bytes_per_token
         for i, t in enumerate(self.state_types):
             name = f"state:{t}"
             if name not in self.sessions:
@@ -632,9 +632,14 @@ class PdplugKVSender(BaseKVSender):
         self.bootstrap_server_url = bootstrap_addr
         self.conclude_state: KVPoll | None = None
         self._metric = KVTransferMetric()
+        self._failure: str | None = None
         mgr.reap()
-        if bootstrap_room is None:
-            raise ValueError("pdplug transfer backend: a request without bootstrap_room")
+        try:
+            check_room(int(bootstrap_room), "bootstrap_room")  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:  # a request the router did not route: it fails
+            self._failure = f"pdplug transfer backend: {e}"
+            self.conclude_state = KVPoll.Failed
+            return
         mgr.start_room(int(bootstrap_room))
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
@@ -702,6 +707,8 @@ class PdplugKVSender(BaseKVSender):
         :raises KVTransferError: always.
         """
         self.conclude_state = KVPoll.Failed
+        if self._failure is not None:
+            raise KVTransferError(self.bootstrap_room or 0, self._failure)
         reason = self.kv_mgr.failure(self.bootstrap_room)
         self.kv_mgr.clear_room(self.bootstrap_room)
         raise KVTransferError(self.bootstrap_room, reason)
