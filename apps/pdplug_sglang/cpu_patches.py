@@ -14,6 +14,10 @@ assume CUDA in three places, measured here:
   and ``nixl/conn.py``, ``_normalize_kv_mem_kinds``): the pools are host memory here, so they
   are registered as ``DRAM``.
 
+With ``PDPLUG_SGLANG_TRACE_DIR`` set (``pdplug bench sglang``), SGLang's own PP bootstrap is
+traced with the events pdplug's backend traces: a room turning WaitingForInput on a PP rank
+(``CommonKVManager.update_status``) and the rank admitting it (``CommonKVSender.init``).
+
 None of this is about pdplug: it lets the harness run SGLang's own backends (the baselines)
 and SGLang itself on CPU. :func:`register` is the entry point of the ``sglang.srt.plugins``
 group that :func:`pdplug_sglang.overlay.write_overlay` declares in the overlay folder, so
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +62,30 @@ def _cpu_kv_class(original: Callable[..., Any], backend: Any, class_type: Any) -
     return cls
 
 
+def _trace_ready(result: Any, mgr: Any, room: int, status: Any, *a: Any, **kw: Any) -> None:
+    if int(status) == 2 and getattr(mgr, "pp_size", 1) > 1:  # KVPoll.WaitingForInput
+        _trace(mgr).write(int(room), "ready", time.time())
+
+
+def _trace_applied(result: Any, sender: Any, *a: Any, **kw: Any) -> None:
+    mgr = sender.kv_mgr
+    if getattr(mgr, "pp_size", 1) > 1:
+        _trace(mgr).write(int(sender.bootstrap_room), "applied", time.time())
+
+
+_traces: dict[int, Any] = {}
+
+
+def _trace(mgr: Any) -> Any:
+    from pdplug.adapters.sglang.consensus import TraceLog
+
+    key = id(mgr)
+    if key not in _traces:
+        d = os.environ["PDPLUG_SGLANG_TRACE_DIR"]
+        _traces[key] = TraceLog(d, int(mgr.pp_rank), int(getattr(mgr, "attn_tp_rank", 0)), "sglang")
+    return _traces[key]
+
+
 def register() -> None:
     """Register the CPU workarounds with SGLang's ``HookRegistry`` (once per process).
 
@@ -77,4 +106,12 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.disaggregation.utils.get_kv_class", _cpu_kv_class, HookType.AROUND
     )
+    if os.environ.get("PDPLUG_SGLANG_TRACE_DIR"):
+        # admission timestamps of SGLang's own PP bootstrap (PPConsensusStore), the same
+        # events pdplug's backend traces (pdplug.adapters.sglang.consensus.TraceLog)
+        common = "sglang.srt.disaggregation.common.conn"
+        HookRegistry.register(
+            f"{common}.CommonKVManager.update_status", _trace_ready, HookType.AFTER
+        )
+        HookRegistry.register(f"{common}.CommonKVSender.init", _trace_applied, HookType.AFTER)
     log.info("pdplug_sglang.cpu_patches: CPU workarounds registered")

@@ -124,6 +124,10 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             env["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] = "0"
         if self.cpu_cores:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = self.cpu_cores
+            # a stage's process is bound to its core: OpenMP threads that spin between
+            # kernels there starve the transfer engine's threads (Mooncake's TCP workers
+            # stalled writes past 30 s at PP 2 here); passive waiting leaves them the core
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.update(self.env)
         allowed = env.get("SGLANG_PLUGINS", "")
         if allowed and PLUGIN_NAME not in allowed.split(","):

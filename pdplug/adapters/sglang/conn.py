@@ -648,6 +648,8 @@ class PdplugKVSender(BaseKVSender):
         if rs is not None:
             rs.num_pages = int(num_kv_indices)
             rs.aux_index = None if aux_index is None else int(aux_index)
+        if self.kv_mgr.votes is not None:  # SGLang admitted the request on this PP rank
+            self.kv_mgr.votes.applied(self.bootstrap_room)
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode already holds (its DestInfo's ``decode_prefix_len``)."""
