@@ -119,8 +119,10 @@ def cli(
     chosen = [p for p in PAIRS if f"{p[0].split('-')[1]}-pp{p[2]}" in wanted]
     known = {f"{p[0].split('-')[1]}-pp{p[2]}" for p in PAIRS}
     if not chosen or wanted - known:
-        raise click.BadParameter(f"{sorted(wanted - known) or pairs}: expected some of {sorted(known)}",
-                                 param_hint="--pairs")  # fmt: skip
+        raise click.BadParameter(
+            f"{sorted(wanted - known) or pairs}: expected some of {sorted(known)}",
+            param_hint="--pairs",
+        )
     console = Console(width=160)
     console.print(machine_line())
     prompts = trace_prompts(requests, scale)
@@ -144,29 +146,31 @@ def cli(
                     run_dir = root / f"{label}-pp{pp}-r{rnd}"
                     trace = run_dir / "trace"
                     console.print(f"round {rnd + 1}/{rounds}: {label} PP {pp} ...")
-                    with deployment(label, run_dir, prefill_pp=pp,
-                                    env={"PDPLUG_SGLANG_TRACE_DIR": str(trace)}) as dep:  # fmt: skip
+                    env = {"PDPLUG_SGLANG_TRACE_DIR": str(trace)}
+                    with deployment(label, run_dir, prefill_pp=pp, env=env) as dep:
                         res = measure(dep, prompts, max_tokens, ref, concurrency=concurrency,
                                       single_ttft_p50_s=single)  # fmt: skip
                     adm = admission_latencies(trace, pp) if pp > 1 else []
                     rows.append(_row(res, rnd, adm))
                     for i, why in res.failed[:3]:
                         console.print(f"{label} PP {pp}: request {i} failed: {why}", markup=False)
-    t = Table(title="pdplug bench sglang: one row per run (TTFT and req/s through SGLang's router; "
-                    "KV bytes from sglang:kv_transfer_total_mb; admission: PP 2 only)")  # fmt: skip
+    t = Table(
+        title="pdplug bench sglang: one row per run (TTFT and req/s through SGLang's router; "
+        "KV bytes from sglang:kv_transfer_total_mb; admission: PP 2 only)"
+    )
     for col in ("backend", "PP", "round", "identical", "TTFT p50 s", "TTFT p99 s", "req/s",
                 "KV bytes", "admission p50 ms", "engines up s"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
-        adm = "-" if r["admission_p50_ms"] is None else f"{r['admission_p50_ms']:.1f}"
+        adm_ms = "-" if r["admission_p50_ms"] is None else f"{r['admission_p50_ms']:.1f}"
         t.add_row(r["backend"], str(r["prefill_pp"]), str(r["round"] + 1),
                   f"{r['identical']}/{r['requests']}", f"{r['ttft_p50_s']:.3f}",
-                  f"{r['ttft_p99_s']:.3f}", f"{r['req_per_s']:.2f}", f"{r['kv_bytes']:,}", adm,
+                  f"{r['ttft_p99_s']:.3f}", f"{r['req_per_s']:.2f}", f"{r['kv_bytes']:,}", adm_ms,
                   f"{r['engines_up_s']:.0f}")  # fmt: skip
     console.print(t)
     s = Table(title="per pair: median over rounds (min..max)")
-    for col in ("pair", "PP", "pdplug TTFT p50 s", "SGLang TTFT p50 s", "ratio", "pdplug admission ms",
-                "SGLang admission ms"):  # fmt: skip
+    for col in ("pair", "PP", "pdplug TTFT p50 s", "SGLang TTFT p50 s", "ratio",
+                "pdplug admission ms", "SGLang admission ms"):  # fmt: skip
         s.add_column(col, justify="right")
 
     def spread(vals: list[float], fmt: str) -> str:

@@ -330,6 +330,7 @@ class PdplugKVManager(BaseKVManager):
             device=self.kv_device if plane.name == PLANE_KV else "cpu",
             wire=st.net.wire,
         )
+        session: Any
         if self.role == "prefill":
             session = self.pm.make_kv_sender(config, self.pm.make_pack_planner())
         else:
