@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import sglang  # noqa: F401  (absent: ModuleNotFoundError naming sglang)
 
 from pdplug import bootstrap
 from pdplug.adapters.push import PushCursor, SendJob, segments_for_job, step_ready
@@ -57,7 +58,7 @@ from pdplug.config import KVConfig, SchedulerConfig
 from pdplug.kvtypes import KVLayout
 from pdplug.types import KVPoll, PeerInfo, Segment
 
-GATE.require(GATE.installed())
+GATE.require(GATE.installed())  # an unsupported release: ImportError with the reason
 
 from sglang.srt.disaggregation.base.conn import (  # noqa: E402
     BaseKVBootstrapServer,
