@@ -161,8 +161,9 @@ def test_aborts_and_timeouts(sender: str) -> None:
 
 
 @pytest.mark.mooncake
+@pytest.mark.parametrize("consensus", ["pp0", "ring"])
 @pytest.mark.parametrize("pp", [2, 4])
-def test_pp_bootstrap_consensus_with_a_failing_stage(pp: int) -> None:
+def test_pp_bootstrap_consensus_with_a_failing_stage(pp: int, consensus: str) -> None:
     bport, dist_port = free_ports(2)
     page, layers = 16, 4
     per = layers // pp
@@ -174,7 +175,11 @@ def test_pp_bootstrap_consensus_with_a_failing_stage(pp: int) -> None:
     }
     good = {"room": 21, "aux_slot": 1, **common}
     bad = {"room": 22, "aux_slot": 2, **common}
-    env = {"PDPLUG_KV_SENDER": "mooncake", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30"}
+    env = {
+        "PDPLUG_KV_SENDER": "mooncake",
+        "PDPLUG_CONSENSUS": consensus,
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
+    }
     base = {
         "bootstrap_port": bport,
         "page_size": page,
