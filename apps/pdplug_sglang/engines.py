@@ -51,6 +51,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     :ivar page_size: KV page size in tokens (None: SGLang's default, 1).
     :ivar env: extra environment variables (pdplug's ``PDPLUG_*`` selections, ...).
     :ivar args: extra ``launch_server`` arguments.
+    :ivar paths: folders put on ``PYTHONPATH`` after the overlay (e.g. a test's pdplug plugin
+        with its ``.dist-info``).
     """
 
     name: str
@@ -66,6 +68,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     page_size: int | None = None
     env: dict[str, str] = {}
     args: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -119,7 +122,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         env = dict(base)
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         path = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = self.overlay + (":" + path if path else "")
+        env["PYTHONPATH"] = ":".join([self.overlay, *self.paths, *([path] if path else [])])
         if self.role == "prefill":
             env["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] = "0"
         if self.cpu_cores:

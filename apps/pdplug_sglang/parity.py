@@ -170,12 +170,16 @@ def deployment(
     *,
     prefill_pp: int = 1,
     env: dict[str, str] | None = None,
+    prefill_args: tuple[str, ...] = (),
+    paths: tuple[str, ...] = (),
     timeout_s: float = 300.0,
 ) -> Iterator[Deployment]:
     """Start a prefill (``prefill_pp`` stages), a decode and the router for ``backend``.
 
     :param backend: a :data:`BACKENDS` label.
     :param env: extra environment of both engines (``PDPLUG_*`` selections, trace folder).
+    :param prefill_args: extra ``launch_server`` arguments of the prefill engine.
+    :param paths: extra ``PYTHONPATH`` folders of both engines.
     :raises ValueError: an unknown backend.
     :raises EngineError: an engine did not start within ``timeout_s``.
     """
@@ -194,11 +198,11 @@ def deployment(
     prefill = EngineSpec(
         name="prefill", model=model, port=p_port, overlay=overlay, role="prefill",
         backend=flag, bootstrap_port=b_port, pp_size=prefill_pp, cpu_cores=cores, env=extra,
-        args=metrics,
+        args=(*metrics, *prefill_args), paths=paths,
     )  # fmt: skip
     decode = EngineSpec(
         name="decode", model=model, port=d_port, overlay=overlay, role="decode", backend=flag,
-        env=extra,
+        env=extra, paths=paths,
     )  # fmt: skip
     t0 = time.monotonic()
     with running([prefill, decode], log_dir, timeout_s=timeout_s) as (p, d):

@@ -78,3 +78,79 @@ def test_pp2_nixl_parity(prompts, ref, tmp_path: Path) -> None:
     # SGLang's own nixl backend hangs at PP 2 on this machine (docs/sglang-backend.md)
     with deployment("pdplug-nixl", tmp_path, prefill_pp=2) as dep:
         _check(measure(dep, prompts, MAX_TOKENS, ref), len(prompts))
+
+
+_PLUGIN = '''"""A third-party pdplug scheduler (test): every dynamic chunk is 192 tokens."""
+from pdplug import SchedulerSpec, hookimpl
+from pdplug.manager import load_factory
+
+
+@hookimpl
+def pdplug_register_schedulers():
+    yield SchedulerSpec(name="fixed192", factory="pdplug_fixed_chunks:make",
+                        summary="the default scheduler's splits, 192-token dynamic chunks")
+
+
+class Fixed:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def split_send(self, **kw):
+        return self.inner.split_send(**kw)
+
+    def fit_chunk_model(self, samples):
+        self.inner.fit_chunk_model(samples)
+
+    def next_chunk_size(self, history_len):
+        return 192
+
+
+def make(config):
+    return Fixed(load_factory("pdplug_scheduler.scheduler:make_scheduler")(config))
+'''
+
+
+def _plugin_dir(root: Path) -> str:
+    (root / "pdplug_fixed_chunks.py").write_text(_PLUGIN)
+    dist = root / "pdplug_fixed_chunks-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pdplug-fixed-chunks\nVersion: 0.0.0\n"
+    )
+    (dist / "entry_points.txt").write_text("[pdplug]\nfixed-chunks = pdplug_fixed_chunks\n")
+    return str(root)
+
+
+def _chunks(log: Path) -> list[int]:
+    import re
+
+    pat = re.compile(r"\[.* PP0\] Prefill batch, #new-seq: 1, #new-token: (\d+)")
+    return [int(m[1]) for m in map(pat.search, log.read_text().splitlines()) if m]
+
+
+@pytest.mark.mooncake
+def test_pp2_dynamic_chunk_sizes_follow_the_pdplug_scheduler(tmp_path: Path) -> None:
+    """--enable-dynamic-chunking at PP 2: after SGLang's profile, each next chunk's size
+    comes from the selected pdplug scheduler (a third-party one here: 192 tokens)."""
+    from pdplug_engines.tiny_model import token_prompts
+    from pdplug_sglang.client import generate_all
+
+    env = {
+        "PDPLUG_SCHEDULER": "fixed192",
+        "PDPLUG_DISABLE_PLUGIN_AUTOLOAD": "0",
+        "PDPLUG_STRICT_PLUGINS": "1",
+    }
+    args = ("--enable-dynamic-chunking", "--chunked-prefill-size", "256")
+    (prompt,) = token_prompts(1, 1500, 1024, seed=5)
+    plugins = _plugin_dir(tmp_path / "plugin")
+    with deployment("pdplug-mooncake", tmp_path / "run", prefill_pp=2, env=env,
+                    prefill_args=args, paths=(plugins,)) as dep:  # fmt: skip
+        log = dep.prefill.log_path
+        assert "Predictor ready" in log.read_text(), "SGLang's profile did not fit on this host"
+        before = len(_chunks(log))
+        (got,) = generate_all(dep.url, [prompt], 4, timeout_s=120.0)
+        assert isinstance(got, Completion), got
+        sizes = _chunks(log)[before:]
+    # the first chunk is SGLang's static size; every later one but the remainder is the plugin's
+    assert sizes[0] == 256 and sum(sizes) == len(prompt), sizes
+    assert sizes[1:-1] and all(s == 192 for s in sizes[1:-1]), sizes
