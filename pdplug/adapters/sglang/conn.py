@@ -85,6 +85,8 @@ log = logging.getLogger(__name__)
 DIRECTORY = "sglang-prefill"
 
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
+#: how long a decode scheduler waits, once per prefill address, for its first connect (seconds)
+CONNECT_WAIT_S = 2.0
 
 
 def _par(name: str, default: Any) -> Any:
@@ -113,7 +115,8 @@ class _SendRoom(msgspec.Struct, kw_only=True):
     aux_index: int | None = None
     pos: int = -1  # next token to send; -1 until the decode prefix is known
     sent_pages: int = 0
-    decode_prefix_len: int = 0
+    decode_prefix_len: int = -1  # from the decode's DestInfo, read once
+    capacity: int | None = -1  # KVSender.capacity_tokens, read once (-1: not yet)
     sent_bytes: int = 0
     started: float = 0.0
     finished: float = 0.0
@@ -441,12 +444,20 @@ class PdplugKVManager(BaseKVManager):
         return first_failure(reasons) or "failed (no reason recorded)"
 
     def decode_prefix_len(self, room: int) -> int:
-        """Tokens the decode already holds (its DestInfo; 0 if none arrived)."""
+        """Tokens the decode already holds (its DestInfo; 0 if none arrived). Read from the
+        session once per room: every later call is answered from the room's state, so the
+        scheduler's loop does not wait on the session's engine thread for it again."""
+        rs = self._rooms.get(room)
+        if rs is not None and rs.decode_prefix_len >= 0:
+            return rs.decode_prefix_len
         try:
             dests = self.sessions[PLANE_KV].dest(room)
         except (KeyError, ValueError):
             return 0
-        return int(dests[0].decode_prefix_len) if dests else 0
+        prefix = int(dests[0].decode_prefix_len) if dests else 0
+        if rs is not None and dests:
+            rs.decode_prefix_len = prefix
+        return prefix
 
     def post(
         self,
@@ -462,15 +473,16 @@ class PdplugKVManager(BaseKVManager):
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         p = self.page_size
         if rs.pos < 0:
-            rs.decode_prefix_len = self.decode_prefix_len(room)
-            rs.pos = rs.decode_prefix_len
+            rs.pos = rs.decode_prefix_len = self.decode_prefix_len(room)
+        kv = self.sessions[PLANE_KV]
         n_tokens = int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * p
         rs.sent_pages += len(pages)
         is_last = rs.num_pages < 0 or rs.sent_pages >= rs.num_pages
         start, end = rs.pos, rs.pos + n_tokens
         rs.pos = end
-        kv = self.sessions[PLANE_KV]
         try:
+            if rs.capacity == -1:
+                rs.capacity = kv.capacity_tokens(room)
             job = SendJob(
                 room=room, page_ids=tuple(pages.tolist()), first_page=start // p,
                 token_start=start, token_end=end,
@@ -479,7 +491,7 @@ class PdplugKVManager(BaseKVManager):
             )  # fmt: skip
             segs = segments_for_job(
                 rs.cursor, job, decode_prefix_len=rs.decode_prefix_len,
-                capacity_tokens=kv.capacity_tokens(room), block_size=p, scheduler=self._sched,
+                capacity_tokens=rs.capacity, block_size=p, scheduler=self._sched,
             )  # fmt: skip
             ready = step_ready(self.kv_device)
             row = self.planes[0].layout.bytes_per_token
@@ -564,7 +576,10 @@ class PdplugKVManager(BaseKVManager):
             )
             self._connecting[bootstrap_addr] = t
             t.start()
-        return False
+            # a live prefill answers within a round trip or two: wait that long once, so the
+            # first requests do not pay SGLang's one-second retry interval
+            t.join(CONNECT_WAIT_S)
+        return bootstrap_addr in self.prefill_info_table
 
     def _connect(self, addr: str) -> None:
         endpoint = f"tcp://{addr}"
