@@ -106,6 +106,9 @@ class BootstrapVotes:
         self.consensus = consensus
         self.interval_s = interval_s
         self._lock = threading.Lock()
+        self._turn = threading.Lock()  # one caller of the consensus at a time
+        self._last_step = 0.0
+        self.leader = mgr.shape.pp_rank == 0
         self._live: dict[int, float] = {}  # room -> time it was tracked
         self._voted: dict[int, float] = {}  # room -> time this rank voted (ready or failed)
         self._decided: dict[int, KVPoll] = {}
@@ -154,9 +157,25 @@ class BootstrapVotes:
             self.trace.write(room, "applied", time.time())
 
     def status(self, room: int) -> KVPoll:
-        """PP0's answer to SGLang: the decision on ``room``, Bootstrapping until there is one."""
+        """PP0's answer to SGLang: the decision on ``room``, Bootstrapping until there is one.
+
+        On PP0 (the rank SGLang asks) an undecided room first runs one vote-and-poll step in
+        the caller's thread (at most every ``interval_s / 2``): a decision that arrived is
+        answered in the same loop iteration, not after the voting thread's next wake-up."""
         with self._lock:
             d = self._decided.get(room)
+        if d is None and self.leader and self.error is None:
+            now = time.monotonic()
+            if now - self._last_step >= self.interval_s / 2 and self._turn.acquire(blocking=False):
+                try:
+                    self._last_step = now
+                    self._step()
+                except Exception as e:  # the voting thread reports it on its next step
+                    log.debug("pdplug: inline consensus step: %s", e)
+                finally:
+                    self._turn.release()
+                with self._lock:
+                    d = self._decided.get(room)
         if d is not None:
             return d
         if self.error is not None:
@@ -166,7 +185,9 @@ class BootstrapVotes:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._step()
+                with self._turn:
+                    self._last_step = time.monotonic()
+                    self._step()
             except Exception as e:  # a dead PP rank: every undecided room fails
                 self.error = f"{type(e).__name__}: {e}"
                 log.error("pdplug: PP bootstrap consensus failed: %s", self.error)
