@@ -111,6 +111,7 @@ def make(config):
 
 
 def _plugin_dir(root: Path) -> str:
+    root.mkdir(parents=True)
     (root / "pdplug_fixed_chunks.py").write_text(_PLUGIN)
     dist = root / "pdplug_fixed_chunks-0.0.0.dist-info"
     dist.mkdir()
