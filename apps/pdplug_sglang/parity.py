@@ -139,8 +139,8 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True):
     router: Engine
 
 
-def _model_dir(log_dir: Path) -> str:
-    return str(build_tiny_llama(log_dir / "model", TINY))
+def _model_dir(log_dir: Path, spec: TinyLlama = TINY) -> str:
+    return str(build_tiny_llama(log_dir / "model", spec))
 
 
 def reference(
@@ -172,6 +172,7 @@ def deployment(
     env: dict[str, str] | None = None,
     prefill_args: tuple[str, ...] = (),
     paths: tuple[str, ...] = (),
+    model: TinyLlama = TINY,
     timeout_s: float = 300.0,
 ) -> Iterator[Deployment]:
     """Start a prefill (``prefill_pp`` stages), a decode and the router for ``backend``.
@@ -180,6 +181,8 @@ def deployment(
     :param env: extra environment of both engines (``PDPLUG_*`` selections, trace folder).
     :param prefill_args: extra ``launch_server`` arguments of the prefill engine.
     :param paths: extra ``PYTHONPATH`` folders of both engines.
+    :param model: the tiny model's geometry (SGLang's dynamic-chunking profile draws token ids
+        below 10,000: it needs a larger vocabulary than :data:`TINY`'s).
     :raises ValueError: an unknown backend.
     :raises EngineError: an engine did not start within ``timeout_s``.
     """
@@ -188,7 +191,7 @@ def deployment(
     flag, sender = BACKENDS[backend]
     log_dir = Path(log_dir)
     overlay = str(write_overlay(log_dir / "overlay"))
-    model = _model_dir(log_dir)
+    model_dir = _model_dir(log_dir, model)
     p_port, d_port, r_port, b_port = free_ports(4)
     extra = dict(env or {})
     if sender:
@@ -196,12 +199,12 @@ def deployment(
     metrics = ("--enable-metrics", "--enable-metrics-for-all-schedulers")
     cores = "|".join(str(i % 2) for i in range(prefill_pp)) if prefill_pp > 1 else ""
     prefill = EngineSpec(
-        name="prefill", model=model, port=p_port, overlay=overlay, role="prefill",
+        name="prefill", model=model_dir, port=p_port, overlay=overlay, role="prefill",
         backend=flag, bootstrap_port=b_port, pp_size=prefill_pp, cpu_cores=cores, env=extra,
         args=(*metrics, *prefill_args), paths=paths,
     )  # fmt: skip
     decode = EngineSpec(
-        name="decode", model=model, port=d_port, overlay=overlay, role="decode", backend=flag,
+        name="decode", model=model_dir, port=d_port, overlay=overlay, role="decode", backend=flag,
         env=extra, paths=paths,
     )  # fmt: skip
     t0 = time.monotonic()

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from pdplug_engines.tokens import Completion, RequestFailed
 from pdplug_host.trace import trace_prompts
-from pdplug_sglang.parity import deployment, kill_decode_mid_run, measure, reference
+from pdplug_sglang.parity import TINY, deployment, kill_decode_mid_run, measure, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -144,8 +145,10 @@ def test_pp2_dynamic_chunk_sizes_follow_the_pdplug_scheduler(tmp_path: Path) -> 
     args = ("--enable-dynamic-chunking", "--chunked-prefill-size", "256")
     (prompt,) = token_prompts(1, 1500, 1024, seed=5)
     plugins = _plugin_dir(tmp_path / "plugin")
+    # SGLang's profile draws token ids below 10,000 (an IndexError with a 1,024-token vocab)
+    model = msgspec.structs.replace(TINY, vocab_size=10240)
     with deployment("pdplug-mooncake", tmp_path / "run", prefill_pp=2, env=env,
-                    prefill_args=args, paths=(plugins,)) as dep:  # fmt: skip
+                    prefill_args=args, paths=(plugins,), model=model) as dep:  # fmt: skip
         log = dep.prefill.log_path
         assert "Predictor ready" in log.read_text(), "SGLang's profile did not fit on this host"
         before = len(_chunks(log))
