@@ -150,7 +150,9 @@ def test_pp2_dynamic_chunk_sizes_follow_the_pdplug_scheduler(tmp_path: Path) -> 
     with deployment("pdplug-mooncake", tmp_path / "run", prefill_pp=2, env=env,
                     prefill_args=args, paths=(plugins,), model=model) as dep:  # fmt: skip
         log = dep.prefill.log_path
-        assert "Predictor ready" in log.read_text(), "SGLang's profile did not fit on this host"
+        # SGLang's own quadratic fit may reject a CPU profile (a <= 0); pdplug's scheduler
+        # decides from the samples either way
+        assert "Profiled 128 samples" in log.read_text(), "SGLang's profile did not run"
         before = len(_chunks(log))
         (got,) = generate_all(dep.url, [prompt], 4, timeout_s=120.0)
         assert isinstance(got, Completion), got

@@ -10,8 +10,9 @@ schedulers, detokenizer; ``sglang/srt/plugins/__init__.py``); pdplug's pyproject
   imported, so ``TransferBackend("pdplug")`` works everywhere);
 * wraps ``get_kv_class`` (SGLang's ``HookRegistry``, AROUND) so that ``PDPLUG`` returns the
   classes of :mod:`pdplug.adapters.sglang.conn`, and every other backend SGLang's own;
-* wraps ``ChunkSizePredictor.fit`` and ``DynamicChunkSizer.predict`` so that a ``pdplug``
-  engine's dynamic chunk sizes come from the selected pdplug scheduler
+* wraps ``ChunkSizePredictor.fit``, ``DynamicChunkSizer.profile_and_fit`` and
+  ``DynamicChunkSizer.predict`` so that a ``pdplug`` engine's dynamic chunk sizes come from the
+  selected pdplug scheduler
   (:mod:`pdplug.adapters.sglang.chunking`).
 
 It never raises and imports no pdplug transfer code: SGLang processes that do not select
@@ -106,7 +107,7 @@ def _add_backend() -> None:
 def _add_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from pdplug.adapters.sglang.chunking import fit_hook, predict_hook
+    from pdplug.adapters.sglang.chunking import fit_hook, predict_hook, profile_hook
 
     HookRegistry.register(
         "sglang.srt.disaggregation.utils.get_kv_class", _kv_class, HookType.AROUND
@@ -114,3 +115,6 @@ def _add_hooks() -> None:
     sizer = "sglang.srt.managers.scheduler_components.dynamic_chunk_sizer"
     HookRegistry.register(f"{sizer}.ChunkSizePredictor.fit", fit_hook, HookType.AROUND)
     HookRegistry.register(f"{sizer}.DynamicChunkSizer.predict", predict_hook, HookType.AROUND)
+    HookRegistry.register(
+        f"{sizer}.DynamicChunkSizer.profile_and_fit", profile_hook, HookType.AROUND
+    )

@@ -3,11 +3,12 @@
 With ``--enable-dynamic-chunking`` at PP > 1, SGLang profiles prefill latencies, fits
 ``ChunkSizePredictor.fit(seq_lens, latencies_ms)`` and asks ``DynamicChunkSizer.predict
 (history_len)`` for each chunked request's next chunk
-(``managers/scheduler_components/dynamic_chunk_sizer.py``). Two AROUND hooks
+(``managers/scheduler_components/dynamic_chunk_sizer.py``). Three AROUND hooks
 (:func:`pdplug.adapters.sglang.register`) hand both to the ``pdplug`` plugin manager's
 scheduler (``PDPLUG_SCHEDULER``, ``default`` unless a plugin overrides it) when the engine
 runs the ``pdplug`` transfer backend: the samples (seconds) go to ``fit_chunk_model``, the
-sizes come from ``next_chunk_size``. Engines on other backends keep SGLang's own predictor.
+sizer stays on when SGLang's own fit rejects them, the sizes come from
+``next_chunk_size``. Engines on other backends keep SGLang's own predictor.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["fit_hook", "predict_hook", "pdplug_selected"]
+__all__ = ["fit_hook", "predict_hook", "profile_hook", "pdplug_selected"]
 
 _SAMPLES = "_pdplug_samples"
 _SCHED = "_pdplug_scheduler"
@@ -40,16 +41,23 @@ def fit_hook(
     *a: Any,
     **kw: Any,
 ) -> Any:
-    """``ChunkSizePredictor.fit``: SGLang's fit runs (it decides ``is_ready``); the samples are
-    kept, in seconds, for the pdplug scheduler."""
-    out = original(predictor, seq_lens, latencies, *a, **kw)
+    """``ChunkSizePredictor.fit``: the samples are kept, in seconds, for the pdplug scheduler
+    (before SGLang's own fit, which may reject them); then SGLang's fit runs as before."""
     if pdplug_selected():
-        setattr(
-            predictor,
-            _SAMPLES,
-            [(int(n), float(ms) / 1000.0) for n, ms in zip(seq_lens, latencies)],
-        )
-    return out
+        samples = [(int(n), float(ms) / 1000.0) for n, ms in zip(seq_lens, latencies)]
+        setattr(predictor, _SAMPLES, samples)
+    return original(predictor, seq_lens, latencies, *a, **kw)
+
+
+def profile_hook(original: Callable[..., Any], sizer: Any, *a: Any, **kw: Any) -> Any:
+    """``DynamicChunkSizer.profile_and_fit``: on a ``pdplug`` engine the sizer is on whenever
+    SGLang's profile produced samples, whether or not SGLang's own quadratic fit accepted
+    them (on CPU it rejects a noisy, near-linear profile): the pdplug scheduler decides the
+    sizes (the default one keeps the static size when its own fit is unusable)."""
+    ok = original(sizer, *a, **kw)
+    if pdplug_selected() and getattr(sizer.predictor, _SAMPLES, None):
+        return True
+    return ok
 
 
 def _scheduler(sizer: Any) -> Any:
@@ -77,6 +85,6 @@ def predict_hook(
 ) -> Any:
     """``DynamicChunkSizer.predict``: the pdplug scheduler's ``next_chunk_size`` (tokens) once
     SGLang's profile succeeded; SGLang's own answer otherwise."""
-    if not pdplug_selected() or not getattr(sizer.predictor, "is_ready", False):
+    if not pdplug_selected() or not getattr(sizer.predictor, _SAMPLES, None):
         return original(sizer, history_len, *a, **kw)
     return int(_scheduler(sizer).next_chunk_size(int(history_len)))
