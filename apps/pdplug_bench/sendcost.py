@@ -47,12 +47,12 @@ def _spin(sender: Any, rooms: list[int], backend: str) -> None:
 
 
 def _post_step(sender: Any, items: list[tuple[int, Any, Any]]) -> None:
-    many = getattr(sender, "send_many", None)
-    if many is not None and len(items) > 1:
-        many(items)
+    from pdplug.protocols import send_step
+
+    if len(items) == 1:
+        sender.send(*items[0])  # one send alone: the host's plain call
     else:
-        for room, seg, sp in items:
-            sender.send(room, seg, sp)
+        send_step(sender, items)
 
 
 def fixed_cost(

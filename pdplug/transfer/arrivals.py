@@ -38,7 +38,8 @@ class RecvLease(msgspec.Struct, kw_only=True):
     :ivar srcs: the prefill sources the DestInfo was sent to, by rank (the room waits for
         each); ``got``/``last``: chunk ids received and the last chunk id, per source;
         ``stopped``: sources that confirmed they stopped writing the room's pages.
-    :ivar failed_at/asked_at: monotonic seconds of the failure and of the last ``Abort`` sent.
+    :ivar failed_at/asked_at: monotonic seconds of the failure and of the last ``Abort`` sent;
+        ``told``: the reason of the first ``Abort`` (sent again with it until drained).
     """
 
     room: int
@@ -51,6 +52,7 @@ class RecvLease(msgspec.Struct, kw_only=True):
     stopped: set[int] = set()
     failed_at: float = 0.0
     asked_at: float = 0.0
+    told: str = ""
     done: bool = False
     reported: bool = False
 
@@ -199,6 +201,7 @@ class RecvLeases:
 
     def _tell(self, lease: RecvLease, reason: str, now: float) -> None:
         lease.asked_at = now
+        lease.told = lease.told or reason
         msg = Abort(room=lease.room, generation=lease.generation, reason=reason[:512])
         for rank, src in lease.srcs.items():
             # the connection that serves the rank now: a failed room keeps the source it was
@@ -320,7 +323,8 @@ class RecvLeases:
             due = lease.failed_at and now - lease.asked_at >= self._ask_s
             if due and not self._lease_drained(lease):
                 self._counts["abort_resent"] += 1
-                self._tell(lease, "aborted (asking again until drained)", now)
+                # the first reason again: a prefill that missed the first Abort learns why
+                self._tell(lease, lease.told or "aborted", now)
 
     def gauges(self) -> dict[str, int]:
         """What the table holds now: leases, cleared rooms still draining, failed rooms not
