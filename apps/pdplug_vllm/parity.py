@@ -24,6 +24,7 @@ from pdplug_engines.metrics import settled
 from pdplug_engines.procs import EngineError, running
 from pdplug_engines.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 from pdplug_engines.tokens import Completion, compare_tokens, kv_bytes_bounds, percentile
+from pdplug_vllm.bad_params import BadParamsResult, probe_bad_params
 from pdplug_vllm.client import complete_all
 from pdplug_vllm.engines import EngineSpec, kv_transfer_config
 from pdplug_vllm.phases import FaultResult, KillResult, fault_phase, kill_decode_mid_run
@@ -67,6 +68,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
         a block's): ``kv_bytes`` must be a whole number of units inside the range.
     :ivar kill: the decode-killed phase, when run.
     :ivar prefill_pp/prefill_tp/decode_tp: the engines' shape (the single engine is TP 1).
+    :ivar bad_params: malformed ``kv_transfer_params`` sent straight to both engines, when run.
     """
 
     connector: str
@@ -93,6 +95,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_pp: int = 1
     prefill_tp: int = 1
     decode_tp: int = 1
+    bad_params: BadParamsResult | None = None
 
     @property
     def shape(self) -> str:
@@ -112,6 +115,9 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
         """Every request answered and token-identical, and the bytes check holds."""
         return not self.failed and self.identical == self.requests and self.bytes_ok
 
+
+#: vLLM ``--middleware`` of pdplug's engines (:mod:`pdplug.adapters.vllm.guard`)
+GUARD = "pdplug.adapters.vllm.guard.KVParamsGuard"
 
 #: the metric each connector's moved bytes are read from, and the engine that serves it
 BYTES_METRIC = {
@@ -173,12 +179,14 @@ def disagg_specs(
     # every prefill worker on the prefill core: a PP stage sharing the decode engine's core was
     # declared silent by the decode (transfer_timeout_s) and every room failed (docs section 7)
     p_cores = "|".join([cores[0]] * (prefill_pp * prefill_tp))
+    # pdplug's engines answer a malformed kv_transfer_params with HTTP 400 (issue 22)
+    args = ("--middleware", GUARD) if connector == "pdplug" else ()
     prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
                          cpu_cores=p_cores, env=p_env, pipeline_parallel_size=prefill_pp,
-                         tensor_parallel_size=prefill_tp)  # fmt: skip
+                         tensor_parallel_size=prefill_tp, args=args)  # fmt: skip
     decode = EngineSpec(name="decode", model=model, port=d_http, kv_transfer=d_kv,
                         cpu_cores="|".join([cores[1]] * decode_tp), env=d_env,
-                        tensor_parallel_size=decode_tp)  # fmt: skip
+                        tensor_parallel_size=decode_tp, args=args)  # fmt: skip
     return prefill, decode, proxy
 
 
@@ -247,6 +255,7 @@ def run_parity(
     prefill_pp: int = 1,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    bad_params: bool = False,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -267,6 +276,9 @@ def run_parity(
     :param prefill_pp: PP stages of the prefill engine (each stage pushes its layers).
     :param prefill_tp/decode_tp: TP ranks of the prefill and decode engines (vLLM's ``mp``
         executor; each prefill rank pushes its KV heads, each decode rank receives its own).
+    :param bad_params: ``pdplug`` only: after the parity phase, send malformed
+        ``kv_transfer_params`` straight to both engines
+        (:func:`pdplug_vllm.bad_params.probe_bad_params`).
     :raises pdplug_engines.procs.EngineError: an engine did not start.
     :raises ValueError: bad prompts, a shape :func:`check_shape` refuses, or
         ``fault_prompts`` with another connector.
@@ -277,6 +289,8 @@ def run_parity(
     model = str(build_tiny_llama(workdir / "tiny-llama", spec))
     if fault_prompts and connector != "pdplug":
         raise ValueError(f"run_parity: fault_prompts={fault_prompts} needs connector 'pdplug'")
+    if bad_params and connector != "pdplug":
+        raise ValueError("run_parity: bad_params needs connector 'pdplug'")
     ports = free_ports(8)
     prefill, decode, proxy_opts = disagg_specs(
         connector, model, ports[:4], prefill_pp=prefill_pp, prefill_tp=prefill_tp,
@@ -334,6 +348,12 @@ def run_parity(
             disagg_run_s = time.monotonic() - t2
             metric, side = BYTES_METRIC[connector]
             kv_bytes = settled((prefill if side == "prefill" else decode).url, metric)
+            probed = None
+            if bad_params:
+                probed = probe_bad_params(
+                    prefill.url, decode.url, prefill_instance=proxy_opts["prefill_instance"],
+                    bootstrap=proxy_opts["bootstrap"], timeout_s=request_timeout_s,
+                )  # fmt: skip
             if fault_prompts:
                 faults = _fault_phases(
                     url, [[(t + 2) % spec.vocab_size for t in p] for p in prompts[:fault_prompts]],
@@ -381,6 +401,7 @@ def run_parity(
         prefill_pp=prefill_pp,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
+        bad_params=probed,
     )
 
 
