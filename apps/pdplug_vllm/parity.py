@@ -135,6 +135,7 @@ def disagg_specs(
     prefill_pp: int = 1,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    prefill_cores: str = "",
 ) -> tuple[EngineSpec, EngineSpec, dict[str, Any]]:
     """Prefill and decode engine specs for ``connector`` plus the proxy's settings.
 
@@ -142,6 +143,8 @@ def disagg_specs(
     :param prefill_pp/prefill_tp: the prefill engine's PP stages and TP ranks (every worker
         on the prefill engine's core).
     :param decode_tp: the decode engine's TP ranks (every worker on the decode engine's core).
+    :param prefill_cores: the prefill workers' core lists instead (``"0|1"``: stage 1 on the
+        decode engine's core).
     :raises ValueError: an unknown connector, or a shape the tiny model cannot take
         (:func:`check_shape`).
     """
@@ -178,7 +181,7 @@ def disagg_specs(
         proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
     # every prefill worker on the prefill core: a PP stage sharing the decode engine's core was
     # declared silent by the decode (transfer_timeout_s) and every room failed (docs section 7)
-    p_cores = "|".join([cores[0]] * (prefill_pp * prefill_tp))
+    p_cores = prefill_cores or "|".join([cores[0]] * (prefill_pp * prefill_tp))
     # pdplug's engines answer a malformed kv_transfer_params with HTTP 400 (issue 22)
     args = ("--middleware", GUARD) if connector == "pdplug" else ()
     prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
@@ -256,6 +259,7 @@ def run_parity(
     prefill_tp: int = 1,
     decode_tp: int = 1,
     bad_params: bool = False,
+    prefill_cores: str = "",
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -276,6 +280,7 @@ def run_parity(
     :param prefill_pp: PP stages of the prefill engine (each stage pushes its layers).
     :param prefill_tp/decode_tp: TP ranks of the prefill and decode engines (vLLM's ``mp``
         executor; each prefill rank pushes its KV heads, each decode rank receives its own).
+    :param prefill_cores: the prefill workers' OpenMP core lists (:func:`disagg_specs`).
     :param bad_params: ``pdplug`` only: after the parity phase, send malformed
         ``kv_transfer_params`` straight to both engines
         (:func:`pdplug_vllm.bad_params.probe_bad_params`).
@@ -294,7 +299,7 @@ def run_parity(
     ports = free_ports(8)
     prefill, decode, proxy_opts = disagg_specs(
         connector, model, ports[:4], prefill_pp=prefill_pp, prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
+        decode_tp=decode_tp, prefill_cores=prefill_cores,
     )  # fmt: skip
     single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
     engines = [single, prefill, decode]
