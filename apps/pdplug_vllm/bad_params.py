@@ -6,7 +6,8 @@ missing or unknown fields, absurd sizes, contradictory flags); with
 :class:`pdplug.adapters.vllm.guard.KVParamsGuard` in front of the engine each must end fast
 with HTTP 400 naming the field. :data:`UNKNOWN_REMOTE` cases are well formed but name a
 prefill nobody runs: they can only fail once the decode gave up on the bootstrap
-(``bootstrap_timeout_s``). Afterwards both engines must still serve.
+(``bootstrap_timeout_s``; a decode worker resolves one instance at a time, so the second
+ends up to twice that after it was sent). Afterwards both engines must still serve.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ CASES: tuple[tuple[str, str, Any, str], ...] = (
      {"do_remote_decode": True, "pdplug": {"room": 5, "rank": 3}}, "kv_transfer_params.pdplug"),
 )  # fmt: skip
 
-#: (name, params builder tag): well formed, naming a prefill that is not there
-UNKNOWN_REMOTE = ("bootstrap nobody listens on", "unknown prefill instance")
+#: well formed, naming a prefill instance that is not there: at a port nobody listens on, and
+#: at the real prefill's rendezvous (a known instance with a room its prefill never serves
+#: instead waits ``KVConfig.waiting_timeout_s``, 120 s by default)
+UNKNOWN_REMOTE = ("unknown instance, dead bootstrap", "unknown instance, live bootstrap")
 
 
 class Probe(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,8 +129,8 @@ def probe_bad_params(
     """Send every case to its engine, then the :data:`UNKNOWN_REMOTE` ones to the decode, then
     one plain request to each engine.
 
-    :param prefill_instance/bootstrap: the real prefill's (the unknown-remote cases change
-        one of them).
+    :param prefill_instance/bootstrap: the real prefill's (``bootstrap``: the second
+        unknown-remote case asks it for another instance).
     :param timeout_s: bound of one request (seconds), above the decode's bootstrap timeout.
     """
     import httpx
@@ -136,7 +139,7 @@ def probe_bad_params(
     urls = {"prefill": prefill_url, "decode": decode_url}
     (dead,) = free_ports(1)
     unknown = {
-        UNKNOWN_REMOTE[0]: {**_DEC, "room": _ROOM + 12, "prefill_instance": prefill_instance,
+        UNKNOWN_REMOTE[0]: {**_DEC, "room": _ROOM + 12, "prefill_instance": "nobody-dead",
                             "bootstrap": f"tcp://127.0.0.1:{dead}"},
         UNKNOWN_REMOTE[1]: {**_DEC, "room": _ROOM + 13, "prefill_instance": "nobody",
                             "bootstrap": bootstrap},

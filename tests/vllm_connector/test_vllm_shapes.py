@@ -12,14 +12,15 @@ pushes it; the TP 1 decode receives both halves into each block. Every prefill w
 the prefill engine's core (``VLLM_CPU_OMP_THREADS_BIND=0|0``); no pinning beyond one core per
 engine. The TP 2 run also sends malformed ``kv_transfer_params`` straight to both engines
 (:mod:`pdplug_vllm.bad_params`): each gets HTTP 400 naming the field within 1 s, a
-well-formed one naming a prefill nobody runs ends within the decode's bootstrap timeout, and
-both engines keep serving.
+well-formed one naming a prefill instance nobody runs ends within the decode's bootstrap
+timeout (vLLM's bare 500: the reason stays in the engine log), and both engines keep serving.
 
 Marked ``shapes``: the ``vllmshapes`` tox env runs them (the ``vllm`` env deselects them).
 """
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 pytest.importorskip("vllm")
@@ -52,6 +53,7 @@ def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp
         "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, prefill_tp=2,
         start_timeout_s=600.0, request_timeout_s=120.0, bad_params=True,
     )  # fmt: skip
+    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
     _check_parity(res)
     bad = res.bad_params
     assert bad is not None and bad.serving_after, bad
@@ -62,8 +64,8 @@ def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp
     for p in malformed:  # the client reads the reason: the field and the value it sent
         assert p.want_field.rsplit(".", 1)[-1] in p.message, p
     # well formed but naming a prefill nobody runs: the decode gives up after its bootstrap
-    # timeout (30 s in run_parity) and the request ends with an error, never hangs
-    unknown = [p for p in bad.probes if not p.want_field]
-    assert len(unknown) == 2 and all(p.status >= 400 and p.seconds < 30 + 15 for p in unknown), (
-        unknown
-    )
+    # timeout (30 s in run_parity; its worker resolves one instance at a time, so the second
+    # of the two sent at once waits out both) and the request ends with an error, never hangs
+    unknown = sorted((p for p in bad.probes if not p.want_field), key=lambda p: p.seconds)
+    assert len(unknown) == 2 and all(p.status >= 400 for p in unknown), unknown
+    assert unknown[0].seconds < 30 + 15 and unknown[1].seconds < 2 * 30 + 15, unknown
