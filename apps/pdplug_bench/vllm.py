@@ -99,9 +99,11 @@ def cli(
                 row = f"{c} PP{pp}"
                 console.print(f"{row}: starting engines ...")
                 try:
+                    # a pair that cannot serve the shape fails every warm-up request: 180 s
+                    # (the first handshake takes tens of seconds here), not start-up's 600
                     res = run_parity(c, f"{workdir or tmp}/{c}-pp{pp}", prompts=prompts,
                                      max_tokens=max_tokens, concurrency=concurrency,
-                                     prefill_pp=pp)  # fmt: skip
+                                     prefill_pp=pp, warm_timeout_s=180.0)  # fmt: skip
                 except EngineError as e:  # the connector cannot run this shape
                     refused[row] = str(e).splitlines()[0][:200]
                     continue

@@ -260,6 +260,7 @@ def run_parity(
     decode_tp: int = 1,
     bad_params: bool = False,
     prefill_cores: str = "",
+    warm_timeout_s: float | None = None,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -281,6 +282,9 @@ def run_parity(
     :param prefill_tp/decode_tp: TP ranks of the prefill and decode engines (vLLM's ``mp``
         executor; each prefill rank pushes its KV heads, each decode rank receives its own).
     :param prefill_cores: the prefill workers' OpenMP core lists (:func:`disagg_specs`).
+    :param warm_timeout_s: bound of the first whole answer through the proxy (seconds;
+        default ``start_timeout_s``): a pair that cannot serve the shape at all (vLLM's
+        NixlConnector with a PP prefill) raises :class:`EngineError` after this long.
     :param bad_params: ``pdplug`` only: after the parity phase, send malformed
         ``kv_transfer_params`` straight to both engines
         (:func:`pdplug_vllm.bad_params.probe_bad_params`).
@@ -346,7 +350,7 @@ def run_parity(
         single_run_s = time.monotonic() - t1
         config = ProxyConfig(prefill_url=prefill.url, decode_url=decode.url, **proxy_opts)
         with proxy_thread(config, ports[5]) as url:
-            warm_up(url, warm, max_tokens, timeout_s=start_timeout_s)
+            warm_up(url, warm, max_tokens, timeout_s=warm_timeout_s or start_timeout_s)
             t2 = time.monotonic()
             got = complete_all(url, prompts, max_tokens, concurrency=concurrency,
                                timeout_s=request_timeout_s)  # fmt: skip
