@@ -169,6 +169,9 @@ def test_the_guard_middleware_answers_400_and_passes_the_rest_untouched() -> Non
         "do_remote_prefill": True, "pdplug": {**_DEC, "room": -1}}}).encode()  # fmt: skip
     status, body = asyncio.run(call([bad[:10], bad[10:]]))
     assert status == 400 and seen == []
+    # the key spelled with a JSON escape is the same key to vLLM's parser
+    escaped = bad.replace(b'"kv_transfer_params"', b'"kv_transfer\\u005fparams"')
+    assert escaped != bad and asyncio.run(call([escaped]))[0] == 400 and seen == []
     err = json.loads(body)["error"]
     assert err["code"] == 400 and err["type"] == "BadRequestError"
     assert err["param"] == "kv_transfer_params.pdplug.room" and "room=-1" in err["message"]

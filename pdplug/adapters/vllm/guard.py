@@ -44,7 +44,8 @@ def refusal(body: bytes) -> ParamsError | None:
 
     :param body: the HTTP request body (bytes of a JSON object).
     """
-    if _KEY not in body:  # most requests: no decode of a long prompt
+    # most requests: no decode of a long prompt (a key spelled with \u escapes is decoded)
+    if _KEY not in body and b"\\u" not in body:
         return None
     try:
         doc = msgspec.json.decode(body)
