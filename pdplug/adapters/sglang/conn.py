@@ -19,6 +19,8 @@ sizes); each is refused with a message naming it.
 
 from __future__ import annotations
 
+import sglang  # noqa: F401  (absent: ModuleNotFoundError naming sglang)
+
 from pdplug.adapters.sglang import GATE
 
 GATE.require(GATE.installed())  # an unsupported release: ImportError with the reason
