@@ -321,8 +321,8 @@ class PdplugKVManager(BaseKVManager):
             except KeyError:
                 polls.append(KVPoll.Failed)
         if KVPoll.Failed in polls:
-            drained = all(drained(s, room) for s in self.sessions.values())
-            return merge_polls(polls, drained)
+            done = all(drained(s, room) for s in self.sessions.values())
+            return merge_polls(polls, done)
         return merge_polls(polls)
 
     def failure(self, room: int) -> str:
