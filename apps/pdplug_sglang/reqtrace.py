@@ -67,6 +67,21 @@ def _timed(ev: str, room_of: Callable[..., Any]) -> Callable[[Callable[..., Any]
     return deco
 
 
+def _late(cls: Any, name: str) -> Callable[..., Any]:
+    """``cls.name`` as it is when called: an inherited method is looked up on the base class
+    at each call, so a hook SGLang's ``HookRegistry`` applies to the base later (the harness's
+    own bootstrap trace on ``CommonKVSender.init``) still runs."""
+    own = cls.__dict__.get(name)
+    if own is not None:
+        return own  # type: ignore[no-any-return]
+
+    def inherited(self: Any, *a: Any, **kw: Any) -> Any:
+        return getattr(super(cls, self), name)(*a, **kw)
+
+    inherited.__name__ = name
+    return inherited
+
+
 def _room(self: Any, *a: Any, **kw: Any) -> Any:
     return getattr(self, "bootstrap_room", None)
 
@@ -75,7 +90,7 @@ def _wrap_transfer(cls: Any, side: str) -> None:
     if getattr(cls, "_reqtrace", False):
         return
     cls._reqtrace = True
-    init = cls.__init__
+    init = _late(cls, "__init__")
 
     @functools.wraps(init)
     def new(self: Any, *a: Any, **kw: Any) -> None:
@@ -92,8 +107,8 @@ def _wrap_transfer(cls: Any, side: str) -> None:
     names += ["send"] if side == "P" else ["send_metadata"]
     for name in names:
         if hasattr(cls, name):
-            setattr(cls, name, _timed(name, _room)(getattr(cls, name)))
-    poll = cls.poll
+            setattr(cls, name, _timed(name, _room)(_late(cls, name)))
+    poll = _late(cls, "poll")
 
     @functools.wraps(poll)
     def polled(self: Any) -> Any:
