@@ -85,3 +85,37 @@ def test_a_write_of_adjacent_runs_is_one_descriptor_on_real_mooncake() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_runs_of_two_registered_buffers_adjacent_in_memory_stay_apart() -> None:
+    """Two source buffers registered separately that touch in memory (and destinations that
+    touch too): the engine keeps one descriptor per buffer."""
+    require("mooncake")
+    from pdplug.types import PeerInfo
+    from pdplug_mooncake.engine import MooncakeEngine
+
+    a = MooncakeEngine(KVConfig(instance="p", role="prefill", layout=_lay()))
+    b = MooncakeEngine(KVConfig(instance="d", role="decode", layout=_lay()))
+    try:
+        src = (np.arange(8192) % 251).astype(np.uint8)
+        dst = np.zeros(8192, dtype=np.uint8)
+        base = src.ctypes.data
+        a.register([(base, 4096), (base + 4096, 4096)])
+        b.register([(dst.ctypes.data, dst.nbytes)])
+        peer = a.connect(
+            PeerInfo(
+                instance="d", role="decode", layout=_lay(), agent=b.agent(), backend="mooncake"
+            )
+        )
+        s = base + 128 * np.arange(64, dtype=np.int64)  # 32 runs in each buffer
+        d = dst.ctypes.data + 128 * np.arange(64, dtype=np.int64)
+        xfer = a.post(peer, s, d, np.full(64, 128, dtype=np.int64), b"t")
+        deadline = time.monotonic() + 30.0
+        while a.check(xfer) == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.check(xfer) == "DONE", a.failure(xfer)
+        assert a.counts["descriptors"] == 2
+        assert np.array_equal(dst, src)
+    finally:
+        a.close()
+        b.close()
