@@ -55,6 +55,17 @@ def admission_latencies(trace_dir: str | Path, pp_size: int) -> list[float]:
     return out
 
 
+def _print_reqtrace(console: Any, directory: Path, label: str, pp: int) -> None:
+    from pdplug_sglang.reqtrace import summarise
+
+    res = summarise(directory)
+    console.print(f"{label} PP {pp}: {res['rooms']} rooms, ms from the decode's intake "
+                  "(p50, max; SGLang-thread call ms p50)")  # fmt: skip
+    for ph in res["phases"]:
+        console.print(f"  {ph['phase']:<44} {ph['at_ms_p50']:9.1f} {ph['at_ms_max']:9.1f}  "
+                      f"call {ph['call_ms_p50']:7.2f}  (n={ph['n']})", markup=False)  # fmt: skip
+
+
 def _row(res: Any, rnd: int, admission: list[float]) -> dict[str, Any]:
     return {
         "backend": res.backend,
@@ -88,6 +99,9 @@ def _row(res: Any, rnd: int, admission: list[float]) -> dict[str, Any]:
               help="Model, engine logs and traces (default: a temporary directory).")  # fmt: skip
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help='Write {"rows": [...]} here.')  # fmt: skip
+@click.option("--reqtrace", is_flag=True,
+              help="Trace every request's life on both engines (pdplug_sglang.reqtrace) and "
+                   "print each run's phases.")  # fmt: skip
 def cli(
     requests: int,
     scale: int,
@@ -97,6 +111,7 @@ def cli(
     pairs: str,
     workdir: str | None,
     json_path: str | None,
+    reqtrace: bool,
 ) -> None:
     """pdplug vs SGLang's own mooncake / nixl backends on real SGLang engines: TTFT, req/s,
     KV bytes, PP 2 admission latency, token parity; alternated rounds with their spread."""
@@ -147,11 +162,15 @@ def cli(
                     trace = run_dir / "trace"
                     console.print(f"round {rnd + 1}/{rounds}: {label} PP {pp} ...")
                     env = {"PDPLUG_SGLANG_TRACE_DIR": str(trace)}
+                    if reqtrace:
+                        env["PDPLUG_SGLANG_REQTRACE_DIR"] = str(run_dir / "reqtrace")
                     with deployment(label, run_dir, prefill_pp=pp, env=env) as dep:
                         res = measure(dep, prompts, max_tokens, ref, concurrency=concurrency,
                                       single_ttft_p50_s=single)  # fmt: skip
                     adm = admission_latencies(trace, pp) if pp > 1 else []
                     rows.append(_row(res, rnd, adm))
+                    if reqtrace:
+                        _print_reqtrace(console, run_dir / "reqtrace", label, pp)
                     for i, why in res.failed[:3]:
                         console.print(f"{label} PP {pp}: request {i} failed: {why}", markup=False)
     t = Table(

@@ -114,4 +114,11 @@ def register() -> None:
             f"{common}.CommonKVManager.update_status", _trace_ready, HookType.AFTER
         )
         HookRegistry.register(f"{common}.CommonKVSender.init", _trace_applied, HookType.AFTER)
+    if os.environ.get("PDPLUG_SGLANG_REQTRACE_DIR"):
+        from pdplug_sglang import reqtrace
+
+        try:
+            reqtrace.install()
+        except Exception:  # a bench aid: the engine runs untraced
+            log.exception("pdplug_sglang.reqtrace: not installed")
     log.info("pdplug_sglang.cpu_patches: CPU workarounds registered")
