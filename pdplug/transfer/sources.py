@@ -6,7 +6,8 @@ is ``accepted`` or ``refused`` by its :class:`~pdplug.transfer.messages.HelloAck
 tags are attributed to a source by its connection (control channel) or its engine agent name
 (engine notifications). A source silent for ``transfer_timeout_s`` is declared dead; the
 session's ``on_dead`` fails the rooms that wait for it. Connecting to an instance again replaces
-its sources; a rank served by the same process (same agent) keeps its rooms (``on_replace``).
+its sources; a rank served by the same process (same agent) keeps its rooms (``on_replace``,
+once the new connection was accepted).
 
 Silence is not proof that a source stopped writing: a partition silences a prefill rank whose
 writes land once it heals. A source has **ended** (:meth:`PrefillSources.ended`: nothing it
@@ -44,6 +45,8 @@ class Source(msgspec.Struct, kw_only=True):
     :ivar state: ``pending`` | ``accepted`` | ``refused`` (with ``mismatches``).
     :ivar silent: declared dead for its silence (``alive`` is then False too).
     :ivar over: nothing it posted can land any more (:meth:`PrefillSources.ended`).
+    :ivar cut: its far end had closed the connection when this side closed it, before it was
+        found silent; it has ended once it has been silent for ``transfer_timeout_s``.
     """
 
     instance: str
@@ -58,6 +61,7 @@ class Source(msgspec.Struct, kw_only=True):
     mismatches: tuple[str, ...] = ()
     silent: bool = False
     over: bool = False
+    cut: bool = False
 
 
 class PrefillSources:
@@ -67,7 +71,8 @@ class PrefillSources:
     :param codec: the control codec (drops of stale acks).
     :param liveness: heartbeat pacing and silence bound.
     :param on_dead: ``(source, reason)`` when a source is declared dead.
-    :param on_replace: ``(old, new)`` when a reconnect reaches the same prefill process.
+    :param on_replace: ``(old, new)`` when a reconnect to the same prefill process was
+        accepted (never before: a connection that never answers must not take its rooms).
     :param counts: the session's counters (``sources_dead``).
     """
 
@@ -125,16 +130,16 @@ class PrefillSources:
             group.append(src)
         self.by_instance[instance] = {s.rank: s for s in group}
         self._pending.append((group, fut))
-        for src in group:
-            prev = old.get(src.rank) or self._last.get((instance, src.rank))
-            if prev is not None and prev.agent_name and prev.agent_name == src.agent_name:
-                self._on_replace(prev, src)
         return fut
 
     def ended(self, src: Source) -> bool:
         """Whether nothing ``src`` posted can land any more (module docstring): another process
         answered for its rank since, or it is silent and the far end closed its connection."""
-        return src.over or (src.silent and self._channel.closed_by_peer(src.cid))
+        if src.over:
+            return True
+        if src.cut:  # closed here after the far end closed it: silence still has to follow
+            return self._live.silent_for(src.last_seen, time.monotonic()) is not None
+        return src.silent and self._channel.closed_by_peer(src.cid)
 
     def abandon(self, fut: Future[list[Source]]) -> list[int]:
         """Give up a connect that timed out; returns the ranks that never answered."""
@@ -152,8 +157,12 @@ class PrefillSources:
     def disconnect(self, instance: str) -> None:
         """Close every connection to ``instance``."""
         for src in self.by_instance.pop(instance, {}).values():
-            if src.silent and self._channel.closed_by_peer(src.cid):
-                src.over = True  # what its connection said stays true once it is closed
+            if self._channel.closed_by_peer(src.cid):
+                # what its connection said stays true once it is closed (a reconnect to the
+                # instance can come before the silence is noticed: both ranks of a killed
+                # process are not always found silent in the same round)
+                src.over = src.over or src.silent
+                src.cut = not src.over
             src.alive = False
             self.by_cid.pop(src.cid, None)
             if self.by_agent.get(src.agent_name) is src:
@@ -181,9 +190,14 @@ class PrefillSources:
             src.state = "accepted"
             if src.agent_name:
                 self.by_agent[src.agent_name] = src
+            # rooms move to a connection only once it answered: a reconnect that never does
+            # (a stale registration of a dead process) must not strand them on it
             prev = self._last.get((src.instance, src.rank))
-            if prev is not None and prev is not src and prev.agent_name != src.agent_name:
-                prev.over = True  # a new incarnation answers for this rank
+            if prev is not None and prev is not src:
+                if prev.agent_name != src.agent_name:
+                    prev.over = True  # a new incarnation answers for this rank
+                elif src.agent_name:
+                    self._on_replace(prev, src)  # the same process: its rooms continue here
             self._last[(src.instance, src.rank)] = src
         else:
             src.state = "refused"
