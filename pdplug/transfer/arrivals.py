@@ -38,6 +38,9 @@ class RecvLease(msgspec.Struct, kw_only=True):
         each); ``got``/``last``: chunk ids received and the last chunk id, per source;
         ``stopped``: sources that confirmed they stopped writing the room's pages.
     :ivar failed_at/asked_at: monotonic seconds of the failure and of the last ``Abort`` sent.
+    :ivar late: parked while a search for its instance was already under way (that search
+        may have read the rendezvous before the instance came back: the room gets the next
+        one too).
     """
 
     room: int
@@ -52,6 +55,7 @@ class RecvLease(msgspec.Struct, kw_only=True):
     asked_at: float = 0.0
     done: bool = False
     reported: bool = False
+    late: bool = False
 
 
 class RecvLeases:
@@ -65,6 +69,7 @@ class RecvLeases:
     :param refind: ``(instance) -> bool``: look ``instance`` up again at its rendezvous and
         reconnect, in the background (True: under way; False: the session cannot); the session
         calls :meth:`unpark` when it ends.
+    :param searching: ``(instance) -> bool``: whether such a search is under way now.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class RecvLeases:
         event: Callable[..., None],
         counts: Counter[str],
         refind: Callable[[str], bool] = lambda _instance: False,
+        searching: Callable[[str], bool] = lambda _instance: False,
     ) -> None:
         self._rooms = rooms
         self._sources = sources
@@ -83,6 +89,7 @@ class RecvLeases:
         self._event = event
         self._counts = counts
         self._refind = refind
+        self._searching = searching
         self.leases: dict[int, RecvLease] = {}
         self.draining: dict[int, dict[int, RecvLease]] = {}  # room -> generation -> lease
         self.parked: dict[str, list[RecvLease]] = {}  # instance -> leases waiting for it
@@ -100,7 +107,9 @@ class RecvLeases:
         self.leases[room] = lease
         dead = self._unusable(instance)
         if dead is not None:
-            if instance in self.parked or self._refind(instance):
+            late = instance in self.parked or self._searching(instance)
+            if late or self._refind(instance):
+                lease.late = late
                 self.parked.setdefault(instance, []).append(lease)
                 self._counts["expect_parked"] += 1
                 return
@@ -124,7 +133,12 @@ class RecvLeases:
 
     def unpark(self, instance: str, error: str | None, now: float) -> None:
         """The session's search for ``instance`` ended (``error``: why it failed): send the
-        DestInfos of the rooms that waited for it, or fail them naming why."""
+        DestInfos of the rooms that waited for it, or fail them naming why. A room is failed
+        only by a search that started after it was expected: one parked during an earlier
+        search (which may have resolved the instance before it came back, e.g. a dead rank's
+        stale registration) waits for one more, started now."""
+        retry: list[RecvLease] = []
+        why = ""
         for lease in self.parked.pop(instance, []):
             view = self._rooms.view(lease.room)
             if view is None or view.generation != lease.generation:
@@ -134,9 +148,19 @@ class RecvLeases:
             dead = self._unusable(instance) if error is None else None
             if error is not None or dead is not None:
                 why = error or f"ranks {dead} are not connected"
+                if lease.late:
+                    lease.late = False
+                    retry.append(lease)
+                    continue
                 self.failed(lease, f"prefill {instance} not found again: {why}", now)
                 continue
             self._send_dest(lease, instance)
+        if retry and self._refind(instance):
+            self.parked.setdefault(instance, []).extend(retry)
+            self._counts["expect_reparked"] += len(retry)
+            return
+        for lease in retry:
+            self.failed(lease, f"prefill {instance} not found again: {why}", now)
 
     def abort(self, room: int, gen: int, reason: str, now: float) -> None:
         """The host aborted ``room``: tell every source."""

@@ -122,6 +122,9 @@ REQUESTS: dict[str, dict[int, tuple[int, int]]] = {
         312: (150, 0),
         313: (150, 0),
         314: (150, 0),
+        # a room expected while a search of the dead incarnation is under way (refind_late_room)
+        315: (150, 0),
+        316: (150, 0),
     },
 }
 DCP = {"dec-tp": 1, "dec-dcp2": 2, "dec-dcp4": 4}
@@ -208,8 +211,8 @@ def _kv_config(role: str, lay: Any, endpoint: str, opts: dict[str, Any], instanc
         role=role,
         layout=lay,
         bootstrap_endpoint=endpoint,
-        bootstrap_timeout_s=20.0,
-        waiting_timeout_s=20.0,
+        bootstrap_timeout_s=float(opts.get("bootstrap", 20.0)),
+        waiting_timeout_s=float(opts.get("waiting", 20.0)),
         transfer_timeout_s=t,
         pack_region_tokens=int(opts.get("region_tokens", 32)),
         max_dst_dcp=4,
