@@ -10,7 +10,7 @@ import click
 
 __all__ = ["bench", "BENCHES"]
 
-BENCHES = ("consensus", "plan", "pack", "transfer", "e2e", "soak", "vllm")
+BENCHES = ("consensus", "plan", "pack", "transfer", "e2e", "soak", "vllm", "cluster")
 
 
 class _Benches(click.Group):

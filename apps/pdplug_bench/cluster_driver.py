@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -434,9 +434,10 @@ class Deployment:
         """The prefill procs that are running."""
         return [self.procs[h] for h in self.prefill_hosts if not self.procs[h].expected_dead]
 
-    def issue(self, dest: str, tokens: int) -> Room:
+    def issue(self, dest: str, tokens: int, pace_s: float = 0.0) -> Room:
         """A new room of ``tokens`` prompt tokens to decode host ``dest``: every running
-        prefill rank serves it, ``dest``'s decode expects it."""
+        prefill rank serves it (one segment every ``pace_s`` seconds), ``dest``'s decode
+        expects it."""
         room = Room(
             room=self._next_room,
             tokens=tokens,
@@ -447,7 +448,7 @@ class Deployment:
         self._next_room += 1
         self.rooms[room.room] = room
         for p in self.live_prefill():
-            p.send(Serve(room=room.room, tokens=tokens))
+            p.send(Serve(room=room.room, tokens=tokens, pace_s=pace_s))
         self.procs[dest].send(Expect(room=room.room, tokens=tokens))
         return room
 
@@ -476,6 +477,15 @@ class Deployment:
             for k, name in enumerate(self.prefill_hosts)
             if name in room.prefill
         )
+
+    def holding(self, room: Room) -> list[str]:
+        """The live workers that have not released ``room``."""
+        out = [] if self.procs[room.dest].expected_dead or room.d_drained else [room.dest]
+        return out + [
+            name
+            for k, name in enumerate(self.prefill_hosts)
+            if name in room.prefill and k not in room.p_drained and self._alive_for(name, room)
+        ]
 
     def in_flight(self) -> list[Room]:
         """Rooms not yet ended."""
@@ -556,9 +566,11 @@ def run_for(
     rate: float,
     concurrency: int,
     until: Callable[[], bool] | None = None,
+    pace: Mapping[str, float] | None = None,
 ) -> None:
     """Issue rooms for ``seconds`` (or until ``until()``): one every ``1 / rate`` s to the
-    next of ``dests`` in turn, at most ``concurrency`` in flight per destination."""
+    next of ``dests`` in turn, at most ``concurrency`` in flight per destination; rooms to
+    a destination in ``pace`` send one segment every ``pace[dest]`` seconds."""
     end = time.monotonic() + seconds
     gap = 1.0 / rate
     nxt = time.monotonic()
@@ -569,7 +581,7 @@ def run_for(
             dest = dests[turn % len(dests)]
             busy = sum(1 for r in dep.rooms.values() if r.dest == dest and not dep.ended(r))
             if busy < concurrency:
-                dep.issue(dest, prompts())
+                dep.issue(dest, prompts(), (pace or {}).get(dest, 0.0))
                 turn += 1
             nxt = now + gap
         dep.pump(max(0.0, min(nxt, end) - time.monotonic()))

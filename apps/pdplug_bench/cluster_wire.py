@@ -57,6 +57,8 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
     :ivar dcp_size: decode DCP ranks per decode instance.
     :ivar chunk_size: the scheduler's grid (tokens).
     :ivar pack_region_tokens: capacity of one pack region (tokens).
+    :ivar max_dst_dcp: decode DCP size a prefill rank's pack buffer is sized for (regions:
+        ``max_dst_dcp * 2``; ``KVConfig``'s default, as the reference host runs it).
     :ivar src_pages: pages of each prefill rank's KV (read-only: seeded bytes).
     :ivar dst_pages: pages of each decode DCP rank's KV.
     :ivar seed: seed of the source bytes.
@@ -69,6 +71,7 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
     dcp_size: int = 2
     chunk_size: int = 128
     pack_region_tokens: int = 64
+    max_dst_dcp: int = 8
     src_pages: int = 256
     dst_pages: int = 1024
     seed: int = 0
@@ -123,10 +126,15 @@ class Join(msgspec.Struct, frozen=True, kw_only=True, tag="join"):
 
 
 class Serve(msgspec.Struct, frozen=True, kw_only=True, tag="serve"):
-    """Prefill: lease ``room`` (``tokens`` prompt tokens) and send it once consensus admits it."""
+    """Prefill: lease ``room`` (``tokens`` prompt tokens) and send it once consensus admits it.
+
+    :ivar pace_s: seconds between two segments of the room (a chunked prefill's compute per
+        chunk; 0: all at once), so a fault can find the room mid-transfer.
+    """
 
     room: int
     tokens: int
+    pace_s: float = 0.0
 
 
 class Expect(msgspec.Struct, frozen=True, kw_only=True, tag="expect"):

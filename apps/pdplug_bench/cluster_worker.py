@@ -100,7 +100,7 @@ def _kv_config(spec: Spec, role: str, layout: Any) -> Any:
         waiting_timeout_s=t.waiting_s,
         transfer_timeout_s=t.transfer_s,
         pack_region_tokens=g.pack_region_tokens,
-        max_dst_dcp=g.dcp_size,
+        max_dst_dcp=g.max_dst_dcp,
         wire=_wire(spec),
         extra={"host": spec.addr},
     )
@@ -173,6 +173,9 @@ class RendezvousWorker:
 class _PRoom(msgspec.Struct, kw_only=True):
     room: int
     tokens: int
+    pace_s: float = 0.0
+    segs: list[Any] = []
+    next_seg: float = 0.0
     voted: bool = False
     admitted: bool = False
     decided: bool = False
@@ -213,7 +216,7 @@ class PrefillWorker:
             self._join()
         elif isinstance(cmd, Serve):
             self.sender.start(cmd.room)
-            self.rooms[cmd.room] = _PRoom(room=cmd.room, tokens=cmd.tokens)
+            self.rooms[cmd.room] = _PRoom(room=cmd.room, tokens=cmd.tokens, pace_s=cmd.pace_s)
             if self.lost:
                 self.sender.abort(cmd.room, f"consensus lost: {self.lost}")
         elif isinstance(cmd, Stats):
@@ -277,6 +280,8 @@ class PrefillWorker:
                         got.decided = True
                         s.abort(room, "a PP rank voted bad")
         for room, r in list(self.rooms.items()):
+            if r.segs and now >= r.next_seg:
+                self._post(r, now)
             st = s.poll(room)
             if not r.reported:
                 if st in (KVPoll.Success, KVPoll.Failed):
@@ -292,24 +297,36 @@ class PrefillWorker:
                     emit(Drained(room=room, t=time.monotonic()))
 
     def _send(self, r: _PRoom) -> None:
-        g = self.spec.geometry
+        """The room was admitted: cut it into the scheduler's segments and post them (all at
+        once, or one every ``pace_s``)."""
         try:
             self.sender.dest(r.room)
             cap = self.sender.capacity_tokens(r.room)
         except (KeyError, ValueError):
             return  # failed meanwhile (an abort): the outcome says why
-        segs = self.sched.split_send(
-            token_start=0,
-            token_end=r.tokens,
-            decode_prefix_len=0,
-            is_last_send=True,
-            capacity_tokens=cap,
+        r.segs = list(
+            self.sched.split_send(
+                token_start=0,
+                token_end=r.tokens,
+                decode_prefix_len=0,
+                is_last_send=True,
+                capacity_tokens=cap,
+            )
         )
+        self._post(r, time.monotonic())
+
+    def _post(self, r: _PRoom, now: float) -> None:
+        g = self.spec.geometry
         pages = kvm.src_pages(g, r.room, r.tokens)
-        for seg in segs:
+        while r.segs:
+            seg = r.segs.pop(0)
             try:
                 self.sender.send(r.room, seg, pages[seg.token_start // g.page_size :])
             except (KeyError, ValueError):
+                r.segs = []  # failed meanwhile: the outcome says why
+                return
+            if r.pace_s > 0:
+                r.next_seg = now + r.pace_s
                 return
 
     def close(self) -> None:
