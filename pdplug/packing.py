@@ -266,22 +266,51 @@ def run_addresses(
     :param entry_map: int64 source entry -> destination entry (:func:`pdplug.layout.entry_map`).
     :param pack_base: address of the pack buffer (the plan's offsets include the region's).
     """
-    entry = plan.entry
     # per-entry tables first (a few dozen entries), then one gather per run array
-    src_tab = np.array(src_entry_base, dtype=np.int64)
-    if plan.packed and plan.pack_entries:
-        src_tab[np.asarray(plan.pack_entries, dtype=np.int64)] = pack_base
+    src_tab = source_table(
+        np.asarray(src_entry_base), pack_base, plan.pack_entries if plan.packed else ()
+    )
     dst_tab = np.asarray(dst_entry_base, dtype=np.int64)[np.asarray(entry_map)]
-    src = src_tab[entry]
+    src, dst, length = plan_addresses(plan, src_tab, dst_tab)
+    return src, dst, length.copy()
+
+
+def source_table(
+    src_entry_base: np.ndarray, pack_base: int, pack_entries: Sequence[int]
+) -> np.ndarray:
+    """int64 base address per source entry as a plan reads it: the pack buffer's base for
+    ``pack_entries`` (a packed plan's), each entry's own base otherwise (a copy)."""
+    tab = np.array(src_entry_base, dtype=np.int64)
+    if pack_entries:
+        tab[np.asarray(pack_entries, dtype=np.int64)] = pack_base
+    return tab
+
+
+def plan_addresses(
+    plan: TransferPlan, src_table: np.ndarray, dst_table: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`run_addresses` from per-entry tables a sender keeps (no per-send table work).
+
+    :param src_table: int64 base address per source entry as the plan reads it (the pack
+        buffer's base for packed entries of a packed plan).
+    :param dst_table: int64 base address per *source* entry's destination entry
+        (``dst_entry_base[entry_map]``).
+    :returns: int64 ``[R]`` ``(src_addr, dst_addr, length)``; ``length`` is the plan's own
+        array (read-only for callers).
+    """
+    entry = plan.entry
+    src = src_table[entry]
     src += plan.src_offset
-    dst = dst_tab[entry]
+    dst = dst_table[entry]
     dst += plan.dst_offset
-    return src, dst, plan.length.copy()
+    return src, dst, plan.length
 
 
 #: page ids at or above this are refused: times a page stride they would overflow int64 byte
 #: offsets (and no engine has that many pages)
 MAX_PAGE_ID = 1 << 40
+_INT64 = np.dtype(np.int64)
+_MAX = np.maximum.reduce
 
 
 def page_array(value: Any, field: str, room: int) -> np.ndarray:
@@ -294,6 +323,14 @@ def page_array(value: Any, field: str, room: int) -> np.ndarray:
         truncated silently), or an id outside ``[0, 2**40)`` (named with its exact value,
         unsigned ones above 2**63 included).
     """
+    # the send path's own arrays: one reduction (a negative id read as uint64 is huge)
+    if (
+        type(value) is np.ndarray
+        and value.dtype == _INT64
+        and value.ndim == 1
+        and (not value.shape[0] or int(_MAX(value.view(np.uint64))) < MAX_PAGE_ID)
+    ):
+        return value
     from pdplug.errors import PlanError
 
     a = np.asarray(value)

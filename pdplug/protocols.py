@@ -26,7 +26,15 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["Consensus", "Scheduler", "PackPlanner", "Packer", "KVSender", "KVReceiver"]
+__all__ = [
+    "Consensus",
+    "Scheduler",
+    "PackPlanner",
+    "Packer",
+    "KVSender",
+    "KVReceiver",
+    "send_step",
+]
 
 
 @runtime_checkable
@@ -297,6 +305,19 @@ class KVSender(Protocol):
         """
         ...
 
+    def send_many(self, sends: Sequence[tuple[Any, ...]]) -> None:
+        """:meth:`send` for each ``(room, segment, src_pages[, ready])`` of one engine step.
+        This default calls :meth:`send` for each (a sender that subclasses the Protocol gets
+        it); a sender may post them with one hand-off instead (the default senders do: the
+        field loses TTFT to per-send hand-off orchestration, vLLM RFC #50913). Hosts call
+        :func:`send_step`, which falls back to :meth:`send` for senders without it.
+
+        :raises KeyError, TypeError, ValueError: as :meth:`send`, for the first bad item (the
+            items before it are sent).
+        """
+        for item in sends:
+            self.send(*item)
+
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every destination (again once in-flight writes
         drained)."""
@@ -446,3 +467,19 @@ class KVReceiver(Protocol):
     def close(self) -> None:
         """Release everything; idempotent."""
         ...
+
+
+def send_step(sender: Any, sends: Sequence[tuple[Any, ...]]) -> None:
+    """Post one engine step's sends ``(room, segment, src_pages[, ready])``: with the sender's
+    :meth:`KVSender.send_many` when it has one (one hand-off for the step), else one
+    :meth:`KVSender.send` each, so a third-party sender written before ``send_many`` keeps
+    working.
+
+    :raises KeyError, TypeError, ValueError: as :meth:`KVSender.send`.
+    """
+    many = getattr(sender, "send_many", None)
+    if callable(many):
+        many(sends)
+        return
+    for item in sends:
+        sender.send(*item)

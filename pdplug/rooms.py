@@ -41,10 +41,18 @@ from pdplug.types import KVPoll, merge_poll
 if TYPE_CHECKING:
     from pdplug.config import KVConfig
 
-__all__ = ["Rooms", "RoomView", "next_generation"]
+__all__ = ["Rooms", "RoomView", "next_generation", "reached"]
 
 _GEN = itertools.count(1)
 _GEN_LOCK = threading.Lock()
+
+
+def reached(status: KVPoll, until: tuple[KVPoll, ...]) -> bool:
+    """Whether a wait for ``until`` ends at ``status``: it is in ``until``, or later on the
+    lattice when ``until`` is one non-terminal status, or ``Failed`` (absorbing)."""
+    if status in until or status == KVPoll.Failed:
+        return True
+    return len(until) == 1 and until[0] != KVPoll.Failed and status >= until[0]
 
 
 def next_generation() -> int:
@@ -225,15 +233,12 @@ class Rooms:
         :raises KeyError: ``room`` is not leased, or was cleared while waiting.
         """
         t_end = None if timeout_s is None else self._clock() + timeout_s
-        floor = min(until) if len(until) == 1 and until[0] != KVPoll.Failed else None
         with self._changed:
             while True:
                 r = self._rooms.get(room)
                 if r is None:
                     raise KeyError(f"room {room} is not leased on this rank (never or cleared)")
-                if r.status in until or (floor is not None and r.status >= floor):
-                    return r.status
-                if r.status == KVPoll.Failed:
+                if reached(r.status, until):
                     return r.status
                 left = None if t_end is None else t_end - self._clock()
                 if left is not None and left <= 0:
@@ -319,6 +324,29 @@ class Rooms:
                 return False
             r.pending += n
             return True
+
+    def begin_send(self, room: int, is_last: bool) -> tuple[int | None, KVPoll]:
+        """One segment of ``room`` is handed to the sender, in one step (the send path's
+        ``status`` + ``add_pending`` + ``advance(Transferring)`` [+ ``advance(Success)``, held
+        until nothing is pending when ``is_last``]).
+
+        :returns: ``(generation, Transferring)`` when it was counted pending; ``(None,
+            status)`` when nothing was counted because the room is not ``WaitingForInput`` or
+            ``Transferring`` (its current status says why).
+        :raises KeyError: ``room`` is not leased.
+        """
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise KeyError(f"room {room} is not leased on this rank (never leased or cleared)")
+            if r.status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                return None, r.status
+            r.pending += 1
+            if r.status != KVPoll.Transferring:
+                self._set(r, KVPoll.Transferring)
+            if is_last:
+                r.success_held = True
+            return r.generation, r.status
 
     def done_pending(self, room: int, n: int = 1, generation: int | None = None) -> KVPoll | None:
         """``n`` pending chunks completed; publishes a held ``Success`` when none remain.

@@ -28,12 +28,14 @@ class DecodeInstance(msgspec.Struct, frozen=True, kw_only=True):
 
     :ivar rows: token rows of every sharded entry (drafts unsupported here).
     :ivar prefill: the prefill instance its receivers connect to ("" = the peer's default).
+    :ivar extra: the receivers' ``KVConfig.extra`` (backend options).
     """
 
     name: str
     layout: KVLayout
     rows: int
     prefill: str = ""
+    extra: dict[str, str] = {}
 
 
 _enc = msgspec.json.Encoder()
@@ -81,6 +83,7 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
                 bootstrap_timeout_s=60,
                 waiting_timeout_s=120,
                 transfer_timeout_s=60,
+                extra=inst.extra,
             )
             rc = pm.make_kv_receiver(cfg, name=backend)
             kv = [torch.empty((inst.rows, b), dtype=torch.uint8) for b in lay.entry_bytes_per_token]

@@ -47,12 +47,12 @@ def _spin(sender: Any, rooms: list[int], backend: str) -> None:
 
 
 def _post_step(sender: Any, items: list[tuple[int, Any, Any]]) -> None:
-    many = getattr(sender, "send_many", None)
-    if many is not None and len(items) > 1:
-        many(items)
+    from pdplug.protocols import send_step
+
+    if len(items) == 1:
+        sender.send(*items[0])  # one send alone: the host's plain call
     else:
-        for room, seg, sp in items:
-            sender.send(room, seg, sp)
+        send_step(sender, items)
 
 
 def fixed_cost(
@@ -72,7 +72,7 @@ def fixed_cost(
     failures: list[str] = []
     shapes = [(size, 1) for size in sizes] + [(min(sizes), k) for k in steps if k > 1]
     for size, k in shapes:
-        cases = [rig.case(size) for _ in range(k)]
+        cases = rig.cases(size, k)
         tag = f"{rig.backend} {size / MIB:g} MiB x {k}"
 
         def run_pdplug(checked: bool, rep: int, cases: list[Any] = cases, tag: str = tag) -> float:

@@ -232,7 +232,17 @@ class Rig:
             backend,
             self.server.endpoint,
             "bench-prefill",
-            [DecodeInstance(name="bench-decode", layout=self.dst_l, rows=self.pages * PAGE)],
+            [
+                DecodeInstance(
+                    name="bench-decode",
+                    layout=self.dst_l,
+                    rows=self.pages * PAGE,
+                    # the target's UCX progresses on its own (as an RDMA NIC would): a WRITE
+                    # over UCX's shared memory or TCP completes only once the target's worker
+                    # progressed, so its polling cadence would be in both modes' times
+                    extra={"progress_thread": "1"} if backend == "nixl" else {},
+                )
+            ],
         )
         self._raw_close: Any = None
         self._room = 0
@@ -266,10 +276,22 @@ class Rig:
         self._room += 1
         return self._room
 
-    def case(self, size: int) -> dict[str, Any]:
-        """A send of ``size`` bytes (``size // 4,096`` tokens) between shuffled pages: its
-        source and destination pages, segment, token count, plan (with the planner's time)
-        and the raw engine prepared on the plan's descriptors."""
+    def cases(self, size: int, k: int = 1) -> list[dict[str, Any]]:
+        """``k`` sends of ``size`` bytes (``size // 4,096`` tokens each) between shuffled
+        pages, no destination page shared by two of them (:meth:`case` each)."""
+        n_pages = -(-(size // sum(BPT)) // PAGE)
+        if n_pages * k > self.pages:
+            raise click.ClickException(
+                f"{k} sends of {size} bytes need more than {self.pages} pages"
+            )
+        dst = self.rng.permutation(self.pages)
+        return [self.case(size, dst[i * n_pages : (i + 1) * n_pages]) for i in range(k)]
+
+    def case(self, size: int, dp: Any = None) -> dict[str, Any]:
+        """A send of ``size`` bytes (``size // 4,096`` tokens) between shuffled pages (into
+        destination pages ``dp`` when given): its source and destination pages, segment, token
+        count, plan (with the planner's time) and the raw engine prepared on the plan's
+        descriptors."""
         from pdplug.packing import run_addresses, segment_to_chunk
         from pdplug.types import Segment
         from pdplug_bench.bytecheck import rows_digest, src_rows
@@ -277,7 +299,9 @@ class Rig:
         n_tok = size // sum(BPT)
         n_pages = -(-n_tok // PAGE)
         sp = self.rng.permutation(self.pages)[:n_pages].astype("int64")
-        dp = self.rng.permutation(self.pages)[:n_pages].astype("int64")
+        if dp is None:
+            dp = self.rng.permutation(self.pages)[:n_pages]
+        dp = dp.astype("int64")
         seg = Segment(
             token_start=0, token_end=n_tok, page_start=0, num_tokens=n_tok, chunk_id=0,
             is_last=True,

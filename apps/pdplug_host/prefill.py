@@ -43,6 +43,7 @@ from pdplug import (
     PluginManager,
     SchedulerConfig,
 )
+from pdplug.protocols import send_step
 from pdplug.types import pages_from_bytes
 from pdplug_host.messages import (
     FirstToken,
@@ -387,9 +388,13 @@ class PrefillRank:
         if self.spec.device.startswith("cuda"):  # the forward's KV writes may still be queued
             ready = torch.cuda.Event()
             ready.record()
-        for seg in segs:
-            first, past = seg.token_start // ps, -(-seg.token_end // ps)
-            self.sender.send(req.rid, seg, req.pages[first:past].numpy(), ready=ready)
+        pages = req.pages.numpy()
+        # the step's segments in one hand-off (send_many, or one send each)
+        items = [
+            (req.rid, seg, pages[seg.token_start // ps : -(-seg.token_end // ps)], ready)
+            for seg in segs
+        ]
+        send_step(self.sender, items)
         req.send_s += time.perf_counter() - t0
         self.segments += len(segs)
         self.split_sends += len(segs) > 1

@@ -15,6 +15,7 @@ so a lost notice cannot pin the pages forever, and the room counts as ``undraine
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -37,10 +38,8 @@ class RecvLease(msgspec.Struct, kw_only=True):
     :ivar srcs: the prefill sources the DestInfo was sent to, by rank (the room waits for
         each); ``got``/``last``: chunk ids received and the last chunk id, per source;
         ``stopped``: sources that confirmed they stopped writing the room's pages.
-    :ivar failed_at/asked_at: monotonic seconds of the failure and of the last ``Abort`` sent.
-    :ivar late: parked while a search for its instance was already under way (that search
-        may have read the rendezvous before the instance came back: the room gets the next
-        one too).
+    :ivar failed_at/asked_at: monotonic seconds of the failure and of the last ``Abort`` sent;
+        ``told``: the reason of the first ``Abort`` (sent again with it until drained).
     """
 
     room: int
@@ -53,9 +52,9 @@ class RecvLease(msgspec.Struct, kw_only=True):
     stopped: set[int] = set()
     failed_at: float = 0.0
     asked_at: float = 0.0
+    told: str = ""
     done: bool = False
     reported: bool = False
-    late: bool = False
 
 
 class RecvLeases:
@@ -69,7 +68,6 @@ class RecvLeases:
     :param refind: ``(instance) -> bool``: look ``instance`` up again at its rendezvous and
         reconnect, in the background (True: under way; False: the session cannot); the session
         calls :meth:`unpark` when it ends.
-    :param searching: ``(instance) -> bool``: whether such a search is under way now.
     """
 
     def __init__(
@@ -81,7 +79,6 @@ class RecvLeases:
         event: Callable[..., None],
         counts: Counter[str],
         refind: Callable[[str], bool] = lambda _instance: False,
-        searching: Callable[[str], bool] = lambda _instance: False,
     ) -> None:
         self._rooms = rooms
         self._sources = sources
@@ -89,7 +86,6 @@ class RecvLeases:
         self._event = event
         self._counts = counts
         self._refind = refind
-        self._searching = searching
         self.leases: dict[int, RecvLease] = {}
         self.draining: dict[int, dict[int, RecvLease]] = {}  # room -> generation -> lease
         self.parked: dict[str, list[RecvLease]] = {}  # instance -> leases waiting for it
@@ -101,28 +97,32 @@ class RecvLeases:
         (``refind``; :meth:`unpark` sends it then), or, when it cannot, fails at once (nothing
         was sent: the room is drained)."""
         room, gen = dest.room, dest.generation
-        if self._rooms.generation(room) != gen:
-            return
         lease = RecvLease(room=room, generation=gen, instance=instance, dest=dest)
+        if self._rooms.generation(room) != gen:
+            # the host aborted and cleared it before this thread saw it: nothing was sent,
+            # and the lease still ends once
+            lease.reported = True
+            self._counts["rooms_failed"] += 1
+            self._event("transfer_failed", lease, reason="cleared before its DestInfo was sent")
+            return
         self.leases[room] = lease
         dead = self._unusable(instance)
-        if dead is not None:
-            late = instance in self.parked or self._searching(instance)
-            if late or self._refind(instance):
-                lease.late = late
-                self.parked.setdefault(instance, []).append(lease)
-                self._counts["expect_parked"] += 1
-                return
+        if dead is None:
+            self._send_dest(lease, instance)
+        elif dead == "pending" or instance in self.parked or self._refind(instance):
+            self.parked.setdefault(instance, []).append(lease)  # sent once it answers
+            self._counts["expect_parked"] += 1
+        else:
             self.failed(lease, f"prefill {instance} ranks {dead} are not connected", now)
-            return
-        self._send_dest(lease, instance)
 
-    def _unusable(self, instance: str) -> list[int] | None:
-        """The ranks of ``instance`` that cannot take a DestInfo now (``[]``: none connected),
-        or ``None`` when every source is alive and accepted."""
+    def _unusable(self, instance: str) -> list[int] | str | None:
+        """``None`` when every source of ``instance`` is alive and accepted; ``"pending"``
+        while a handshake with it is under way (none dead); else the ranks that cannot take a
+        DestInfo (``[]``: none connected)."""
         table = self._sources.table(instance)
-        dead = [s.rank for s in table.values() if not s.alive or s.state != "accepted"]
-        return dead if dead or not table else None
+        if table and all(s.alive and s.state in ("accepted", "pending") for s in table.values()):
+            return None if all(s.state == "accepted" for s in table.values()) else "pending"
+        return [s.rank for s in table.values() if not s.alive or s.state != "accepted"]
 
     def _send_dest(self, lease: RecvLease, instance: str) -> None:
         table = self._sources.table(instance)
@@ -132,35 +132,22 @@ class RecvLeases:
         self._counts["expected"] += 1
 
     def unpark(self, instance: str, error: str | None, now: float) -> None:
-        """The session's search for ``instance`` ended (``error``: why it failed): send the
-        DestInfos of the rooms that waited for it, or fail them naming why. A room is failed
-        only by a search that started after it was expected: one parked during an earlier
-        search (which may have resolved the instance before it came back, e.g. a dead rank's
-        stale registration) waits for one more, started now."""
-        retry: list[RecvLease] = []
-        why = ""
+        """A handshake with ``instance`` or a search for it ended (``error``: why it failed):
+        send the DestInfos of the rooms that waited for it, or fail them naming why."""
+        state = self._unusable(instance) if error is None else None
+        if state == "pending":
+            return  # another handshake is under way: its end unparks them
         for lease in self.parked.pop(instance, []):
             view = self._rooms.view(lease.room)
             if view is None or view.generation != lease.generation:
                 continue  # cleared meanwhile (nothing was sent: nothing to drain)
             if view.status == KVPoll.Failed or self.leases.get(lease.room) is not lease:
                 continue
-            dead = self._unusable(instance) if error is None else None
-            if error is not None or dead is not None:
-                why = error or f"ranks {dead} are not connected"
-                if lease.late:
-                    lease.late = False
-                    retry.append(lease)
-                    continue
+            if error is not None or state is not None:
+                why = error or f"ranks {state} are not connected"
                 self.failed(lease, f"prefill {instance} not found again: {why}", now)
                 continue
             self._send_dest(lease, instance)
-        if retry and self._refind(instance):
-            self.parked.setdefault(instance, []).extend(retry)
-            self._counts["expect_reparked"] += len(retry)
-            return
-        for lease in retry:
-            self.failed(lease, f"prefill {instance} not found again: {why}", now)
 
     def abort(self, room: int, gen: int, reason: str, now: float) -> None:
         """The host aborted ``room``: tell every source."""
@@ -214,10 +201,14 @@ class RecvLeases:
 
     def _tell(self, lease: RecvLease, reason: str, now: float) -> None:
         lease.asked_at = now
+        lease.told = lease.told or reason
         msg = Abort(room=lease.room, generation=lease.generation, reason=reason[:512])
         for rank, src in lease.srcs.items():
-            if src.alive and rank not in lease.stopped:
-                self._sources.send(src, msg)
+            # the connection that serves the rank now: a failed room keeps the source it was
+            # sent to (its drain evidence), the answer may come on a newer connection
+            cur = src if src.alive else self._sources.current(lease.instance, rank)
+            if cur is not None and rank not in lease.stopped:
+                self._sources.send(cur, msg)
 
     def _lease_drained(self, lease: RecvLease) -> bool:
         if lease.done:
@@ -226,7 +217,8 @@ class RecvLeases:
         live = view is not None and view.generation == lease.generation
         if live and view is not None and view.status != KVPoll.Failed:
             return False  # still live (a cleared lease was aborted, so it failed)
-        return all(r in lease.stopped or self._sources.ended(s) for r, s in lease.srcs.items())
+        now = time.monotonic()
+        return all(r in lease.stopped or self._sources.ended(s, now) for r, s in lease.srcs.items())
 
     def source_dead(self, src: Source, reason: str, now: float) -> None:
         """Fail every room that waits for ``src`` (telling the other sources)."""
@@ -255,9 +247,10 @@ class RecvLeases:
                 self._rooms.touch(lease.room, lease.generation)
 
     def rebind(self, old: Source, new: Source) -> None:
-        """The same prefill process was connected again: its rooms continue on ``new``."""
+        """The same prefill process was connected again: its live rooms continue on ``new``
+        (a failed one keeps ``old``, the evidence of its drain; its Abort reaches ``new``)."""
         for lease in self._all():
-            if lease.srcs.get(old.rank) is old:
+            if lease.srcs.get(old.rank) is old and not lease.failed_at:
                 lease.srcs[old.rank] = new
 
     def _all(self) -> list[RecvLease]:
@@ -330,7 +323,8 @@ class RecvLeases:
             due = lease.failed_at and now - lease.asked_at >= self._ask_s
             if due and not self._lease_drained(lease):
                 self._counts["abort_resent"] += 1
-                self._tell(lease, "aborted (asking again until drained)", now)
+                # the first reason again: a prefill that missed the first Abort learns why
+                self._tell(lease, lease.told or "aborted", now)
 
     def gauges(self) -> dict[str, int]:
         """What the table holds now: leases, cleared rooms still draining, failed rooms not

@@ -17,8 +17,10 @@ by the codec. Each DEALER has its own codec: its own epoch (a new connection is 
 incarnation to the prefill rank) and the prefill rank's identity as its only member.
 
 Frames are encoded on the engine thread immediately before they are sent, so each receiver sees
-one codec's sequence numbers in order. Sends never block: a frame a peer cannot take now is
-counted (``control_send_failed``) and the session's own timeouts decide what that means. A
+one codec's sequence numbers in order; a frame a host thread sends (holding the engine lock) is
+queued and sent by the loop thread, after every frame queued before it. Sends never block: a
+frame a peer cannot take now is counted (``control_send_failed``) and the session's own
+timeouts decide what that means. A
 DEALER connection libzmq cut for good (a frame over the size limit) is replaced by
 :meth:`DealerChannel.revive`.
 :class:`Liveness` paces heartbeats and says when a peer has been silent for too long
@@ -135,8 +137,12 @@ class RouterChannel:
         loop.add_socket(self.sock, self._on_readable)
 
     def send(self, route: bytes, msg: Any) -> None:
-        """Encode ``msg`` now and send it to the connection ``route`` (a routing id from an
-        accepted frame); never blocks."""
+        """Encode ``msg`` and send it to the connection ``route`` (a routing id from an
+        accepted frame); never blocks. From a host thread (holding the engine lock) it is sent
+        by the loop thread at its next round (:meth:`EngineLoop.defer`)."""
+        self._loop.defer(lambda: self._send(route, msg))
+
+    def _send(self, route: bytes, msg: Any) -> None:
         try:
             self.sock.send_multipart([route, self._codec.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
@@ -247,8 +253,11 @@ class DealerChannel:
         for cid, t in list(self._cut.items()):
             if now - t < REVIVE_S or cid not in self._socks:
                 continue
+            closed = cid in self._peer_closed  # still true of the far end until it answers
             self._detach(cid)
             self._attach(cid)
+            if closed:
+                self._peer_closed.add(cid)
             self._counts["control_reconnected"] += 1
             log.warning(
                 "%s: control connection to %s was cut; reconnected",
@@ -284,8 +293,11 @@ class DealerChannel:
         return self._codecs.get(cid)
 
     def send(self, cid: bytes, msg: Any) -> None:
-        """Encode ``msg`` now and send it on connection ``cid``; never blocks (unknown ids are
-        ignored)."""
+        """Encode ``msg`` and send it on connection ``cid``; never blocks (unknown ids are
+        ignored). From a host thread, sent by the loop thread (:meth:`EngineLoop.defer`)."""
+        self._loop.defer(lambda: self._send(cid, msg))
+
+    def _send(self, cid: bytes, msg: Any) -> None:
         sock = self._socks.get(cid)
         if sock is None:
             return

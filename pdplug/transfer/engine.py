@@ -31,11 +31,14 @@ __all__ = [
     "XFER_DONE",
     "XFER_PENDING",
     "XFER_ERROR",
+    "XFER_FAILING",
 ]
 
 XFER_PENDING = "PROC"
 XFER_DONE = "DONE"
 XFER_ERROR = "ERR"
+#: failed, but some of its bytes may still land: the room fails now, the write stays held
+XFER_FAILING = "FAILING"
 
 
 @runtime_checkable
@@ -96,8 +99,12 @@ class TransferEngine(Protocol):
 
     def check(self, xfer: Any) -> str:
         """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"``; never raises for a failed write.
+        ``"FAILING"`` (optional): it failed but part of it is still with the engine (its room
+        fails at once; the write stays held, as a stuck one, until ``"DONE"``/``"ERR"``).
         An engine may also define ``failure(xfer) -> str | None`` (optional, not part of the
-        protocol): why a write that ended ``"ERR"`` failed, appended to the room's reason."""
+        protocol): why a write that ended ``"ERR"`` failed, appended to the room's reason; and
+        ``wakes(xfer) -> bool``: whether this write's end calls the waker (default: whether
+        the engine took one, :func:`engine_wakes`)."""
         ...
 
     def cancel(self, xfer: Any) -> bool:

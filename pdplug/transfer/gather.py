@@ -100,6 +100,9 @@ class ReadyGate:
         """Jobs parked."""
         return sum(len(jobs) for _, jobs in self.parked)
 
+    def __bool__(self) -> bool:
+        return bool(self.parked)
+
     def admit(self, jobs: list[Job], ready: Any, now: float) -> list[Job]:
         """The jobs of one segment: returned to queue now, or parked (returns ``[]``)."""
         if not jobs:
@@ -308,6 +311,9 @@ class PackQueue:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
 
     def leases(self) -> set[int]:
         """``id`` of every lease with a job here."""

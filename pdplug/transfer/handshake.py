@@ -17,10 +17,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pdplug.config import KVConfig
 from pdplug.errors import PlanError
 from pdplug.heads import expected_sources, routed_heads
 from pdplug.layout import entry_map, layout_mismatches
 from pdplug.protocols import PackPlanner
+from pdplug.transfer.engine import TransferEngine
 from pdplug.types import KVLayout, PdplugEvent, PeerInfo
 
 __all__ = [
@@ -39,6 +41,33 @@ Compat = Callable[[PeerInfo, PeerInfo], Sequence[str]]
 
 #: ``emit(event)``: observer callback for room outcomes (once per room and rank).
 Emit = Callable[[PdplugEvent], None]
+
+
+def rank_info(
+    config: KVConfig,
+    engine: TransferEngine,
+    entry_base: Sequence[int] | np.ndarray,
+    *,
+    endpoint: str = "",
+    pack: tuple[int, int] = (0, 0),
+    extra: dict[str, str] | None = None,
+) -> PeerInfo:
+    """What a rank tells its peers about itself once its KV is registered: its layout, role
+    and instance, the engine's connection blob and agent name, where each entry starts
+    (``entry_base``: addresses), its control ``endpoint`` (prefill) and its pack buffer
+    ``(address, bytes)``."""
+    return PeerInfo(
+        instance=config.instance,
+        role=config.role,
+        layout=config.layout,
+        control_endpoint=endpoint,
+        backend=engine.name,
+        agent=engine.agent(),
+        entry_base=tuple(int(b) for b in entry_base),
+        pack_base=pack[0],
+        pack_nbytes=pack[1],
+        extra={"agent_name": engine.agent_name(), **(extra or {})},
+    )
 
 
 def layout_compat(local: PeerInfo, remote: PeerInfo) -> list[str]:

@@ -99,9 +99,15 @@ class SendLeases:
     # ------------------------------------------------------------------ host calls
     def start(self, room: int, gen: int, now: float) -> None:
         """The host started ``room`` (lease ``gen``); adopt what came first."""
-        if self._rooms.generation(room) != gen:
-            return  # cleared before we got here
         lease = Lease(room=room, generation=gen)
+        if self._rooms.generation(room) != gen:
+            # the host aborted and cleared it before this thread saw it: it still ends once
+            # (early DestInfos stay in the inbox: they may be for the room's next lease)
+            why = f"cleared on prefill rank {self._rank} before it started"
+            lease.failed, lease.reason = True, why
+            self._counts["rooms_failed"] += 1
+            self._event("transfer_failed", lease, reason=why)
+            return
         self.leases[room] = lease
         early = sorted(self.inbox.pop(room, {}).items())
         tomb = self.aborted.pop(room, None)
@@ -407,6 +413,8 @@ class SendLeases:
         key = peer.key
         why = f"aborted by {describe(key)}: {a.reason}"
         lease = self.leases.get(a.room)
+        if lease is not None and lease.inflight:
+            self._pipe.reap(now)  # a write of it that already failed names its own failure
         if lease is not None:
             d = lease.dests.get(key)
             if d is not None and d.generation == a.generation:

@@ -1,12 +1,21 @@
 """The engine thread of a KV session: one thread owns the engine and the control sockets.
 
-Host threads never touch the engine or a socket; they :meth:`EngineLoop.submit` closures (or
+The engine's state belongs to whoever holds :attr:`EngineLoop.lock`: the loop thread holds it
+while it runs a round, and a host thread may take it to run engine-side work itself
+(:meth:`EngineLoop.try_run`, :meth:`EngineLoop.locked`) — a send posted from the host's own
+thread, a completion reaped by the host's own ``poll()`` — with no thread hand-off: on a busy
+host a hand-off costs more than a small write (a waiting thread gets the GIL only when the
+holder yields it). Engines are thus called by one thread at a time (UCX's serialized mode).
+Sockets are the loop thread's alone: what a host thread sends while it holds the lock is
+queued (:meth:`EngineLoop.defer`) and sent by the loop thread, in order, at the start of its
+next round. Otherwise host threads :meth:`EngineLoop.submit` closures (or
 :meth:`EngineLoop.call` them and wait, bounded) and read thread-safe state such as
-:class:`~pdplug.rooms.Rooms`. An inproc PAIR socket wakes the loop as soon as work is
-submitted. While transfers are in flight the loop polls without blocking — hot for ``spin_s``,
-then with sleeps of 2% of the elapsed time up to ``backoff_s`` — so completion is seen within a
-few percent of the transfer time without a polling thread eating the CPU a loopback copy needs;
-idle, it blocks in ``zmq_poll`` for up to ``idle_s``.
+:class:`~pdplug.rooms.Rooms`. An inproc PAIR socket wakes the loop when work is submitted, or
+when a host left work behind while the loop was parked (:meth:`EngineLoop.kick`). While
+transfers are in flight the loop polls without blocking — hot for ``spin_s``, then with sleeps
+of 2% of the elapsed time up to ``backoff_s`` — so completion is seen within a few percent of
+the transfer time without a polling thread eating the CPU a loopback copy needs; idle, it
+blocks in ``zmq_poll`` for up to ``idle_s``.
 
 A round that raises is logged and counted (``errors``) and the loop goes on; but if the thread
 itself dies — an exception that is not an ``Exception``, or ``max_errors`` rounds in a row that
@@ -88,6 +97,10 @@ class EngineLoop:
         self._handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         self._todo: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._todo_lock = threading.Lock()
+        #: held by whoever runs engine-side work (the loop thread's rounds, host fast paths)
+        self.lock = threading.Lock()
+        self._deferred: deque[Callable[[], None]] = deque()  # socket work of host threads
+        self._parked = False  # the loop thread is (about to be) blocked in zmq_poll
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._on_death = on_death
@@ -168,6 +181,84 @@ class EngineLoop:
                 f"{self.name}: no answer from the engine thread in {timeout_s:g} s"
             ) from e
 
+    def try_run(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the calling thread if the engine is free now (non-blocking; on the
+        loop thread: at once). Returns whether it ran; then ``fn`` held :attr:`lock`, as a
+        round would. An exception in ``fn`` is logged and counted like a round's, never raised
+        into the caller. Call :meth:`kick` after it when ``fn`` left work in flight."""
+        if self.died is not None or self._stop.is_set():
+            return False
+        if self.on_thread():
+            self._guard(lambda _x: fn(), None)
+            return True
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self._guard(lambda _x: fn(), None)
+        finally:
+            self.lock.release()
+        return True
+
+    def run_here_or_submit(self, fn: Callable[[], None], wait_s: float = 0.0005) -> bool:
+        """Run ``fn`` on the calling thread as :meth:`try_run` does, waiting up to ``wait_s``
+        seconds for the round under way to end (the wait releases the GIL, so that round can
+        end); else :meth:`submit` it. Returns whether it ran here."""
+        if self.try_run(fn):
+            return True
+        if self.died is None and not self._stop.is_set() and self.lock.acquire(timeout=wait_s):
+            try:
+                self._guard(lambda _x: fn(), None)
+            finally:
+                self.lock.release()
+            return True
+        self.submit(fn)
+        return False
+
+    def locked(self, fn: Callable[[], R], timeout_s: float) -> R:
+        """Run ``fn`` on the calling thread holding :attr:`lock` (waiting at most ``timeout_s``
+        for the round under way), for host calls that read engine-side state without a
+        thread hand-off. ``fn`` must not touch a socket (use :meth:`defer`).
+
+        :raises TransferError: the loop is stopped or died, or the engine stayed busy for
+            ``timeout_s`` seconds.
+        """
+        if self.on_thread():
+            return fn()
+        if self.died is not None:
+            raise TransferError(f"{self.name}: {self.death()}")
+        if self._stop.is_set():
+            raise TransferError(f"{self.name}: closed")
+        if not self.lock.acquire(timeout=timeout_s):
+            raise TransferError(f"{self.name}: engine busy for {timeout_s:g} s")
+        try:
+            return fn()
+        finally:
+            self.lock.release()
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Have the loop thread run ``fn`` (socket work) at the start of its next round, in
+        the order deferred; on the loop thread, at once (after what was deferred before)."""
+        if self.on_thread():
+            self._flush_deferred()
+            fn()
+            return
+        self._deferred.append(fn)
+        self._wake()
+
+    def kick(self) -> None:
+        """Wake the loop thread if it is parked in ``zmq_poll``: a host thread left writes in
+        flight that the loop must watch (if the host does not reap them itself first)."""
+        if self._parked:
+            self._wake()
+
+    def _flush_deferred(self) -> None:
+        while self._deferred:
+            fn = self._deferred.popleft()
+            try:
+                fn()
+            except Exception:  # a failed send is the session's timeouts' business
+                log.exception("%s: deferred socket work failed", self.name)
+
     def death(self) -> str:
         """Why the thread died (``""`` while it has not)."""
         d = self.died
@@ -210,7 +301,12 @@ class EngineLoop:
     def _rounds(self) -> None:
         busy_since = 0.0
         while not self._stop.is_set():
-            busy = self._busy() or bool(self._todo)
+            busy = self._busy() or bool(self._todo) or bool(self._deferred)
+            if not busy:
+                # parked first, then look again: a host that adds work after this sees
+                # _parked and wakes us (kick); work added before is seen here
+                self._parked = True
+                busy = self._busy() or bool(self._todo) or bool(self._deferred)
             try:
                 idle = self._idle() if callable(self._idle) else self._idle
                 events = self._poller.poll(0 if busy else max(1, int(idle * 1000)))
@@ -218,36 +314,11 @@ class EngineLoop:
                 if self._stop.is_set():
                     break
                 raise
-            for sock, _ in events:
-                if sock is self._wake_rx:
-                    try:
-                        while True:
-                            sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
-                    continue
-                handler = self._handlers.get(sock)
-                if handler is not None:
-                    self._guard(handler, sock)
-            while True:
-                with self._todo_lock:
-                    if not self._todo:
-                        break
-                    fn, fut = self._todo.popleft()
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as e:
-                        fut.set_exception(e)
+            finally:
+                self._parked = False
+            with self.lock:
+                self._round(events)
             now = time.monotonic()
-            if self._guard(self._step, now):
-                self._in_a_row = 0
-            else:
-                self._in_a_row += 1
-                if self._in_a_row >= self._max_errors:
-                    raise TransferError(
-                        f"{self._in_a_row} rounds in a row failed; last: {self._last_error}"
-                    )
             if not busy:
                 busy_since = 0.0
             elif not events:
@@ -258,6 +329,41 @@ class EngineLoop:
                 busy_for = now - busy_since
                 time.sleep(
                     20e-6 if busy_for < self._spin_s else min(self._backoff_s, busy_for / 50)
+                )
+
+    def _round(self, events: list[tuple[Any, int]]) -> None:
+        """One round's work (holding :attr:`lock`): deferred socket work, readable sockets,
+        submitted closures, ``step``."""
+        self._flush_deferred()
+        for sock, _ in events:
+            if sock is self._wake_rx:
+                try:
+                    while True:
+                        sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                continue
+            handler = self._handlers.get(sock)
+            if handler is not None:
+                self._guard(handler, sock)
+        while True:
+            with self._todo_lock:
+                if not self._todo:
+                    break
+                fn, fut = self._todo.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+        now = time.monotonic()
+        if self._guard(self._step, now):
+            self._in_a_row = 0
+        else:
+            self._in_a_row += 1
+            if self._in_a_row >= self._max_errors:
+                raise TransferError(
+                    f"{self._in_a_row} rounds in a row failed; last: {self._last_error}"
                 )
 
     def _guard(self, fn: Callable[[Any], None], arg: Any) -> bool:

@@ -132,6 +132,7 @@ class DecodePeers:
             handle=handle,
             emap=emap,
             dst_base=np.asarray(remote.entry_base, dtype=np.int64),
+            dst_table=np.asarray(remote.entry_base, dtype=np.int64)[np.asarray(emap)],
             relayout=relayout,
             last_seen=now,
             fed=fed,
@@ -149,6 +150,25 @@ class DecodePeers:
         self._counts["peers"] += 1
         ack = HelloAck(nonce=msg.nonce, accepted=True, rank=self._rank, peer=self._local())
         self._channel.send(got.route, ack)
+
+    def intake(self, got: Inbound, codec: Any, now: float) -> Peer | None:
+        """A frame on the sender's ROUTER: a Hello is handled here (``None``); otherwise the
+        accepted peer that sent it, its route and liveness refreshed, or ``None`` when it comes
+        from no peer (dropped ``unknown_rank``) or from a new connection that never said Hello
+        (dropped ``stale``, the old peer dropped: its epoch is over)."""
+        if isinstance(got.msg, Hello):
+            self.on_hello(got, got.msg, now)
+            return None
+        peer = self.get(got.sender)
+        if peer is None:
+            codec.drop("unknown_rank")
+            return None
+        if self.restarted(got, "sent from a new connection that never said Hello"):
+            codec.drop("stale")
+            return None
+        peer.route = got.route  # libzmq gives a reconnected DEALER a new routing id
+        peer.last_seen = now
+        return peer
 
     def restarted(self, got: Inbound, reason: str) -> bool:
         """Drop the peer of ``got.sender`` (for ``reason``) if ``got`` comes from a newer epoch

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdplug.packing import run_addresses
+from pdplug.packing import plan_addresses, source_table
 from pdplug.transfer.engine import XFER_DONE, TransferEngine, engine_wakes
 from pdplug.transfer.gather import Packing, PackQueue, ReadyGate
 from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
@@ -87,8 +87,7 @@ class SendPipeline:
         waker: Callable[[], None] = lambda: None,
     ) -> None:
         self._waker = waker
-        self._engine = engine
-        self.wakes = engine_wakes(engine, waker)
+        self.engine = engine  # also whether (and for which writes) it wakes the loop
         self.planner = planner
         self.packer: Packer | None = None
         self.layout = layout
@@ -105,6 +104,7 @@ class SendPipeline:
         self.pool = RegionPool(0, 1)
         self._entries: list[Any] = []
         self._src_base = np.zeros(0, dtype=np.int64)
+        self._src_tables: dict[tuple[int, ...], np.ndarray] = {}
         self._pack: torch.Tensor | None = None
         self._pack_base = 0
         self._queues: dict[PeerKey, deque[Job]] = {}
@@ -129,6 +129,7 @@ class SendPipeline:
     def engine(self, engine: TransferEngine) -> None:
         self._engine = engine
         self.wakes = engine_wakes(engine, self._waker)
+        self._wakes_for = getattr(engine, "wakes", None)  # per write, when the engine says
 
     def set_memory(
         self,
@@ -145,6 +146,7 @@ class SendPipeline:
         self._src_base = src_base
         self._pack = pack
         self._pack_base = 0 if pack is None else int(pack.data_ptr())
+        self._src_tables.clear()
         self.regions = regions
         self.pool = RegionPool(len(regions), depth)
         self.packer = packer
@@ -154,14 +156,18 @@ class SendPipeline:
         """Work queued, packing or in flight (a round must look at it)."""
         return bool(self._queues or self._packing or self._inflight or self._gate)
 
-    def busy(self) -> bool:
-        """Whether the loop must poll rather than sleep until woken: writes on an engine that
-        cannot wake it, or dispatch work left over from the last round."""
+    def has_queued(self) -> bool:
+        """Jobs queued or parked that a round must start."""
+        return bool(self._queues or self._gate or self._more)
+
+    def busy(self, watched: bool = False) -> bool:
+        """Whether the loop must poll rather than sleep: left-over dispatch, a pack or ready
+        marker, or writes an engine cannot wake it for (unless a host reaps them: ``watched``)."""
         return (
             self._more
             or self._waiting
             or bool(self._gate)
-            or bool(self._inflight and not self.wakes)
+            or (not watched and self._inflight.silent())
         )
 
     def gauges(self) -> dict[str, int]:
@@ -184,8 +190,7 @@ class SendPipeline:
         stuck = self._inflight.stuck_keys()
         out = self._packing.leases()
         out.update(self._inflight.moving(now))
-        # a segment parked behind its host's ready marker is not silence: the gate fails the
-        # room itself after transfer_timeout_s, naming the marker
+        # parked behind the host's ready marker is not silence (the gate fails it, naming it)
         out.update(id(jobs[0].lease) for _, jobs in self._gate.parked)
         if now - self.progress_at <= self.timeout_s:
             for key, q in self._queues.items():
@@ -226,8 +231,7 @@ class SendPipeline:
 
     def step(self, now: float) -> None:
         """One round: reap writes, post what finished packing, dispatch queued jobs."""
-        if self._inflight:
-            self._reap(now)
+        self.reap(now)
         posts = self.counts["posts"]
         self._waiting = False
         if self._gate:
@@ -243,7 +247,7 @@ class SendPipeline:
         if self._packing:
             self._post_packed(now)
         if self.counts["posts"] != posts:
-            self._reap(now)  # an engine that copies inside its post call is done already
+            self.reap(now)  # an engine that copies inside its post call is done already
         if not self._inflight:
             self.clock.writes_idle(time.perf_counter())
 
@@ -359,7 +363,7 @@ class SendPipeline:
             if i + 1 < len(done) and self._queues and self._inflight:
                 # writes that completed while this one was posted (an engine copying inside
                 # its post call) hand their regions to the pack thread before the next post
-                self._reap(now)
+                self.reap(now)
                 self._dispatch(now)
 
     def _post_one(self, p: Packing, plan: TransferPlan, now: float) -> None:
@@ -387,9 +391,11 @@ class SendPipeline:
         t0 = time.perf_counter()
         self.clock.write_started(t0)
         try:
-            src, dst, ln = run_addresses(
-                plan, self._src_base, peer.dst_base, peer.emap, self._pack_base
-            )
+            key = plan.pack_entries if plan.packed else ()
+            tab = self._src_tables.get(key)
+            if tab is None:  # one per packed entry set (a handful per sender)
+                tab = self._src_tables[key] = source_table(self._src_base, self._pack_base, key)
+            src, dst, ln = plan_addresses(plan, tab, peer.dst_table)
             wire_tag = self._tags.encode(tag) if self.engine.notifications else b""
             handle = self.engine.post(peer.handle, src, dst, ln, wire_tag)
         except Exception as e:
@@ -402,21 +408,22 @@ class SendPipeline:
             )
             return
         self.timings["post_s"] += time.perf_counter() - t0
-        self._inflight.add(job, peer, handle, region, plan.nbytes, tag, now)
+        wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
+        self._inflight.add(job, peer, handle, region, plan.nbytes, tag, now, not wakes)
         self.counts["posts"] += 1
         self.counts["runs"] += plan.num_runs
 
     # ------------------------------------------------------------------ completion
-    def _reap(self, now: float) -> None:
+    def _why(self, handle: Any) -> str:
+        why = getattr(self.engine, "failure", None)
+        return (why(handle) if callable(why) else None) or ""
+
+    def reap(self, now: float) -> None:
+        """Ask the engine about every write in flight now (finished, failed, stuck)."""
         done, stuck = self._inflight.poll(self.engine, now)
         for w in stuck:  # its region and handle stay reserved until the engine answers
-            self.counts["writes_stuck"] += 1
-            self._on_fail(
-                w.job.lease,
-                f"write of chunk {w.tag.chunk_id} to {describe(w.job.key)} not done after "
-                f"{self.timeout_s:g} s (KVConfig.transfer_timeout_s); held until the engine "
-                "reports it",
-            )
+            self.counts["writes_failing" if w.failing else "writes_stuck"] += 1
+            self._on_fail(w.job.lease, w.held_reason(self.timeout_s, self._why(w.handle)))
         for w, st in done:
             self._finish(w, st, now)
 
@@ -434,10 +441,8 @@ class SendPipeline:
         elif st != XFER_DONE:
             self.counts["post_failed"] += 1
             reason = f"write of chunk {x.tag.chunk_id} to dcp {job.dst_rank} failed (engine {st})"
-            why = getattr(self.engine, "failure", None)
-            detail = why(x.handle) if callable(why) else None
-            if detail:
-                reason = f"{reason}: {detail}"
+            detail = self._why(x.handle)
+            reason = f"{reason}: {detail}" if detail else reason
             self._on_fail(lease, reason)
         # the room's outcome first, then free the region: a drained notice must follow the
         # last byte, and the completion must not wait for the release

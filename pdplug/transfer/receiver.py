@@ -40,6 +40,7 @@ from pdplug.transfer.handshake import (
     feeding_peers,
     layout_compat,
     merge_refusals,
+    rank_info,
 )
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Done, Heartbeat, HelloAck, control_codec, tag_codec
@@ -120,6 +121,7 @@ class KVReceiverSession(RoomSession):
             on_dead=lambda src, why: self._table.source_dead(src, why, time.monotonic()),
             on_replace=lambda old, new: self._table.rebind(old, new),
             counts=self.counts,
+            on_answered=lambda inst: self._table.unpark(inst, None, time.monotonic()),
         )
         self._table = RecvLeases(
             rooms=self.rooms,
@@ -128,11 +130,10 @@ class KVReceiverSession(RoomSession):
             event=self._event,
             counts=self.counts,
             refind=lambda inst: self._finder.start(inst),
-            searching=lambda inst: self._finder.busy(inst),
         )
         self._finder = Finder(
             name=self._loop.name,
-            connect=lambda peers, where: self.connect(peers, rendezvous=where),
+            connect=lambda peers, where, t: self.connect(peers, t, rendezvous=where),
             submit=self._loop.submit,
             on_found=lambda inst, err: self._table.unpark(inst, err, time.monotonic()),
             timeout_s=config.bootstrap_timeout_s,
@@ -343,7 +344,7 @@ class KVReceiverSession(RoomSession):
         frames: dict[str, int] = {}
         try:  # every connection's codec, open or closed (read on the engine thread)
             frames = (
-                self._loop.call(self._channel.stats, 10.0)
+                self._loop.locked(self._channel.stats, 10.0)
                 if self._loop.running
                 else self._channel.stats()
             )
@@ -378,16 +379,7 @@ class KVReceiverSession(RoomSession):
             raise TransferError("KVReceiver.register_kv: already registered")
         self.engine.register(list(reg.regions))
         self._num_pages = reg.num_pages
-        cfg = self.config
-        self._info = PeerInfo(
-            instance=cfg.instance,
-            role="decode",
-            layout=cfg.layout,
-            backend=self.engine.name,
-            agent=self.engine.agent(),
-            entry_base=reg.base,
-            extra={"agent_name": self.engine.agent_name()},
-        )
+        self._info = rank_info(self.config, self.engine, reg.base)
 
     def _shutdown(self) -> None:
         self._down = True
@@ -452,5 +444,10 @@ class KVReceiverSession(RoomSession):
 
     def _gauges(self) -> dict[str, int]:
         out = self._table.gauges()
-        out["sources"] = sum(len(t) for t in self._sources.by_instance.values())
+        srcs = [s for t in self._sources.by_instance.values() for s in t.values()]
+        out["sources"] = len(srcs)
+        # silent: declared dead for silence; ended: nothing of theirs can land any more
+        out["sources_silent"] = sum(1 for s in srcs if s.silent)
+        now = time.monotonic()
+        out["sources_ended"] = sum(1 for s in srcs if self._sources.ended(s, now))
         return out

@@ -47,6 +47,8 @@ class Peer(msgspec.Struct, kw_only=True):
     :ivar fed: decode TP ranks of the peer's instance this prefill rank writes
         (:func:`pdplug.heads.fed_ranks`): a room waits for a DestInfo from each of their DCP
         ranks.
+    :ivar dst_table: int64 destination base address per source entry (``dst_base[emap]``),
+        made once at the handshake for :func:`pdplug.packing.plan_addresses`.
     """
 
     ident: str
@@ -64,6 +66,7 @@ class Peer(msgspec.Struct, kw_only=True):
     gone: bool = False
     released: bool = False
     fed: int = 1
+    dst_table: np.ndarray
 
 
 class Lease(msgspec.Struct, kw_only=True):

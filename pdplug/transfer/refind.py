@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ class Finder:
     """Where each prefill instance was resolved, and the searches for instances under way.
 
     :param name: log and thread label.
-    :param connect: ``(peers, rendezvous)``: the session's blocking handshake
+    :param connect: ``(peers, rendezvous, timeout_s)``: the session's blocking handshake
         (:meth:`pdplug.transfer.receiver.KVReceiverSession.connect`).
     :param submit: runs a closure on the session's engine thread.
     :param on_found: ``(instance, error)`` on the engine thread when a search ended
@@ -48,7 +49,7 @@ class Finder:
         self,
         *,
         name: str,
-        connect: Callable[[list[Any], str], None],
+        connect: Callable[[list[Any], str, float], None],
         submit: Callable[[Callable[[], None]], Any],
         on_found: Callable[[str, str | None], None],
         timeout_s: float,
@@ -76,10 +77,6 @@ class Finder:
         else:
             self.rendezvous.pop(instance, None)
 
-    def busy(self, instance: str) -> bool:
-        """Whether a search for ``instance`` is under way (engine thread)."""
-        return instance in self._finding
-
     def start(self, instance: str) -> bool:
         """Look ``instance`` up again (engine thread); True when a search is under way."""
         if instance in self._finding:
@@ -105,8 +102,7 @@ class Finder:
     def _run(self, instance: str, where: str) -> None:
         error: str | None = None
         try:
-            peers = bootstrap.resolve(where, instance, timeout_s=self._timeout_s, wire=self._wire)
-            self._connect(peers, where)
+            self._search(instance, where)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             log.warning("%s: prefill %s not found again: %s", self._name, instance, error)
@@ -114,6 +110,22 @@ class Finder:
             self._submit(lambda: self._done(instance, error))
         except TransferError:
             pass  # the session closed meanwhile
+
+    def _search(self, instance: str, where: str) -> None:
+        """Resolve and connect until one handshake is answered or ``timeout_s`` ran out. Each
+        handshake waits at most ``retry_s``: right after a rank died the rendezvous still
+        holds its old registration, and its restarted process registers again meanwhile."""
+        t_end = time.monotonic() + self._timeout_s
+        while True:
+            left = t_end - time.monotonic()
+            peers = bootstrap.resolve(where, instance, timeout_s=max(left, 0.1), wire=self._wire)
+            try:
+                self._connect(peers, where, max(0.1, min(self._retry_s, left)))
+                return
+            except TransferError:  # not answered: maybe a stale registration; look again
+                if time.monotonic() >= t_end:
+                    raise
+                self._counts["refind_retried"] += 1
 
     def _done(self, instance: str, error: str | None) -> None:
         self._finding.discard(instance)

@@ -1,31 +1,25 @@
 """Prefill side: :class:`KVSenderSession`, the engine-neutral KV sender both default backends use.
 
-One session per prefill rank. It owns a control ROUTER
-(:class:`~pdplug.transfer.channel.RouterChannel`; decode ranks connect to it; frames are sealed
-under this rank's :func:`~pdplug.wire.rank_identity` and peers are known by the identity that
-sealed theirs), a
-:class:`~pdplug.rooms.Rooms` table, the registered KV entries and one pack buffer, and an engine
-thread (:class:`~pdplug.transfer.loop.EngineLoop`) that is the only caller of the
+One session per prefill rank: a control ROUTER (:class:`~pdplug.transfer.channel.RouterChannel`;
+peers known by the identity that sealed their frames), a :class:`~pdplug.rooms.Rooms` table,
+the registered KV and one pack buffer, and an engine loop
+(:class:`~pdplug.transfer.loop.EngineLoop`) whose lock is held by whoever calls the
 :class:`~pdplug.transfer.engine.TransferEngine`. Decode peers are kept by
-:class:`~pdplug.transfer.peers.DecodePeers`, rooms by
-:class:`~pdplug.transfer.leases.SendLeases`, writes by
-:class:`~pdplug.transfer.pipeline.SendPipeline`.
+:class:`~pdplug.transfer.peers.DecodePeers`, rooms by :class:`~pdplug.transfer.leases.SendLeases`,
+writes by :class:`~pdplug.transfer.pipeline.SendPipeline`; sends are handed over and reaped by
+:class:`~pdplug.transfer.handoff.Handoff` (on the host's thread when the engine is free).
 
-Per request (room): the host calls :meth:`KVSenderSession.start`; the room is
-``Bootstrapping`` until every decode DCP rank of the destination instance sent its
-:class:`~pdplug.types.DestInfo`, then ``WaitingForInput``. Each :meth:`KVSenderSession.send`
-of a scheduler :class:`~pdplug.types.Segment` becomes one job per destination DCP rank, started
-once the host's ``ready`` marker of the segment completed: plan (``PackPlanner.plan``); for
-peers that need relayout, each job takes a free pack region and the segment's jobs are packed
-together (:func:`pdplug.packing.pack_segment`: ``pack_all``, one launch on CUDA); post the byte
-runs (``TransferEngine.post``) with the chunk's :class:`~pdplug.types.ChunkTag`, after the pack
-finished on the device (:mod:`pdplug.transfer.gather`). With ``pack_depth`` regions per rank,
-segment ``k + 1`` packs into other regions while segment ``k``'s write is in flight (double
-buffering; :mod:`pdplug.packing`). A rank that owns no token of a chunk still gets a
-notification-only chunk (SGLang #32837) so the decode side's count completes. The room turns
-``Success`` when the last segment's jobs completed on every destination (never while one is
-pending), ``Failed`` on a plan error, a failed or timed-out post, an abort from either side, a
-silent decode peer or a room deadline.
+Per request (room): :meth:`KVSenderSession.start`; ``Bootstrapping`` until every decode DCP rank
+of the destination sent its :class:`~pdplug.types.DestInfo`, then ``WaitingForInput``. Each
+:meth:`KVSenderSession.send` of a :class:`~pdplug.types.Segment` becomes one job per
+destination DCP rank, started once the segment's ``ready`` marker completed: plan, pack the
+relayout jobs of the segment together into pack regions (``pack_all``), post the byte runs with
+the chunk's :class:`~pdplug.types.ChunkTag` after the pack finished
+(:mod:`pdplug.transfer.gather`; double buffered over ``pack_depth`` regions). A rank owning no
+token of a chunk sends a notification-only chunk (SGLang #32837). The room turns ``Success``
+when the last segment's jobs completed everywhere (never while one is pending), ``Failed`` on a
+plan error, a failed or timed-out post, an abort from either side, a silent decode peer or a
+room deadline.
 """
 
 from __future__ import annotations
@@ -45,12 +39,11 @@ from pdplug.registration import RegisteredKV, resolve_kv
 from pdplug.rooms import Rooms
 from pdplug.transfer.channel import Liveness, RouterChannel
 from pdplug.transfer.engine import TransferEngine, dedup_regions
-from pdplug.transfer.gather import check_ready
-from pdplug.transfer.handshake import Compat, Emit, check_decode_peer, layout_compat
+from pdplug.transfer.handoff import WATCH_S, Handoff
+from pdplug.transfer.handshake import Compat, Emit, check_decode_peer, layout_compat, rank_info
 from pdplug.transfer.leases import SendLeases
 from pdplug.transfer.loop import EngineLoop
-from pdplug.transfer.messages import Abort, Heartbeat, Hello, control_codec, tag_codec
-from pdplug.transfer.pageids import page_ids
+from pdplug.transfer.messages import Abort, Heartbeat, control_codec, tag_codec
 from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import Lease, SendPipeline
 from pdplug.transfer.regions import make_pack_buffer
@@ -136,7 +129,10 @@ class KVSenderSession(RoomSession):
         self._loop = EngineLoop(
             f"pdplug-{engine.name}-send-{config.instance}-{self.rank}",
             self._step,
-            lambda: self._pipe.busy(),
+            # writes a host reaps itself (it polled or waited within _WATCH_S) need no
+            # polling loop thread beside it competing for the GIL; it checks back each idle_s
+            lambda: self._pipe.busy(self._handoff.watched()),
+            idle_s=lambda: WATCH_S if self._pipe.has_work() else 0.005,
             on_death=self._engine_died,
         )
         self._channel = RouterChannel(self._loop, w, self._codec, self._on_message, self.counts)
@@ -187,6 +183,14 @@ class KVSenderSession(RoomSession):
         self._leases = self._table.leases
         self._draining = self._table.draining
         self._inbox = self._table.inbox
+        self._handoff = Handoff(
+            rooms=self.rooms,
+            loop=self._loop,
+            table=self._table,
+            pipe=self._pipe,
+            num_pages=lambda: self._num_pages,
+            counts=self.counts,
+        )
         self._loop.start()
 
     @property
@@ -258,7 +262,7 @@ class KVSenderSession(RoomSession):
 
     def dest(self, room: int) -> list[DestInfo]:
         """The DestInfos received for ``room``, one per destination DCP rank (sorted)."""
-        return self._loop.call(lambda: self._table.dest(room), 10.0)
+        return self._loop.locked(lambda: self._table.dest(room), 10.0)
 
     def capacity_tokens(self, room: int) -> int | None:
         """Largest segment (tokens) a send of ``room`` may have: the pack-region bound for a
@@ -267,12 +271,14 @@ class KVSenderSession(RoomSession):
 
         :raises ValueError: ``room`` has no destination yet (not ``WaitingForInput``).
         """
-        return self._loop.call(lambda: self._table.capacity(room), 10.0)
+        return self._loop.locked(lambda: self._table.capacity(room), 10.0)
 
     def send(self, room: int, segment: Segment, src_pages: np.ndarray, ready: Any = None) -> None:
         """Plan, pack and post the writes of one segment to every destination DCP rank.
 
-        Non-blocking: the work runs on the engine thread. Segments of one room must be sent in
+        Never waits for the wire: the writes are planned and posted on the calling thread when
+        the engine is free (no thread hand-off), else on the engine thread; :meth:`send_many`
+        posts a whole step's segments at once. Segments of one room must be sent in
         ``chunk_id`` order, the last with ``is_last``; chunk ids of one rank start at 0 and have
         no gaps (the decode side counts them). A send for a failed room is ignored. Ordering
         (:mod:`pdplug.transfer.gather`): nothing reads the segment's KV before
@@ -293,26 +299,42 @@ class KVSenderSession(RoomSession):
             page id is outside the registered KV (named), or ``src_pages`` does not hold
             integers (:func:`pdplug.transfer.pageids.page_ids`).
         """
-        check_ready(ready)
-        status = self.rooms.status(room)
-        if status == KVPoll.Failed:
-            self.counts["send_after_failure"] += 1
-            return
-        if status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
-            raise ValueError(
-                f"KVSender.send: room {room} is {status.name}; send only once it is "
-                "WaitingForInput (every decode DestInfo arrived)"
-            )
-        pages = page_ids(src_pages, "src_pages", self._num_pages, "KVSender.send", room)
-        gen = self.rooms.generation(room)
-        if gen is None or not self.rooms.add_pending(room, 1, gen):
-            return
-        self.rooms.advance(room, KVPoll.Transferring, gen)
-        if segment.is_last:
-            self.rooms.advance(room, KVPoll.Success, gen)  # held until nothing is pending
-        self._loop.submit(
-            lambda: self._table.enqueue(room, gen, segment, pages, time.monotonic(), ready)
-        )
+        job = self._handoff.accept(room, segment, src_pages, ready)
+        if job is not None:
+            self._handoff.post((job,))
+
+    def send_many(self, sends: Sequence[tuple[Any, ...]]) -> None:
+        """:meth:`send` for every ``(room, segment, src_pages[, ready])`` of one engine step,
+        with one hand-off for all of them (:mod:`pdplug.transfer.handoff`).
+
+        :raises KeyError, TypeError, ValueError: as :meth:`send`, for the first bad item; the
+            items before it are sent.
+        """
+        self._handoff.accept_all(sends)
+
+    def poll(self, room: int) -> KVPoll:
+        """Room status on this rank; while it is ``Transferring`` the calling thread reaps
+        finished writes itself when the engine is free (:meth:`Handoff.poll
+        <pdplug.transfer.handoff.Handoff.poll>`), so a polling host sees ``Success`` with no
+        thread hand-off.
+
+        :raises KeyError: ``room`` is not leased (never started, or cleared).
+        """
+        return self._handoff.poll(room)
+
+    def wait(
+        self,
+        room: int,
+        until: tuple[KVPoll, ...] = (KVPoll.Success, KVPoll.Failed),
+        timeout_s: float | None = None,
+    ) -> KVPoll:
+        """Block until ``room`` reaches a status in ``until`` (a single non-terminal status
+        means "at least"), reaping writes on the waiting thread while any is in flight.
+
+        :param timeout_s: seconds; ``None``: as long as the room's deadlines allow.
+        :raises KeyError: ``room`` is not leased.
+        """
+        return self._handoff.wait(room, until, timeout_s)
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every destination once in-flight writes drained (a room
@@ -336,15 +358,13 @@ class KVSenderSession(RoomSession):
 
     def stats(self) -> dict[str, Any]:
         """Counters: posts, runs, bytes, notify_only, segments, rooms_ok/failed, refused peers,
-        peers_dead, room_conflicts, writes_stuck (ever), pack_launches (pack calls, one per
-        segment), pack_s/plan_s/post_s (seconds), pack_busy_s/write_busy_s/overlap_s (seconds
-        the pack thread worked, some write was in flight, and both at once:
-        :class:`~pdplug.transfer.gather.BusyClock`),
-        control-channel drops by reason, ``engine_*`` engine counters; and what the rank holds
-        now: leases, draining, inbox, early_aborts, queued, waiting_ready (jobs whose
-        segment waits for its ready marker), packing, xfers, stuck_writes (writes
-        pending past ``transfer_timeout_s``, their regions and handles held), busy_regions,
-        peers_connected."""
+        peers_dead, room_conflicts, writes_stuck (ever), pack_launches (one per segment),
+        pack_s/plan_s/post_s (seconds), pack_busy_s/write_busy_s/overlap_s (seconds the pack
+        thread worked, a write was in flight, both: :class:`~pdplug.transfer.gather.BusyClock`),
+        control-channel drops by reason, ``engine_*`` counters; and what the rank holds now:
+        leases, draining, inbox, early_aborts, queued, waiting_ready (segments behind their
+        ready marker), packing, xfers, stuck_writes (pending past ``transfer_timeout_s``,
+        regions and handles held), busy_regions, peers_connected."""
         out: dict[str, Any] = {"backend": self.engine.name, "rank": self.rank}
         out.update(self._common_stats(self._codec, self._tags))
         out.update(self._pipe.counts)
@@ -357,7 +377,7 @@ class KVSenderSession(RoomSession):
     def _register(self, entries: list[Any], reg: RegisteredKV) -> None:
         if self._info is not None:
             raise TransferError("KVSender.register_kv: already registered")
-        cfg, lay = self.config, self.layout
+        cfg = self.config
         regions = list(reg.regions)
         self._pack, self._regions = make_pack_buffer(cfg)
         if self._pack is not None:
@@ -367,21 +387,12 @@ class KVSenderSession(RoomSession):
         base = np.asarray(reg.base, dtype=np.int64)
         packer = self._packer or self.planner.packer(cfg.device)
         self._pipe.set_memory(entries, base, self._pack, self._regions, cfg.pack_depth, packer)
-        self._info = PeerInfo(
-            instance=cfg.instance,
-            role="prefill",
-            layout=lay,
-            control_endpoint=self.endpoint,
-            backend=self.engine.name,
-            agent=self.engine.agent(),
-            entry_base=tuple(int(b) for b in base),
-            pack_base=0 if self._pack is None else int(self._pack.data_ptr()),
-            pack_nbytes=0 if self._pack is None else int(self._pack.numel()),
-            extra={"agent_name": self.engine.agent_name(), "rank": str(self.rank)},
-        )
+        pk = (0, 0) if self._pack is None else (self._pack.data_ptr(), self._pack.numel())
+        extra = {"rank": str(self.rank)}
+        self._info = rank_info(cfg, self.engine, base, endpoint=self.endpoint, pack=pk, extra=extra)
 
     def close(self) -> None:
-        """Stop refreshing the rank's registration, then close the session; idempotent."""
+        """Stop refreshing the registration, then close the session; idempotent."""
         if self._registrar is not None:
             self._registrar.stop()
         super().close()
@@ -406,24 +417,15 @@ class KVSenderSession(RoomSession):
         )
 
     def _on_message(self, got: Inbound, now: float) -> None:
+        peer = self._peers.intake(got, self._codec, now)  # Hellos, strangers, liveness
         msg = got.msg
-        if isinstance(msg, Hello):
-            self._peers.on_hello(got, msg, now)
+        if peer is None or isinstance(msg, Heartbeat):
             return
-        peer = self._peers.get(got.sender)
-        if peer is None:
-            self._codec.drop("unknown_rank")
-            return
-        if self._peers.restarted(got, "sent from a new connection that never said Hello"):
-            self._codec.drop("stale")
-            return
-        peer.route = got.route  # libzmq gives a reconnected DEALER a new routing id
-        peer.last_seen = now
         if isinstance(msg, DestInfo):
             self._table.on_dest(peer, msg, now)
         elif isinstance(msg, Abort):
             self._table.on_abort(peer, msg, now)
-        elif not isinstance(msg, Heartbeat):
+        else:
             self._codec.drop("wrong_type")
 
     def _drained(self, room: int) -> bool:

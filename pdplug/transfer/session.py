@@ -100,7 +100,7 @@ class RoomSession:
         counted in ``stats()``). Free or reuse the pages only then. ``False`` once the engine
         thread died (nothing can be confirmed any more)."""
         try:
-            return self._loop.call(lambda: self._drained(room), 10.0)
+            return self._loop.locked(lambda: self._drained(room), 10.0)
         except TransferError:
             if self._loop.died is None and not self._closed:
                 raise
@@ -179,7 +179,7 @@ class RoomSession:
         out["engine_thread_died"] = self._loop.death()
         if self._loop.running:
             try:
-                out.update(self._loop.call(self._gauges, 10.0))
+                out.update(self._loop.locked(self._gauges, 10.0))
             except TransferError:
                 pass
         return out

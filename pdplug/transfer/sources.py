@@ -12,9 +12,10 @@ once the new connection was accepted).
 Silence is not proof that a source stopped writing: a partition silences a prefill rank whose
 writes land once it heals. A source has **ended** (:meth:`PrefillSources.ended`: nothing it
 posted can land any more) only when its control connection was closed by the far end and not
-reconnected since (its process ended: a FIN or RST came back, which no partition sends) while it
-was silent, or when the instance answered again with another process at that rank (a restart:
-the old incarnation is gone). Until then a failed room bound to it is not drained.
+reconnected since (its process ended: a FIN or RST came back, which no partition sends) and it
+has been silent for ``transfer_timeout_s``, or when the instance answered again with another
+process at that rank (a restart: the old incarnation is gone). Until then a failed room bound
+to it is not drained; its Abort goes to whichever connection serves that rank now.
 Runs on the engine thread.
 """
 
@@ -44,9 +45,9 @@ class Source(msgspec.Struct, kw_only=True):
     :ivar cid: the control connection's id; ``rank``: the prefill rank id.
     :ivar state: ``pending`` | ``accepted`` | ``refused`` (with ``mismatches``).
     :ivar silent: declared dead for its silence (``alive`` is then False too).
-    :ivar over: nothing it posted can land any more (:meth:`PrefillSources.ended`).
-    :ivar cut: its far end had closed the connection when this side closed it, before it was
-        found silent; it has ended once it has been silent for ``transfer_timeout_s``.
+    :ivar cut: its connection was closed by the far end and not reconnected when this side
+        closed it (kept: the socket that told is gone).
+    :ivar over: another process answered for its rank since (:meth:`PrefillSources.ended`).
     """
 
     instance: str
@@ -60,8 +61,8 @@ class Source(msgspec.Struct, kw_only=True):
     state: str = "pending"
     mismatches: tuple[str, ...] = ()
     silent: bool = False
-    over: bool = False
     cut: bool = False
+    over: bool = False
 
 
 class PrefillSources:
@@ -74,6 +75,8 @@ class PrefillSources:
     :param on_replace: ``(old, new)`` when a reconnect to the same prefill process was
         accepted (never before: a connection that never answers must not take its rooms).
     :param counts: the session's counters (``sources_dead``).
+    :param on_answered: ``(instance)`` when a handshake with it ended (every rank answered,
+        or it was given up).
     """
 
     def __init__(
@@ -85,7 +88,9 @@ class PrefillSources:
         on_dead: Callable[[Source, str], None],
         on_replace: Callable[[Source, Source], None],
         counts: Counter[str],
+        on_answered: Callable[[str], None] = lambda _instance: None,
     ) -> None:
+        self._on_answered = on_answered
         self._channel = channel
         self._codec = codec
         self._live = liveness
@@ -132,14 +137,20 @@ class PrefillSources:
         self._pending.append((group, fut))
         return fut
 
-    def ended(self, src: Source) -> bool:
+    def ended(self, src: Source, now: float) -> bool:
         """Whether nothing ``src`` posted can land any more (module docstring): another process
-        answered for its rank since, or it is silent and the far end closed its connection."""
+        answered for its rank since, or the far end closed its connection and it has been
+        silent for ``transfer_timeout_s`` since its last frame."""
         if src.over:
             return True
-        if src.cut:  # closed here after the far end closed it: silence still has to follow
-            return self._live.silent_for(src.last_seen, time.monotonic()) is not None
-        return src.silent and self._channel.closed_by_peer(src.cid)
+        cut = src.cut or self._channel.closed_by_peer(src.cid)
+        return cut and self._live.silent_for(src.last_seen, now) is not None
+
+    def current(self, instance: str, rank: int) -> Source | None:
+        """The accepted, live source of ``instance`` at ``rank`` now (the connection a room's
+        Abort goes to, whichever connection the room was expected on)."""
+        src = self.table(instance).get(rank)
+        return src if src is not None and src.alive and src.state == "accepted" else None
 
     def abandon(self, fut: Future[list[Source]]) -> list[int]:
         """Give up a connect that timed out; returns the ranks that never answered."""
@@ -151,18 +162,14 @@ class PrefillSources:
                 # only if still current: a later connect to the instance may have replaced it
                 if first is not None and self.table(first.instance).get(first.rank) is first:
                     self.disconnect(first.instance)
+                    self._on_answered(first.instance)
                 return missing
         return []
 
     def disconnect(self, instance: str) -> None:
         """Close every connection to ``instance``."""
         for src in self.by_instance.pop(instance, {}).values():
-            if self._channel.closed_by_peer(src.cid):
-                # what its connection said stays true once it is closed (a reconnect to the
-                # instance can come before the silence is noticed: both ranks of a killed
-                # process are not always found silent in the same round)
-                src.over = src.over or src.silent
-                src.cut = not src.over
+            src.cut = src.cut or self._channel.closed_by_peer(src.cid)  # kept past the socket
             src.alive = False
             self.by_cid.pop(src.cid, None)
             if self.by_agent.get(src.agent_name) is src:
@@ -206,6 +213,7 @@ class PrefillSources:
             if all(s.state != "pending" for s in group):
                 self._pending.remove((group, fut))
                 fut.set_result(group)
+                self._on_answered(src.instance)
 
     def heartbeat(self, now: float) -> None:
         """Heartbeat every accepted source; declare the silent ones dead."""

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from pdplug.transfer.engine import XFER_ERROR, XFER_PENDING, TransferEngine
-from pdplug.transfer.records import Job, Lease, Peer, PeerKey
+from pdplug.transfer.engine import XFER_ERROR, XFER_FAILING, XFER_PENDING, TransferEngine
+from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
 from pdplug.types import ChunkTag
 
 __all__ = ["Write", "InFlight"]
@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 class Write(msgspec.Struct, kw_only=True):
     """One posted write: its job, the peer whose handle it uses, the engine handle, the pack
-    region it reads (-1: none), post time and clock (seconds), bytes and completion tag."""
+    region it reads (-1: none), post time and clock (seconds), bytes and completion tag;
+    ``silent``: the engine will not wake the loop when it ends (someone must poll it)."""
 
     job: Job
     peer: Peer
@@ -37,6 +38,18 @@ class Write(msgspec.Struct, kw_only=True):
     nbytes: int
     tag: ChunkTag
     stuck: bool = False
+    silent: bool = True
+    failing: bool = False  # stuck because the engine said FAILING, not for its time
+
+    def held_reason(self, timeout_s: float, detail: str) -> str:
+        """Why the room of a write held after it failed or got stuck ended."""
+        what = f"write of chunk {self.tag.chunk_id} to {describe(self.job.key)}"
+        if self.failing:
+            return f"{what} failed (engine FAILING): {detail or 'no detail'}; held until it ends"
+        return (
+            f"{what} not done after {timeout_s:g} s (KVConfig.transfer_timeout_s); held until "
+            "the engine reports it"
+        )
 
 
 class InFlight:
@@ -54,6 +67,9 @@ class InFlight:
     def __len__(self) -> int:
         return len(self.writes)
 
+    def __bool__(self) -> bool:
+        return bool(self.writes)
+
     def add(
         self,
         job: Job,
@@ -63,8 +79,9 @@ class InFlight:
         nbytes: int,
         tag: ChunkTag,
         now: float,
+        silent: bool = True,
     ) -> None:
-        """Track a write the engine accepted at ``now``."""
+        """Track a write the engine accepted at ``now`` (``silent``: its end wakes no one)."""
         self._seq += 1
         self.writes.append(
             Write(
@@ -77,8 +94,13 @@ class InFlight:
                 seq=self._seq,
                 nbytes=nbytes,
                 tag=tag,
+                silent=silent,
             )
         )
+
+    def silent(self) -> bool:
+        """Whether a write in flight ends without waking the loop (it must be polled)."""
+        return any(w.silent for w in self.writes)
 
     def poll(
         self, engine: TransferEngine, now: float
@@ -94,12 +116,13 @@ class InFlight:
             except Exception as e:
                 st = XFER_ERROR
                 log.debug("check raised %s", e)
-            if st != XFER_PENDING:
+            if st != XFER_PENDING and st != XFER_FAILING:
                 done.append((w, st))
                 continue
             keep.append(w)
-            if not w.stuck and now - w.clock > self.timeout_s:
-                w.stuck = True
+            if not w.stuck and (st == XFER_FAILING or now - w.clock > self.timeout_s):
+                w.stuck = True  # reported once: its room fails, the write stays held
+                w.failing = st == XFER_FAILING
                 stuck.append(w)
         self.writes = keep
         return done, stuck

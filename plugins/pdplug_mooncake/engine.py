@@ -97,6 +97,14 @@ class _Peer(msgspec.Struct, kw_only=True):
     probe: threading.Thread | None = None
 
 
+class _AsyncWrite(msgspec.Struct, kw_only=True):
+    """A write submitted as single-run asynchronous batches (``ids`` still in flight)."""
+
+    peer: _Peer
+    ids: list[int] = []
+    error: str = ""
+
+
 class MooncakeEngine:
     """One Mooncake TransferEngine for one pdplug rank.
 
@@ -105,7 +113,12 @@ class MooncakeEngine:
         ``host`` (advertised host, default ``config.wire.bind_host``), ``max_batch``
         (descriptors per write call, default 1024), ``probe_timeout_s`` (seconds a peer has
         to answer the handshake probe before its writes fail, default
-        ``min(2, transfer_timeout_s / 2)``).
+        ``min(2, transfer_timeout_s / 2)``), ``async_max_runs`` (writes of at most this many
+        runs to a verified session go asynchronous from the posting thread, default 0: every
+        write on the peer's worker thread. Asynchronous writes need no Python thread to
+        complete, but after a refused run the engine fails a session's other queued runs one
+        every second or so: the write reports ``"FAILING"`` (its room fails at once) and its
+        room stays undrained until they end).
     :raises ImportError: mooncake is not installed.
     :raises TransferError: ``initialize`` failed (names host and protocol).
     """
@@ -132,6 +145,11 @@ class MooncakeEngine:
         self._max_batch = int(extra.get("max_batch", "1024"))
         if self._max_batch <= 0:
             raise ValueError(f"KVConfig.extra['max_batch'] must be > 0, got {self._max_batch}")
+        self._async_runs = int(extra.get("async_max_runs", "0"))
+        if self._async_runs < 0:
+            raise ValueError(
+                f"KVConfig.extra['async_max_runs'] must be >= 0, got {self._async_runs}"
+            )
         probe = extra.get("probe_timeout_s", str(min(2.0, config.transfer_timeout_s / 2)))
         try:
             self._probe_s = float(probe)
@@ -205,10 +223,24 @@ class MooncakeEngine:
 
     def post(
         self, peer: Any, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
-    ) -> Future[int]:
-        """Queue the write on the peer's worker thread; :meth:`check` reports it (and the
-        waker, if set, fires when it finishes)."""
+    ) -> Future[int] | _AsyncWrite:
+        """Start the write: to a verified session with at most ``async_max_runs`` runs, as one
+        asynchronous single-run batch per run submitted from the calling thread (the engine's
+        own threads move the bytes; :meth:`check` polls each batch, so completion needs no
+        Python thread: on a busy host a thread waiting for the GIL costs more than a small
+        write); otherwise queued on the peer's worker thread (which probes an unverified
+        session first), whose completion fires the waker."""
         s, d, n = src.tolist(), dst.tolist(), length.tolist()
+        if peer.verified and len(n) <= self._async_runs:
+            w = _AsyncWrite(peer=peer)
+            for a, b, c in zip(s, d, n):
+                bid = self._engine.batch_transfer_async_write(peer.session, [a], [b], [c])
+                if not bid:  # refused: report ERR once the runs already submitted ended
+                    w.error = f"mooncake async write to {peer.session} was refused"
+                    break
+                w.ids.append(bid)
+            self.counts["async_writes"] += 1
+            return w
         key: list[int] = []  # the future's id, known before the worker can run the write
         fut: Future[int] = peer.worker.submit(lambda: self._write(peer, key, s, d, n), key)
         if self._waker is not None:
@@ -268,24 +300,53 @@ class MooncakeEngine:
                 return int(rc)
         return 0
 
+    def wakes(self, xfer: Any) -> bool:
+        """Whether ``xfer``'s end calls the waker: a worker write does; an asynchronous one is
+        found by polling :meth:`check`."""
+        return not isinstance(xfer, _AsyncWrite) and self._waker is not None
+
     def failure(self, xfer: Any) -> str | None:
         """Why a write whose :meth:`check` said ``"ERR"`` failed, when the engine knows."""
+        if isinstance(xfer, _AsyncWrite):
+            return xfer.error or None
         return self._failures.get(id(xfer))
 
     def check(self, xfer: Any) -> str:
-        """``"PROC"`` while the write runs, then ``"DONE"`` (rc 0) or ``"ERR"``."""
+        """``"PROC"`` while the write runs, then ``"DONE"`` (rc 0) or ``"ERR"``; an
+        asynchronous write with a failed run reports ``"FAILING"`` while others are still with
+        the engine, and ``"ERR"`` once none can land any more."""
+        if isinstance(xfer, _AsyncWrite):
+            return self._check_async(xfer)
         if not xfer.done():
             return "PROC"
         if xfer.cancelled() or xfer.exception() is not None or xfer.result() != 0:
             return "ERR"
         return "DONE"
 
+    def _check_async(self, w: _AsyncWrite) -> str:
+        pending = []
+        for bid in w.ids:
+            rc = int(self._engine.transfer_check_status(bid))
+            if rc == 0 or rc == -2:  # in flight (-2: past the engine's own timeout, still held)
+                pending.append(bid)
+            elif rc != 1:  # the engine freed the batch (1: done)
+                w.error = w.error or f"mooncake async write to {w.peer.session} failed ({rc})"
+        w.ids = pending
+        if w.error:
+            w.peer.verified = False  # probe the session again before its next write
+        if pending:
+            # after a refused run the engine fails the session's other queued runs slowly
+            return "FAILING" if w.error else "PROC"
+        return "ERR" if w.error else "DONE"
+
     def cancel(self, xfer: Any) -> bool:
-        """Withdraw a write still queued behind the running one (``Future.cancel``)."""
-        return bool(xfer.cancel())
+        """Withdraw a write still queued behind the running one (``Future.cancel``); an
+        asynchronous write is with the engine already (False)."""
+        return False if isinstance(xfer, _AsyncWrite) else bool(xfer.cancel())
 
     def release(self, xfer: Any) -> None:
-        """Forget the write's failure reason (nothing else to release: a future)."""
+        """Forget the write's failure reason (nothing else to release: the engine frees an
+        asynchronous write's batches when :meth:`check` sees them end)."""
         self._failures.pop(id(xfer), None)
 
     def notify(self, peer: Any, tag: bytes) -> None:

@@ -214,13 +214,15 @@ class NixlEngine:
             address outside the peer's registered memory) or the post returned ``ERR``.
         """
         n = int(length.shape[0])
-        dev = np.full(n, self._dev, dtype=np.uint64)
-        ln = length.astype(np.uint64)
-        local = np.stack([src.astype(np.uint64), ln, dev], axis=1)
-        remote = np.stack([dst.astype(np.uint64), ln, dev], axis=1)
+        local = np.empty((n, 3), dtype=np.uint64)  # (address, bytes, device) rows
+        local[:, 0] = src
+        local[:, 1] = length
+        local[:, 2] = self._dev
+        remote = local.copy()
+        remote[:, 0] = dst
         try:
-            small = n and int(length.sum()) <= self._prep_bytes * n
-            handle = self._prepped(peer, local, remote, tag) if self._prep_max and small else None
+            small = self._prep_max and n and int(length.sum()) <= self._prep_bytes * n
+            handle = self._prepped(peer, local, remote, tag) if small else None
             if handle is None:
                 handle = self._agent.initialize_xfer(
                     "WRITE",

@@ -107,8 +107,9 @@ def test_public_names_have_their_own_docstrings(module: str) -> None:
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        # optional dependencies: torch (extra [torch]) and vLLM (its own install, tox env vllm)
-        if (e.name or "").split(".")[0] not in ("torch", "vllm"):
+        # optional dependencies: torch (extra [torch]), vLLM and SGLang (their own installs, tox
+        # envs vllm and sglang)
+        if (e.name or "").split(".")[0] not in ("torch", "vllm", "sglang"):
             raise
         pytest.skip(f"{module} needs {e.name}")
     if hasattr(mod, "__all__"):

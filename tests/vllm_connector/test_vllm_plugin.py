@@ -49,7 +49,7 @@ def test_register_on_unsupported_vllm_warns_and_still_registers(
     monkeypatch.setattr(adapter, "_registered", False)
     monkeypatch.setattr(adapter, "installed_vllm", lambda: ("vllm", "0.40.1"))
     adapter.register()
-    assert "found vllm 0.40.1" in caplog.text and ">=0.32,<0.33" in caplog.text
+    assert "found vllm 0.40.1" in caplog.text and ">=0.32,<0.34" in caplog.text
 
 
 def _kv_cache_config() -> KVCacheConfig:

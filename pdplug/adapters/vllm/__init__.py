@@ -33,7 +33,7 @@ CONNECTOR_NAME = "PdplugConnector"
 CONNECTOR_MODULE = "pdplug.adapters.vllm.connector"
 #: supported vLLM releases, ``(lowest, first unsupported)`` as (major, minor); the connector
 #: interface is marked experimental and changes between minor releases
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 #: the gate built from :data:`SUPPORTED_VLLM` (``register`` warns, the connector refuses)
 VLLM_GATE = VersionGate(
     component=CONNECTOR_NAME, engine="vLLM", module="vllm", supported=SUPPORTED_VLLM

@@ -60,6 +60,7 @@ from pdplug.bootstrap import RendezvousServer
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -114,8 +115,9 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         ``kv_producer`` (prefill) or ``kv_consumer`` (decode).
     :param role: scheduler or worker.
     :param kv_cache_config: the engine's KV cache groups (exactly one group is supported).
-    :raises ValueError: ``kv_both``, several KV cache groups, PP or DCP on the wrong side, or
-        a bad ``kv_connector_extra_config`` value (named).
+    :raises ValueError: ``kv_both``, several KV cache groups, PP or DCP on the wrong side,
+        auxiliary outputs (``--enable-return-routed-experts``), or a bad
+        ``kv_connector_extra_config`` value (named).
     :raises pdplug.errors.PluginError: a selected pdplug component cannot be built.
     """
 
@@ -134,6 +136,15 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         if len(groups) != 1:
             raise ValueError(
                 f"PdplugConnector supports one KV cache group, the model has {len(groups)}"
+            )
+        if vllm_config.aux_output_config.enabled:
+            # vLLM refuses this for its own P/D connectors ("PD auxiliary output is not
+            # supported"); from 0.33 its AuxOutputSchedulerConnector also caps the external
+            # hit to what its store holds (cap_external_hit), which would turn every decode
+            # request into a silent local prefill
+            raise ValueError(
+                "PdplugConnector: --enable-return-routed-experts (aux_output_config) is not "
+                "supported with prefill/decode disaggregation"
             )
         extra = parse_extra(kv.kv_connector_extra_config)
         self.instance = extra.instance or str(kv.engine_id)
@@ -209,8 +220,44 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         for point, name in self.selections.items():
             pm.resolve(point, name)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM >= 0.33 asks; vLLM then refuses ``--enable-sleep-mode`` with this connector).
+
+        Sleep mode frees the KV cache and maps it again on wake-up, possibly at other
+        addresses. pdplug's KV sender and receiver register the KV memory once per session
+        (``register_kv``; there is no unregister), the decode ranks' addresses go to every
+        prefill rank at the handshake, and prefill ranks write into them (push): following a
+        remap needs re-registration, a new handshake and every peer told, which pdplug's
+        transfer layer does not offer. vLLM's own NixlPushConnector answers False for the same
+        reason.
+        """
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Refused (see :meth:`supports_sleep_mode`): vLLM's inherited no-op would leave peers
+        writing into memory that sleep mode frees.
+
+        :raises RuntimeError: always.
+        """
+        raise RuntimeError(
+            "PdplugConnector does not support sleep mode: its KV memory stays registered "
+            "with its peers for the whole session"
+        )
+
+    def restore_kv_caches(self) -> None:
+        """Refused, as :meth:`unregister_kv_caches`.
+
+        :raises RuntimeError: always.
+        """
+        self.unregister_kv_caches()
+
     # ------------------------------------------------------------------ scheduler side
     def on_new_request(self, request: Request) -> None:
+        """Adopt a request whose ``kv_transfer_params`` carry pdplug's document and claim its
+        room (:meth:`pdplug.adapters.vllm.scheduler.PushBook.on_new_request`; a malformed or
+        duplicate document is recorded: the prefill runs it without transfer, the decode
+        fails it)."""
         self.book.on_new_request(
             request.request_id, request.kv_transfer_params, request.num_prompt_tokens
         )
@@ -218,6 +265,8 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Decode: ``(prompt tokens beyond the local prefix hit, True)`` once per room (an
+        asynchronous load); prefill: ``(0, False)``."""
         return self.book.num_new_matched_tokens(
             request.request_id, request.num_prompt_tokens, num_computed_tokens
         )
@@ -225,12 +274,18 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        """Decode: the request's blocks for ``num_external_tokens`` tokens become its room's
+        destination (a :class:`~pdplug.adapters.vllm.scheduler.RecvJob` in the next plan)."""
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self.book.after_alloc(
             request.request_id, block_ids, num_external_tokens, request.num_prompt_tokens
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's plan for the workers: prefill, one
+        :class:`~pdplug.adapters.push.SendJob` per scheduled chunk of a request with a room and
+        the rooms of preempted requests to abort; both sides, pending receive jobs, aborts and
+        cancels."""
         sends: list[SendJob] = []
         if self.side == "prefill":
             so = scheduler_output
@@ -255,6 +310,8 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         return PdplugConnectorMetadata(self.book.take_plan(sends))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Forget the rooms the workers reported drained (``finished_sending`` /
+        ``finished_recving``)."""
         done = set(connector_output.finished_sending or ())
         done |= set(connector_output.finished_recving or ())
         self.book.finished_transfers(done)
@@ -262,17 +319,23 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)``: a prefill request whose room got a chunk keeps
+        its blocks until every worker reported the room drained; its params name the room and
+        the tokens sent, or the error."""
         return self.book.finished(request.request_id, request.status in _COMPLETED)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` (vLLM's ``SupportsHMA`` form; one KV cache group)."""
         return self.book.finished(request.request_id, request.status in _COMPLETED)
 
     def has_pending_push_work(self) -> bool:
+        """Held rooms or plans not yet handed to the workers (keeps vLLM's loop stepping)."""
         return self.book.has_pending_push_work()
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """``(0,)``: the one KV cache group PdplugConnector supports."""
         return (0,)
 
     def set_xfer_handshake_metadata_pp_aware(
@@ -317,6 +380,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Worker: this rank's :class:`PdplugHandshakeMetadata` (None on the scheduler)."""
         if self.worker is None:
             return None
         w = self.worker.where
@@ -342,9 +406,11 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.preempt(kv_connector_metadata.plan, wait=True)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Apply this step's plan once (aborts, receive jobs, cancels; send jobs queued)."""
         self._apply_plan()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a decode request runs only once its room succeeded."""
         return  # loads are asynchronous: a request runs only after its room succeeded
 
     def save_kv_layer(
@@ -354,6 +420,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
+        """Nothing per layer: a step's sends are posted in :meth:`wait_for_save`."""
         return  # sends are posted per step in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -368,6 +435,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         w.post(ready=step_ready(str(w.session.config.device)))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` of :meth:`get_transfer_results`."""
         res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending or None, res.finished_recving or None
 
@@ -394,6 +462,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """:class:`~pdplug.adapters.vllm.stats.PdplugKVConnectorStats` from ``data``."""
         return PdplugKVConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -404,6 +473,7 @@ class PdplugConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:
+        """:class:`~pdplug.adapters.vllm.stats.PdplugPromMetrics` (the pdplug counters)."""
         return PdplugPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -39,17 +39,21 @@ class PdplugKVConnectorStats(KVConnectorStats):
             self.data.setdefault(k, 0)
 
     def reset(self) -> None:
+        """Every counter back to 0."""
         self.data = dict.fromkeys(COUNTERS, 0)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Add ``other``'s counters to these (another worker, or a replayed interval)."""
         for k in COUNTERS:
             self.data[k] = int(self.data.get(k, 0)) + int(other.data.get(k, 0))
         return self
 
     def reduce(self) -> dict[str, int | float]:
+        """The counters as ``{key: int}`` (what vLLM logs)."""
         return {k: int(self.data.get(k, 0)) for k in COUNTERS}
 
     def is_empty(self) -> bool:
+        """No counter moved in this interval."""
         return not any(self.data.get(k) for k in COUNTERS)
 
 
@@ -72,6 +76,8 @@ class PdplugPromMetrics(KVConnectorPromMetrics):
             }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's counters (``reduce()``'d stats) to engine ``engine_idx``'s
+        Prometheus counters."""
         for key, per_engine in self.counters.items():
             n = int(transfer_stats_data.get(key, 0))
             if n and engine_idx in per_engine:

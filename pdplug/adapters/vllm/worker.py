@@ -11,7 +11,8 @@ Prefill (``kv_producer``): each :class:`~pdplug.adapters.push.SendJob` leases it
 room on first sight (``KVSender.start``); once the decode's DestInfo arrived the job's tokens
 are split at ``min(grid, pack capacity)`` by the selected scheduler
 (:func:`pdplug.adapters.push.segments_for_job`: chunk ids continue across jobs, a non-last
-job's partial page waits for the next) and posted. Jobs that come before the
+job's partial page waits for the next) and posted, every segment of an engine step in one
+``KVSender.send_many`` call (one hand-off per step, issue 24). Jobs that come before the
 DestInfo wait here (the room is ``Bootstrapping``, bounded by ``bootstrap_timeout_s``). A room
 of a finished request is reported in ``finished_sending`` once it ended (Success or Failed)
 and :meth:`~pdplug.protocols.KVSender.drained`, so vLLM frees its blocks only when no write
@@ -224,17 +225,27 @@ class PushWorker:
                     time.sleep(0.001)
 
     def post(self, ready: Any = None) -> None:
-        """Prefill: post every queued job whose room has its destination (after the forward).
+        """Prefill: post every queued job whose room has its destination (after the forward),
+        all of this step's segments in one ``KVSender.send_many`` call: one hand-off per engine
+        step however many rooms and segments it has (issue 24; a sender without
+        ``send_many``, e.g. a third-party plugin's, gets one ``send`` per segment).
 
         :param ready: ``None`` (the step's KV is in the blocks now, CPU) or the step's
             readiness (:func:`pdplug.adapters.push.step_ready`, a CUDA event recorded
-            after the forward's KV writes) passed to every ``KVSender.send`` of this step.
+            after the forward's KV writes) passed with every segment of this step.
         """
+        items: list[tuple[int, Any, Any, Any]] = []
+        rooms: list[int] = []
         for room, st in list(self._send.items()):
             if st.pending and not st.aborted:
                 if ready is not None:  # jobs not posted now keep it (posted from results())
                     st.ready = ready
-                self._post(room, st)
+                n = len(items)
+                self._plan(room, st, items)
+                if len(items) > n:
+                    rooms.append(room)
+        if items:
+            self._send_step(items, rooms)
 
     def has_pending(self) -> bool:
         """Prefill: some queued job waits to be posted."""
@@ -330,7 +341,8 @@ class PushWorker:
         self._counts["rooms_started"] += 1
         return st
 
-    def _post(self, room: int, st: _SendRoom) -> None:
+    def _plan(self, room: int, st: _SendRoom, items: list[tuple[int, Any, Any, Any]]) -> None:
+        # the room's queued jobs as (room, segment, src_pages, ready) items of this step
         status = self._status(room)
         if status == KVPoll.Failed:
             st.pending = []
@@ -341,6 +353,7 @@ class PushWorker:
         prefix = s.dest(room)[0].decode_prefix_len
         cap = s.capacity_tokens(room)
         jobs, st.pending = st.pending, []
+        n = len(items)
         for job in jobs:
             if st.cursor.done:
                 break
@@ -350,12 +363,42 @@ class PushWorker:
                     block_size=self.where.block_size, scheduler=self._sched,
                     whole_pages=self.where.whole_blocks,
                 )  # fmt: skip
-                for seg, pages in segs:
-                    s.send(room, seg, pages, ready=st.ready)
             except ValueError as e:
+                del items[n:]  # none of this room's segments goes out
                 self._abort(room, f"send failed: {e}")
                 st.aborted = True
                 return
+            items += [(room, seg, pages, st.ready) for seg, pages in segs]
+
+    def _send_step(self, items: list[tuple[int, Any, Any, Any]], rooms: list[int]) -> None:
+        s = self.session
+        many = getattr(s, "send_many", None)
+        if many is None:
+            bad: set[int] = set()
+            for room, seg, pages, ready in items:
+                if room in bad:
+                    continue
+                try:
+                    s.send(room, seg, pages, ready=ready)
+                except (KeyError, TypeError, ValueError) as e:
+                    bad.add(room)
+                    self._fail_send(room, e)
+            return
+        try:
+            many(items)
+        except (KeyError, TypeError, ValueError) as e:
+            # the items before the bad one went out, the rest did not; which room it was is
+            # not returned, so every room of the step is failed (the decode side recomputes
+            # or fails those requests per kv_load_failure_policy): never a room with a gap
+            for room in rooms:
+                self._fail_send(room, e)
+
+    def _fail_send(self, room: int, e: Exception) -> None:
+        log.error("pdplug: room %d: send failed: %s", room, e)
+        self._abort(room, f"send failed: {type(e).__name__}: {e}")
+        st = self._send.get(room)
+        if st is not None:
+            st.aborted, st.pending = True, []
 
     # ------------------------------------------------------------------ decode helpers
     def _connect(self, instance: str, endpoint: str) -> None:

@@ -1,0 +1,162 @@
+"""The host side of a send: checking it, handing a step's sends over, reaping completions.
+
+On a host whose own loop runs Python between polls (every serving engine's scheduler), a thread
+hand-off costs more than a small write: a thread that must wake another one (or wait for the
+GIL) adds tens of microseconds to milliseconds per send (vLLM RFC #50913: hand-off
+orchestration, not the wire, set the TTFT of a step). So a send is checked on the host's
+thread (:meth:`Handoff.accept`), and the step's sends are planned and posted on that same
+thread when the engine is free (:meth:`Handoff.post`, holding the engine lock of
+:class:`~pdplug.transfer.loop.EngineLoop`; socket work is deferred to the loop thread); and a
+host that polls or waits reaps its finished writes itself (:meth:`Handoff.poll`,
+:meth:`Handoff.wait`), so ``Success`` needs no hand-off either. While a host reaps, the loop
+thread only checks back every :data:`WATCH_S` instead of polling beside it; for a host that
+neither polls nor waits it is the backstop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pdplug.rooms import Rooms, reached
+from pdplug.transfer.gather import check_ready
+from pdplug.transfer.leases import SendLeases
+from pdplug.transfer.loop import EngineLoop
+from pdplug.transfer.pageids import page_ids
+from pdplug.transfer.pipeline import SendPipeline
+from pdplug.types import KVPoll, Segment
+
+__all__ = ["Handoff", "Job", "REAP_S", "WATCH_S"]
+
+#: a step's job: (room, generation, segment, source page ids, ready marker)
+Job = tuple[int, int, Segment, np.ndarray, Any]
+#: seconds between two reaps a polling host runs itself (a host polling many rooms reaps once)
+REAP_S = 20e-6
+#: a host that reaped within this many seconds watches its writes: the loop thread only checks
+#: back this often instead of polling beside it
+WATCH_S = 1e-3
+
+
+class Handoff:
+    """One sender's host-side send path (host threads; see the module docstring).
+
+    :param rooms: the session's room table; ``loop``: its engine loop.
+    :param table: its rooms on the engine side; ``pipe``: its send pipeline.
+    :param num_pages: returns the registered page count (source ids are checked against it).
+    :param counts: the session's counters (``send_after_failure``).
+    """
+
+    def __init__(
+        self,
+        *,
+        rooms: Rooms,
+        loop: EngineLoop,
+        table: SendLeases,
+        pipe: SendPipeline,
+        num_pages: Callable[[], int],
+        counts: Counter[str],
+    ) -> None:
+        self._rooms = rooms
+        self._loop = loop
+        self._table = table
+        self._pipe = pipe
+        self._num_pages = num_pages
+        self._counts = counts
+        self.reaped_at = 0.0  # when a host last reaped (monotonic seconds)
+
+    def watched(self) -> bool:
+        """Whether a host reaped within :data:`WATCH_S` (the loop thread need not poll)."""
+        return time.monotonic() - self.reaped_at < WATCH_S
+
+    def accept(self, room: int, segment: Segment, src_pages: Any, ready: Any = None) -> Job | None:
+        """Check one send and count it pending (``KVSender.send``'s errors); ``None`` when it
+        is ignored (the room failed)."""
+        check_ready(ready)
+        status = self._rooms.status(room)
+        gen = None
+        if status != KVPoll.Failed:
+            pages = page_ids(src_pages, "src_pages", self._num_pages(), "KVSender.send", room)
+            gen, status = self._rooms.begin_send(room, segment.is_last)
+        if status == KVPoll.Failed:
+            self._counts["send_after_failure"] += 1
+            return None
+        if gen is None:
+            raise ValueError(
+                f"KVSender.send: room {room} is {status.name}; send only once it is "
+                "WaitingForInput (every decode DestInfo arrived)"
+            )
+        return room, gen, segment, pages, ready
+
+    def accept_all(self, sends: Sequence[tuple[Any, ...]]) -> None:
+        """:meth:`accept` every ``(room, segment, src_pages[, ready])`` and :meth:`post` them in
+        one hand-off (the ones before a bad item too, then its error is raised)."""
+        jobs: list[Job] = []
+        try:
+            for item in sends:
+                job = self.accept(*item)
+                if job is not None:
+                    jobs.append(job)
+        finally:
+            if jobs:
+                self.post(jobs)
+
+    def post(self, jobs: Sequence[Job]) -> None:
+        """Enqueue a step's jobs and run a pipeline round: on this thread when the engine is
+        free or frees within 0.5 ms, else as one closure on the engine thread."""
+        now = time.monotonic()
+
+        def run() -> None:
+            for room, gen, seg, pages, ready in jobs:
+                self._table.enqueue(room, gen, seg, pages, now, ready)
+            self._pipe.step(now)
+
+        # writes in flight are reaped by whoever polls or waits first, the loop thread at its
+        # next round at the latest; work still queued (regions busy, budget spent) needs it now
+        if self._loop.run_here_or_submit(run) and self._pipe.has_queued():
+            self._loop.kick()
+
+    def poll(self, room: int) -> KVPoll:
+        """The room's status, reaping the session's finished writes first when it is
+        ``Transferring`` and the engine is free (at most every :data:`REAP_S`), then yielding
+        the GIL once if it still is (the engine's own threads may wait for it).
+
+        :raises KeyError: ``room`` is not leased.
+        """
+        st = self._rooms.status(room)
+        if st is not KVPoll.Transferring:
+            return st
+        now = time.monotonic()
+        if (
+            self._pipe.has_work()
+            and now - self.reaped_at >= REAP_S
+            and self._loop.try_run(self._reap)
+        ):
+            st = self._rooms.status(room)
+        if st is KVPoll.Transferring:
+            time.sleep(0)
+        return st
+
+    def wait(self, room: int, until: tuple[KVPoll, ...], timeout_s: float | None) -> KVPoll:
+        """Block until ``room`` reaches ``until`` (``KVSender.wait``), reaping writes while any
+        is in flight (pauses of 20 us growing to 1 ms), else sleeping on the room table."""
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 20e-6
+        while True:
+            busy = self._pipe.has_work()
+            if busy and self._loop.try_run(self._reap):
+                busy = self._pipe.has_work()
+            slice_s = pause if busy else 0.05
+            left = None if t_end is None else t_end - time.monotonic()
+            st = self._rooms.wait(room, until, slice_s if left is None else min(left, slice_s))
+            if reached(st, until) or (left is not None and left <= slice_s):
+                return st
+            pause = min(2 * pause, 1e-3)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        self.reaped_at = now
+        self._pipe.step(now)
