@@ -23,7 +23,7 @@ import click
 
 from pdplug_bench.machine import json_option
 
-__all__ = ["cli", "JSON_KEYS"]
+__all__ = ["cli", "JSON_KEYS", "json_row"]
 
 #: the keys every ``--json`` row has (issue 23); rows carry more (TTFT, bytes, notes)
 JSON_KEYS = ("scenario", "backend", "rooms", "ok", "failed", "lost", "wrong_bytes", "fail_s",
@@ -61,6 +61,15 @@ def _harness() -> Any:
     if not ok:
         raise click.ClickException(f"pdplug bench cluster needs network namespaces: {why}")
     return netns
+
+
+def json_row(row: Any) -> dict[str, Any]:
+    """One ``--json`` row: exactly :data:`JSON_KEYS`; ``failed`` is the failures by reason
+    (``{reason: rooms}``, summing to the failed rooms), seconds are ``None`` where the
+    scenario has no fault or nothing failed."""
+    out = {k: getattr(row, k) for k in JSON_KEYS}
+    out["failed"] = dict(row.failed_by)
+    return out
 
 
 def _fmt(v: float | None, scale: float = 1.0, nd: int = 2) -> str:
@@ -131,7 +140,6 @@ def cli(
     """Issue 23's network faults on a cluster of namespaces (root), with real pdplug
     processes and the reference host's traffic: one row per scenario and backend; exit 1 when
     a room was lost, a byte wrong, or a scenario's promise broken."""
-    import msgspec
     from rich.console import Console
     from rich.table import Table
 
@@ -165,6 +173,17 @@ def cli(
             except WorkerError as e:
                 row = Row(scenario=key, backend=b, problems=[f"worker failed: {e}"[:2000]])
             rows.append(row)
+            # a row as soon as it is measured (a run cut short still shows what it did)
+            console.print(
+                f"  rooms {row.rooms} ok {row.ok} failed {row.failed} {row.failed_by or ''} "
+                f"lost {row.lost} wrong {row.wrong_bytes} fail_s {_fmt(row.fail_s)} "
+                f"recover_s {_fmt(row.recover_s)} {row.seconds:g} s"
+                + (
+                    f" [red]{len(row.problems)} problems: {row.problems[:3]}[/]"
+                    if row.problems
+                    else ""
+                )
+            )
     table = Table(
         title="pdplug bench cluster (failed: by reason; lost: never ended on a live side, "
         "wrong bytes, or a byte landed after release; fail: fault to the last in-flight room "
@@ -200,8 +219,6 @@ def cli(
         for p in r.problems:
             console.print(f"[red]{r.scenario} on {r.backend}: {p}[/]")
     if json_path:
-        out = [msgspec.to_builtins(r) for r in rows]
-        write_json(json_path, {"rows": out, "short": short, "rate": rate,
-                               "concurrency": concurrency, "max_dst_dcp": max_dst_dcp})  # fmt: skip
+        write_json(json_path, {"rows": [json_row(r) for r in rows]})
     if bad:
         raise SystemExit(1)
