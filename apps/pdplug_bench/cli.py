@@ -10,7 +10,9 @@ import click
 
 __all__ = ["bench", "BENCHES"]
 
-BENCHES = ("consensus", "plan", "pack", "transfer", "e2e", "soak", "vllm", "sglang")
+BENCHES = (
+    "consensus", "plan", "pack", "transfer", "e2e", "soak", "vllm", "sglang", "cluster",
+)
 
 
 class _Benches(click.Group):

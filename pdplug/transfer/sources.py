@@ -6,7 +6,8 @@ is ``accepted`` or ``refused`` by its :class:`~pdplug.transfer.messages.HelloAck
 tags are attributed to a source by its connection (control channel) or its engine agent name
 (engine notifications). A source silent for ``transfer_timeout_s`` is declared dead; the
 session's ``on_dead`` fails the rooms that wait for it. Connecting to an instance again replaces
-its sources; a rank served by the same process (same agent) keeps its rooms (``on_replace``).
+its sources; a rank served by the same process (same agent) keeps its rooms (``on_replace``,
+once the new connection was accepted).
 
 Silence is not proof that a source stopped writing: a partition silences a prefill rank whose
 writes land once it heals. A source has **ended** (:meth:`PrefillSources.ended`: nothing it
@@ -71,7 +72,8 @@ class PrefillSources:
     :param codec: the control codec (drops of stale acks).
     :param liveness: heartbeat pacing and silence bound.
     :param on_dead: ``(source, reason)`` when a source is declared dead.
-    :param on_replace: ``(old, new)`` when a reconnect reaches the same prefill process.
+    :param on_replace: ``(old, new)`` when a reconnect to the same prefill process was
+        accepted (never before: a connection that never answers must not take its rooms).
     :param counts: the session's counters (``sources_dead``).
     :param on_answered: ``(instance)`` when a handshake with it ended (every rank answered,
         or it was given up).
@@ -133,10 +135,6 @@ class PrefillSources:
             group.append(src)
         self.by_instance[instance] = {s.rank: s for s in group}
         self._pending.append((group, fut))
-        for src in group:
-            prev = old.get(src.rank) or self._last.get((instance, src.rank))
-            if prev is not None and prev.agent_name and prev.agent_name == src.agent_name:
-                self._on_replace(prev, src)
         return fut
 
     def ended(self, src: Source, now: float) -> bool:
@@ -199,9 +197,14 @@ class PrefillSources:
             src.state = "accepted"
             if src.agent_name:
                 self.by_agent[src.agent_name] = src
+            # rooms move to a connection only once it answered: a reconnect that never does
+            # (a stale registration of a dead process) must not strand them on it
             prev = self._last.get((src.instance, src.rank))
-            if prev is not None and prev is not src and prev.agent_name != src.agent_name:
-                prev.over = True  # a new incarnation answers for this rank
+            if prev is not None and prev is not src:
+                if prev.agent_name != src.agent_name:
+                    prev.over = True  # a new incarnation answers for this rank
+                elif src.agent_name:
+                    self._on_replace(prev, src)  # the same process: its rooms continue here
             self._last[(src.instance, src.rank)] = src
         else:
             src.state = "refused"

@@ -46,6 +46,13 @@ pytestmark = pytest.mark.timeout(60)
         (("e2e", "--variants", ""), ("'--variants'", "expected CONSENSUS+KV_SENDER")),
         (("e2e", "--variants", "pp0+nixl,+nixl"), ("'--variants'", "'+nixl'")),
         (("e2e", "--variants", "pp0+nope"), ("'--variants'", "no kv_sender named 'nope'")),
+        (("cluster", "--backend", "nope"), ("'--backend'", "no kv_sender named 'nope'")),
+        (("cluster", "--backend", ""), ("'--backend'", "expected comma-separated names")),
+        (("cluster", "--scenarios", "1,8"), ("'--scenarios'", "scenario numbers among 1, 2")),
+        (("cluster", "--scenarios", ""), ("'--scenarios'", "scenario numbers")),
+        (("cluster", "--rate", "0"), ("'--rate'", "1.0<=x<=1000.0")),
+        (("cluster", "--concurrency", "0"), ("'--concurrency'", "1<=x<=64")),
+        (("cluster", "--json", "/nonexistent-dir/x.json"), ("'--json'", "does not exist")),
     ],
 )
 def test_ordinary_mistakes_get_one_line_and_exit_2(
@@ -66,7 +73,7 @@ def test_help_has_no_rest_markup_and_every_option_is_explained() -> None:
     runner = CliRunner()
     top = runner.invoke(main, ["bench", "--help"])
     assert top.exit_code == 0 and "``" not in top.output and "OMP_WAIT_POLICY" in top.output
-    for cmd in ("consensus", "plan", "pack", "transfer", "e2e"):
+    for cmd in ("consensus", "plan", "pack", "transfer", "e2e", "cluster"):
         res = runner.invoke(main, ["bench", cmd, "--help"], terminal_width=200)
         assert res.exit_code == 0 and "``" not in res.output, res.output
     res = runner.invoke(main, ["bench", "consensus", "--help"], terminal_width=200)
@@ -84,3 +91,19 @@ def test_vllm_commands_name_what_is_missing_in_one_line() -> None:
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 1, res.output
         assert "Traceback" not in res.output and "pdplug[vllm]" in res.output, res.output
+
+
+def test_bench_cluster_without_pytest_names_the_testing_extra_in_one_line() -> None:
+    """The cluster bench runs on pdplug.testing.netns, which imports pytest: an install
+    without the [testing] extra gets one line naming it, not an ImportError traceback."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['pytest'] = None; from pdplug.cli import main; "
+        "main(['bench', 'cluster', '--scenarios', '1', '--backend', 'nixl'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert 'pip install "pdplug[testing]"' in out.stderr, out.stderr
