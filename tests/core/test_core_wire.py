@@ -133,7 +133,8 @@ def test_wrong_key_is_dropped(msg: Vote | Decision, k1: bytes, k2: bytes) -> Non
     frame = codec(k1).encode(msg)
     rx = codec(k2)
     assert rx.decode(frame) is None
-    assert codec(None).decode(frame) is None  # MAC bytes in front: not msgpack of a Vote
+    # (an unkeyed codec reading a keyed frame is not checked: the MAC's random bytes do, rarely,
+    # parse as a message, and an unkeyed rank accepts any well-formed frame anyway)
     assert rx.drops == {"hmac": 1}
     # a valid MAC with a flipped payload bit
     bad = bytearray(frame)
