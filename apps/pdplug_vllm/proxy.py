@@ -11,6 +11,12 @@ the answer back. Two modes:
   ``kv_transfer_params`` (the prefill blocks) go into the decode request, whose engine reads
   the blocks.
 
+A request whose own ``kv_transfer_params`` are malformed or contradictory (what
+:func:`pdplug.adapters.vllm.params.check_request_params` refuses on an engine) gets HTTP 400 in
+:class:`pdplug.adapters.vllm.guard.KVParamsGuard`'s format and reaches no engine; well-formed
+ones are replaced by the proxy's own, as before (the proxy owns the room and the side flags).
+Issue 22.
+
 A client that disconnects cancels both upstream requests (vLLM aborts a request whose HTTP
 connection closed); a prefill request that fails ends the decode request with the same error.
 """
@@ -30,7 +36,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdplug.adapters.room_ids import RoomAllocator
-from pdplug.adapters.vllm.params import decode_request_params, prefill_request_params
+from pdplug.adapters.vllm.guard import error_document
+from pdplug.adapters.vllm.params import (
+    ParamsError,
+    check_request_params,
+    decode_request_params,
+    prefill_request_params,
+)
 
 __all__ = ["ProxyConfig", "make_app", "serve"]
 
@@ -135,6 +147,10 @@ def make_app(config: ProxyConfig) -> Any:
         return doc
 
     async def relay(path: str, body: dict[str, Any], request: Request) -> Any:
+        try:  # the engines' own checks, before either engine sees the request
+            check_request_params(body.get("kv_transfer_params"))
+        except ParamsError as e:
+            return JSONResponse(error_document(e), status_code=400)
         if config.mode == "push":
             room = rooms()
             p_params = prefill_request_params(room, config.decode_instance)

@@ -27,7 +27,7 @@ import msgspec
 
 from pdplug.adapters.vllm.params import ParamsError, check_request_params
 
-__all__ = ["KVParamsGuard", "refusal"]
+__all__ = ["KVParamsGuard", "refusal", "error_document"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -94,11 +94,20 @@ class KVParamsGuard:
         await self.app(scope, replay, send)
 
 
+def error_document(err: ParamsError) -> dict[str, Any]:
+    """The HTTP 400 body for a refused request, in vLLM's error format:
+    ``{"error": {"message", "type": "BadRequestError", "param", "code": 400}}``, ``param``
+    the field and ``message`` its value (both cut when huge, see :class:`ParamsError`).
+    ``pdplug proxy`` answers with the same document (issue 22).
+
+    :param err: what :func:`~pdplug.adapters.vllm.params.check_request_params` raised.
+    """
+    return {"error": {"message": str(err), "type": "BadRequestError", "param": err.field,
+                      "code": 400}}  # fmt: skip
+
+
 async def _send_400(send: Send, err: ParamsError) -> None:
-    body = msgspec.json.encode(
-        {"error": {"message": str(err), "type": "BadRequestError", "param": err.field,
-                   "code": 400}}
-    )  # fmt: skip
+    body = msgspec.json.encode(error_document(err))
     await send({
         "type": "http.response.start",
         "status": 400,

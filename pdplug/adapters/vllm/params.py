@@ -41,18 +41,28 @@ PARAMS_KEY = "pdplug"
 #: from ``kv_connector_extra_config``, not payloads
 MAX_NAME_CHARS = 256
 
+#: longest :class:`ParamsError` message (characters): it goes back to the client in an HTTP
+#: 400, so a megabyte value is cut, not echoed
+MAX_MESSAGE_CHARS = 400
+
 _Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 
 class ParamsError(ValueError):
     """Malformed or contradictory ``kv_transfer_params``.
 
-    :ivar field: where (``"kv_transfer_params.pdplug.room"``), for an HTTP 400's ``param``.
+    The message starts with the field and its value; one longer than
+    :data:`MAX_MESSAGE_CHARS` is cut there and says how long it was.
+
+    :ivar field: where (``"kv_transfer_params.pdplug.room"``), for an HTTP 400's ``param``
+        (cut to :data:`MAX_NAME_CHARS`: an unknown key a client made up can be any length).
     """
 
     def __init__(self, field: str, message: str) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[: MAX_MESSAGE_CHARS - 40]}... ({len(message)} characters)"
         super().__init__(message)
-        self.field = field
+        self.field = field[:MAX_NAME_CHARS]
 
 
 class PrefillParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
