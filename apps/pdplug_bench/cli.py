@@ -11,7 +11,15 @@ import click
 __all__ = ["bench", "BENCHES"]
 
 BENCHES = (
-    "consensus", "plan", "pack", "transfer", "e2e", "soak", "vllm", "sglang", "cluster",
+    "consensus",
+    "plan",
+    "pack",
+    "transfer",
+    "e2e",
+    "soak",
+    "vllm",
+    "sglang",
+    "cluster",
 )
 
 
