@@ -68,6 +68,9 @@ class RecvLeases:
     :param refind: ``(instance) -> bool``: look ``instance`` up again at its rendezvous and
         reconnect, in the background (True: under way; False: the session cannot); the session
         calls :meth:`unpark` when it ends.
+    :param searching: ``(instance) -> bool``: a search for ``instance`` is under way (a
+        handshake of it that went unanswered does not fail the rooms parked for it: the
+        search's own end does).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class RecvLeases:
         event: Callable[..., None],
         counts: Counter[str],
         refind: Callable[[str], bool] = lambda _instance: False,
+        searching: Callable[[str], bool] = lambda _instance: False,
     ) -> None:
         self._rooms = rooms
         self._sources = sources
@@ -86,6 +90,7 @@ class RecvLeases:
         self._event = event
         self._counts = counts
         self._refind = refind
+        self._searching = searching
         self.leases: dict[int, RecvLease] = {}
         self.draining: dict[int, dict[int, RecvLease]] = {}  # room -> generation -> lease
         self.parked: dict[str, list[RecvLease]] = {}  # instance -> leases waiting for it
@@ -137,6 +142,11 @@ class RecvLeases:
         state = self._unusable(instance) if error is None else None
         if state == "pending":
             return  # another handshake is under way: its end unparks them
+        if error is None and state is not None and self._searching(instance):
+            # one handshake of a search was not answered (a dead process's stale registration):
+            # the search looks again, and its end unparks them (issue 23 scenario 5: the rooms
+            # of a restarted instance failed "ranks [] are not connected" while it was found)
+            return
         for lease in self.parked.pop(instance, []):
             view = self._rooms.view(lease.room)
             if view is None or view.generation != lease.generation:

@@ -130,6 +130,7 @@ class KVReceiverSession(RoomSession):
             event=self._event,
             counts=self.counts,
             refind=lambda inst: self._finder.start(inst),
+            searching=lambda inst: self._finder.busy(inst),
         )
         self._finder = Finder(
             name=self._loop.name,

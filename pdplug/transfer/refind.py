@@ -77,6 +77,10 @@ class Finder:
         else:
             self.rendezvous.pop(instance, None)
 
+    def busy(self, instance: str) -> bool:
+        """Whether a search for ``instance`` is under way (engine thread)."""
+        return instance in self._finding
+
     def start(self, instance: str) -> bool:
         """Look ``instance`` up again (engine thread); True when a search is under way."""
         if instance in self._finding:
