@@ -113,8 +113,9 @@ def test_an_unanswering_mooncake_session_costs_its_own_rooms_only() -> None:
 
 def test_a_frozen_decode_process_costs_its_own_rooms_only(backend: str) -> None:
     """A decode process (instance ``dec-frozen``, DCP 1) handshakes, then is frozen with
-    SIGSTOP. Its room fails on the prefill within the timeouts and is drained (or held as a
-    stuck write, never reported drained early); eight rooms to a healthy in-process decode
+    SIGSTOP. Its room ends on the prefill within the timeouts: failed and drained (or held as a
+    stuck write, never reported drained early), or, on NIXL, a success when UCX wrote it over
+    shared memory without the stopped process; eight rooms to a healthy in-process decode
     (DCP 2) sent meanwhile all succeed byte-exact within seconds."""
     from pdplug_bench._kvpeer import DecodeInstance, DecodePeer
 
@@ -143,7 +144,11 @@ def test_a_frozen_decode_process_costs_its_own_rooms_only(backend: str) -> None:
             send_room(pre, 900, _pages(0, 4))
             took = _healthy_rooms(pre, good, 20, 8)
             assert took < 20, took
-            assert wait_all(pre.senders, 900, 15) == [FAILED], pre.senders[0].failure_reason(900)
+            st = wait_all(pre.senders, 900, 15)
+            # UCX over shared memory writes into a stopped process's pages without its CPU: a
+            # NIXL room to it may succeed (its bytes did land); it must end either way
+            want = ([FAILED], [KVPoll.Success]) if backend == "nixl" else ([FAILED],)
+            assert st in want, (st, pre.senders[0].failure_reason(900))
             # after the healthy rooms, and with the frozen peer still frozen: more healthy rooms
             assert _healthy_rooms(pre, good, 40, 4) < 10
         finally:
