@@ -40,6 +40,8 @@ class RecvLease(msgspec.Struct, kw_only=True):
         ``stopped``: sources that confirmed they stopped writing the room's pages.
     :ivar failed_at/asked_at: monotonic seconds of the failure and of the last ``Abort`` sent;
         ``told``: the reason of the first ``Abort`` (sent again with it until drained).
+    :ivar parked_at: monotonic seconds it started waiting for a search for its instance;
+        ``retried``: a failed search that started before it gave it one more.
     """
 
     room: int
@@ -53,6 +55,8 @@ class RecvLease(msgspec.Struct, kw_only=True):
     failed_at: float = 0.0
     asked_at: float = 0.0
     told: str = ""
+    parked_at: float = 0.0
+    retried: bool = False
     done: bool = False
     reported: bool = False
 
@@ -115,6 +119,7 @@ class RecvLeases:
         if dead is None:
             self._send_dest(lease, instance)
         elif dead == "pending" or instance in self.parked or self._refind(instance):
+            lease.parked_at = now
             self.parked.setdefault(instance, []).append(lease)  # sent once it answers
             self._counts["expect_parked"] += 1
         else:
@@ -136,9 +141,15 @@ class RecvLeases:
             self._sources.send(src, lease.dest)
         self._counts["expected"] += 1
 
-    def unpark(self, instance: str, error: str | None, now: float) -> None:
-        """A handshake with ``instance`` or a search for it ended (``error``: why it failed):
-        send the DestInfos of the rooms that waited for it, or fail them naming why."""
+    def unpark(
+        self, instance: str, error: str | None, now: float, since: float | None = None
+    ) -> None:
+        """A handshake with ``instance`` or a search for it ended (``error``: why it failed;
+        ``since``: when that search started): send the DestInfos of the rooms that waited for
+        it, or fail them naming why. A room that began waiting after the failed search started
+        gets one more search (that one may have read the rendezvous before the instance came
+        back: a rolling restart's rooms failed 'did not answer the handshake', issue 23
+        scenario 5), so it waits at most two searches (2 x ``bootstrap_timeout_s``)."""
         state = self._unusable(instance) if error is None else None
         if state == "pending":
             return  # another handshake is under way: its end unparks them
@@ -147,17 +158,29 @@ class RecvLeases:
             # the search looks again, and its end unparks them (issue 23 scenario 5: the rooms
             # of a restarted instance failed "ranks [] are not connected" while it was found)
             return
+        again: list[RecvLease] = []
         for lease in self.parked.pop(instance, []):
             view = self._rooms.view(lease.room)
             if view is None or view.generation != lease.generation:
                 continue  # cleared meanwhile (nothing was sent: nothing to drain)
             if view.status == KVPoll.Failed or self.leases.get(lease.room) is not lease:
                 continue
+            late = since is not None and lease.parked_at > since and not lease.retried
+            if error is not None and late:
+                lease.retried = True
+                again.append(lease)
+                continue
             if error is not None or state is not None:
                 why = error or f"ranks {state} are not connected"
                 self.failed(lease, f"prefill {instance} not found again: {why}", now)
                 continue
             self._send_dest(lease, instance)
+        if again and self._refind(instance):
+            self.parked.setdefault(instance, []).extend(again)
+            self._counts["expect_searched_again"] += 1
+        else:
+            for lease in again:
+                self.failed(lease, f"prefill {instance} not found again: {error}", now)
 
     def abort(self, room: int, gen: int, reason: str, now: float) -> None:
         """The host aborted ``room``: tell every source."""

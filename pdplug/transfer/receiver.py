@@ -136,7 +136,9 @@ class KVReceiverSession(RoomSession):
             name=self._loop.name,
             connect=lambda peers, where, t: self.connect(peers, t, rendezvous=where),
             submit=self._loop.submit,
-            on_found=lambda inst, err: self._table.unpark(inst, err, time.monotonic()),
+            on_found=lambda inst, err, since: self._table.unpark(
+                inst, err, time.monotonic(), since
+            ),
             timeout_s=config.bootstrap_timeout_s,
             retry_s=max(1.0, config.transfer_timeout_s),
             wire=config.wire,

@@ -37,8 +37,9 @@ class Finder:
     :param connect: ``(peers, rendezvous, timeout_s)``: the session's blocking handshake
         (:meth:`pdplug.transfer.receiver.KVReceiverSession.connect`).
     :param submit: runs a closure on the session's engine thread.
-    :param on_found: ``(instance, error)`` on the engine thread when a search ended
-        (``error``: why it failed, ``None`` when the instance is connected again).
+    :param on_found: ``(instance, error, since)`` on the engine thread when a search ended
+        (``error``: why it failed, ``None`` when the instance is connected again; ``since``:
+        monotonic seconds when it started).
     :param timeout_s: bound of the lookup (``KVConfig.bootstrap_timeout_s``).
     :param retry_s: least seconds between two searches started for a drain.
     :param wire: socket rules of the lookup (key, size limit).
@@ -51,7 +52,7 @@ class Finder:
         name: str,
         connect: Callable[[list[Any], str, float], None],
         submit: Callable[[Callable[[], None]], Any],
-        on_found: Callable[[str, str | None], None],
+        on_found: Callable[[str, str | None, float], None],
         timeout_s: float,
         retry_s: float,
         wire: WireConfig,
@@ -66,7 +67,7 @@ class Finder:
         self._wire = wire
         self._counts = counts
         self.rendezvous: dict[str, str] = {}  # instance -> where it was resolved
-        self._finding: set[str] = set()  # engine thread
+        self._finding: dict[str, float] = {}  # engine thread: instance -> search start
         self._next: dict[str, float] = {}  # instance -> earliest next search for a drain
         self.closed = False
 
@@ -88,7 +89,7 @@ class Finder:
         where = self.rendezvous.get(instance)
         if not where or self.closed:
             return False
-        self._finding.add(instance)
+        self._finding[instance] = time.monotonic()
         self._counts["refind_started"] += 1
         threading.Thread(
             target=self._run, args=(instance, where), name=f"{self._name}-find-{instance}",
@@ -132,6 +133,6 @@ class Finder:
                 self._counts["refind_retried"] += 1
 
     def _done(self, instance: str, error: str | None) -> None:
-        self._finding.discard(instance)
+        since = self._finding.pop(instance, 0.0)
         self._counts["refind_failed" if error else "refound"] += 1
-        self._on_found(instance, error)
+        self._on_found(instance, error, since)
