@@ -13,7 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("nixl_cu12")
+from pdplug.testing import require
+
+# whichever NIXL build is installed (importing nixl_cu12 beside an imported nixl_cu13 fails)
+require("nixl")
 torch = pytest.importorskip("torch")
 
 from pdplug.adapters.placement import RankPlacement  # noqa: E402
