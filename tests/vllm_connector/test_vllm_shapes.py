@@ -15,7 +15,8 @@ engine. The TP 2 run also sends malformed ``kv_transfer_params`` straight to bot
 well-formed one naming a prefill instance nobody runs ends within the decode's bootstrap
 timeout (vLLM's bare 500: the reason stays in the engine log), and both engines keep serving.
 
-Marked ``shapes``: the ``vllmshapes`` tox env runs them (the ``vllm`` env deselects them).
+Marked ``shapes``: CI's ``vllm`` tox env runs them with the rest (``tox run -e vllmshapes``
+runs them alone).
 """
 
 from __future__ import annotations
