@@ -203,13 +203,19 @@ def summarize(
 def _traffic(
     dep: Deployment, opts: Options, prompts: Callable[[], int], paced: Sequence[str] = ()
 ) -> Callable[..., None]:
-    """``run(seconds, dests, until=None)``: traffic as :func:`run_for`; rooms to a host in
-    ``paced`` send one segment every ``Options.pace_s`` (a prefill computing chunk after
-    chunk), so a fault finds them mid-transfer."""
+    """``run(seconds, dests, until=None, rate=None)``: traffic as :func:`run_for` at ``rate``
+    rooms/s over ``dests`` (``Options.rate`` by default); rooms to a host in ``paced`` send one
+    segment every ``Options.pace_s`` (a prefill computing chunk after chunk), so a fault finds
+    them mid-transfer."""
     pace = {h: opts.pace_s for h in paced}
 
-    def run(seconds: float, dests: Sequence[str], until: Callable[[], bool] | None = None) -> None:
-        run_for(dep, seconds, dests=dests, prompts=prompts, rate=opts.rate,
+    def run(
+        seconds: float,
+        dests: Sequence[str],
+        until: Callable[[], bool] | None = None,
+        rate: float | None = None,
+    ) -> None:
+        run_for(dep, seconds, dests=dests, prompts=prompts, rate=rate or opts.rate,
                 concurrency=opts.concurrency, until=until, pace=pace)  # fmt: skip
 
     return run
@@ -303,7 +309,8 @@ def partition(c: Any, dep: Deployment, opts: Options) -> Row:
 
 def decode_dies(c: Any, dep: Deployment, opts: Options) -> Row:
     """4. Decode host ``d1`` killed while ``d0`` is healthy: no room to ``d0`` fails and
-    their TTFT p99 stays within 2x that of the same traffic before the kill; the rooms in
+    their TTFT p99 stays within 2x that of the same traffic before the kill (``d0`` gets half
+    the rate throughout: its share while both decoded); the rooms in
     flight to ``d1`` fail on the prefill within 2 x transfer_timeout_s."""
     t0 = time.monotonic()
     probs: list[str] = []
@@ -311,7 +318,8 @@ def decode_dies(c: Any, dep: Deployment, opts: Options) -> Row:
     run = _traffic(dep, opts, prompt_cycle(), paced=["d1"])
     run(opts.phase(6.0), ["d0", "d1"])
     t_kill = dep.kill("d1")
-    run(opts.phase(6.0), ["d0"])
+    # d0 keeps its share of the rate: the same traffic as before the kill, not d1's on top
+    run(opts.phase(6.0), ["d0"], rate=opts.rate / 2)
     _settle(dep, probs, 3 * to + 5.0, drained=False)
     # writes to a vanished host may stay in flight (TCP retransmits for minutes): the prefill
     # must not call those rooms drained; once the host reboots its RST ends them

@@ -4,11 +4,13 @@ Mooncake's Python API (SGLang's and vLLM's Mooncake connectors use the same call
 ``TransferEngine.initialize(host, "P2PHANDSHAKE", protocol, device)`` binds a random RPC port
 and names the engine ``host:port``, which is what a peer writes to (the session id). Memory is
 registered in one ``batch_register_memory`` call over de-duplicated regions (overlapping
-re-registration is rejected, Mooncake#3153). Writes are ``batch_transfer_sync_write``, which
-blocks until the peer has the bytes, so each peer gets its own worker thread: the session's
-engine thread packs the next segment while a write runs, and a peer that stops answering blocks
-only its own writes, never another peer's. A batch is cut into calls of at most ``max_batch``
-descriptors because a TCP lane whose queue overflows rejects the batch and stays unusable
+re-registration is rejected, Mooncake#3153). A write blocks its caller until the peer has the
+bytes, so each peer gets its own worker thread: the session's engine thread packs the next
+segment while a write runs, and a peer that stops answering blocks only its own writes, never
+another peer's. The worker submits each run as its own asynchronous batch and polls them with
+backing-off sleeps: ``batch_transfer_sync_write`` spins a core while it waits, which a write
+stuck on a vanished peer turns into seconds of a core. At most ``max_batch`` runs are in flight
+per write call because a TCP lane whose queue overflows rejects the batch and stays unusable
 (measured on mooncake 0.3.13). The engine has no completion notifications: the session reports
 completion and failure over the ZMQ control channel.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -44,6 +47,8 @@ from pdplug.types import PeerInfo
 __all__ = ["MooncakeEngine", "coalesce_runs"]
 
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
+# a worker waiting for its write: yield for the first 100 us, then sleep 50 us doubling to 1 ms
+_SPIN_S, _SLEEP_MIN_S, _SLEEP_MAX_S = 100e-6, 50e-6, 1e-3
 
 
 def coalesce_runs(
@@ -337,15 +342,55 @@ class MooncakeEngine:
             return -1
         step = self._max_batch
         for i in range(0, len(ln), step):
-            rc = self._engine.batch_transfer_sync_write(
-                peer.session, src[i : i + step], dst[i : i + step], ln[i : i + step]
+            error = self._write_runs(
+                fid, peer.session, src[i : i + step], dst[i : i + step], ln[i : i + step]
             )
             self.counts["batch_calls"] += 1
-            if rc != 0:
+            if error:
                 peer.verified = False  # the binding dropped the segment: re-probe next time
-                self._failures[fid] = f"mooncake write to {peer.session} returned {rc}"
-                return int(rc)
+                self._failures[fid] = error
+                return -1
         return 0
+
+    def _write_runs(
+        self, fid: int, session: str, src: list[int], dst: list[int], ln: list[int]
+    ) -> str:
+        """Write the runs as single-run asynchronous batches and wait (on this worker thread)
+        until none can land any more; ``""`` when every run landed, else why not. The first
+        failed run is reported at once (:meth:`check` says ``"FAILING"`` for write ``fid``):
+        after one the engine ends a session's other queued runs about one a second.
+
+        Not ``batch_transfer_sync_write``: it busy-polls the batch's status, so a write stuck
+        on a peer that vanished (TCP retransmitting) spins a core until it ends, and on a
+        small host slows every other peer's rooms (bench cluster scenario 4). Single-run
+        batches because ``transfer_check_status`` of a multi-run batch reports done before
+        all of its runs landed (mooncake 0.3.13)."""
+        ids: list[int] = []
+        error = ""
+        for a, b, c in zip(src, dst, ln):
+            bid = self._engine.batch_transfer_async_write(session, [a], [b], [c])
+            if not bid:  # refused: the runs already submitted must still end
+                error = f"mooncake write to {session} was refused"
+                break
+            ids.append(bid)
+        spin_until, delay, k = time.monotonic() + _SPIN_S, _SLEEP_MIN_S, 0
+        while k < len(ids):
+            rc = int(self._engine.transfer_check_status(ids[k]))
+            if rc not in (0, -2):  # ended (-2: past the engine's own timeout, still held)
+                if rc != 1 and not error:
+                    error = f"mooncake write to {session} failed ({rc})"
+                if error and fid not in self._failures:
+                    self._failures[fid] = error
+                    if self._waker is not None:
+                        self._waker()
+                k += 1
+                continue
+            if time.monotonic() < spin_until:
+                time.sleep(0)  # a small write ends within microseconds: only yield the GIL
+            else:
+                time.sleep(delay)
+                delay = min(2 * delay, _SLEEP_MAX_S)
+        return error
 
     def wakes(self, xfer: Any) -> bool:
         """Whether ``xfer``'s end calls the waker: a worker write does; an asynchronous one is
@@ -359,13 +404,13 @@ class MooncakeEngine:
         return self._failures.get(id(xfer))
 
     def check(self, xfer: Any) -> str:
-        """``"PROC"`` while the write runs, then ``"DONE"`` (rc 0) or ``"ERR"``; an
-        asynchronous write with a failed run reports ``"FAILING"`` while others are still with
-        the engine, and ``"ERR"`` once none can land any more."""
+        """``"PROC"`` while the write runs, then ``"DONE"`` (rc 0) or ``"ERR"``; a write with
+        a failed run reports ``"FAILING"`` while others are still with the engine, and
+        ``"ERR"`` once none can land any more."""
         if isinstance(xfer, _AsyncWrite):
             return self._check_async(xfer)
         if not xfer.done():
-            return "PROC"
+            return "FAILING" if id(xfer) in self._failures else "PROC"
         if xfer.cancelled() or xfer.exception() is not None or xfer.result() != 0:
             return "ERR"
         return "DONE"

@@ -231,7 +231,14 @@ def decode_rank(cfg: dict[str, Any], out: Any) -> None:
                     rc.failure_exception()
                 except Exception as e:
                     res["reason"] = str(e)
-                res["drained"] = mgr.is_abort_release_safe(r, 0)
+                # the failure may arrive while the prefill's write is still in flight (its
+                # drained=False report): SGLang's deferred release polls until it is safe
+                t_fail, safe = time.monotonic(), False
+                while not safe and time.monotonic() - t_fail < cfg.get("drain_wait_s", 10.0):
+                    rc.poll()
+                    safe = mgr.is_abort_release_safe(r, 0)
+                    time.sleep(0 if safe else 0.005)
+                res["drained"], res["drain_s"] = safe, round(time.monotonic() - t_fail, 3)
             else:
                 slot = room["aux_slot"]
                 res["aux"] = [bufs["aux"][0][slot].tolist(), bufs["aux"][1][slot].tolist()]

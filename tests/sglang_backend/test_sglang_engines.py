@@ -62,7 +62,10 @@ def test_pp1_nixl_parity_then_decode_killed(prompts, ref, tmp_path: Path) -> Non
         assert dep.prefill.alive(), dep.prefill.log_tail()
 
 
+# CI time: PP 2 on Mooncake and PP 1 on NIXL cover it
+# (tox run -e sglang -- -m long tests/sglang_backend)
 @pytest.mark.mooncake
+@pytest.mark.long
 def test_pp1_mooncake_parity(prompts, ref, tmp_path: Path) -> None:
     with deployment("pdplug-mooncake", tmp_path) as dep:
         _check(measure(dep, prompts, MAX_TOKENS, ref), len(prompts))

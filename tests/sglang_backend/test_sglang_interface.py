@@ -150,7 +150,8 @@ def test_aborts_and_timeouts(sender: str) -> None:
     p, d = out[("prefill", 0)], out[("decode", 0)]
     # a decode abort before its metadata: the prefill room ends at once, not at its deadline
     assert p["11"]["bootstrap"] == 0 and p["11"]["bootstrap_s"] < 3.5, p["11"]
-    # a prefill abort after its first chunk: the decode room fails, drained
+    # a prefill abort after its first chunk: the decode room fails, and drains (within 10 s:
+    # the failure may come while the prefill's write is in flight, its drained report after)
     assert p["12"]["end"] == 0, p["12"]
     assert d["12"]["end"] == 0 and d["12"]["drained"], d["12"]
     assert "abort" in d["12"]["reason"].lower(), d["12"]
@@ -161,8 +162,17 @@ def test_aborts_and_timeouts(sender: str) -> None:
 
 
 @pytest.mark.mooncake
-@pytest.mark.parametrize("consensus", ["pp0", "ring"])
-@pytest.mark.parametrize("pp", [2, 4])
+# CI runs each consensus plugin once, at one PP size each (about a minute a case); the other two
+# cases are marked long (tox run -e sglang -- -m long tests/sglang_backend)
+@pytest.mark.parametrize(
+    ("pp", "consensus"),
+    [
+        (2, "ring"),
+        (4, "pp0"),
+        pytest.param(2, "pp0", marks=pytest.mark.long),
+        pytest.param(4, "ring", marks=pytest.mark.long),
+    ],
+)
 def test_pp_bootstrap_consensus_with_a_failing_stage(pp: int, consensus: str) -> None:
     bport, dist_port = free_ports(2)
     page, layers = 16, 4
