@@ -137,7 +137,9 @@ class KVConfig(msgspec.Struct, frozen=True, kw_only=True):
     :ivar transfer_timeout_s: a room stuck in Transferring this long fails.
     :ivar pack_region_tokens: capacity of one pack region in tokens (rounded down to pages).
     :ivar pack_depth: pack regions per destination DCP rank (2 = double buffering).
-    :ivar max_dst_dcp: largest decode DCP size the pack buffer is sized for.
+    :ivar max_dst_dcp: largest decode DCP size the pack buffer is sized for (it holds
+        ``(max_dst_dcp + 1) * pack_depth`` regions, one rank's worth kept for another decode
+        instance: :func:`pdplug.transfer.regions.make_pack_buffer`).
     :ivar device: ``"cpu"`` or ``"cuda[:n]"`` where KV lives.
     :ivar wire: socket rules.
     :ivar extra: backend-specific options (e.g. ``{"protocol": "tcp"}`` for Mooncake).

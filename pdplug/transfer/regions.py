@@ -8,7 +8,12 @@ region is never taken back from a write the engine still reports in flight):
 * a peer (one decode rank) holds at most ``depth`` regions (double buffering, as when regions
   were fixed per destination rank);
 * while ``n`` groups (decode instances) hold or want regions, a group holds at most
-  ``max(depth, ceil(total / n))``, so a stuck instance leaves the others their share.
+  ``max(depth, min(ceil(total / n), total - depth))``, so a stuck instance leaves the others
+  their share; and ``total - depth`` even alone: a region is never taken back from a write the
+  engine still reports in flight, so an instance that took every region while alone and whose
+  writes then stuck (a partition) would starve every instance after it (issue 23, bench
+  cluster scenario 3). The pack buffer has ``depth`` regions more than its destination ranks
+  need for that reserve (:func:`make_pack_buffer`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ __all__ = ["RegionPool", "make_pack_buffer"]
 def make_pack_buffer(cfg: KVConfig) -> tuple[torch.Tensor | None, list[PackRegion]]:
     """Allocate a prefill rank's pack buffer and cut it into regions.
 
+    The buffer holds ``(max_dst_dcp + 1) * pack_depth`` regions: every rank of the widest
+    decode double-buffered, plus one rank's worth that :class:`RegionPool` keeps for another
+    decode instance.
+
     :param cfg: the sender's config: its layout, ``pack_region_tokens``, ``max_dst_dcp``,
         ``pack_depth`` and ``device``.
     :returns: ``(buffer, regions)``: a uint8 tensor ``[nbytes]`` on ``cfg.device``
@@ -45,7 +54,7 @@ def make_pack_buffer(cfg: KVConfig) -> tuple[torch.Tensor | None, list[PackRegio
     lay = cfg.layout
     if pack_bytes_per_token(lay) <= 0:
         return None, []
-    kw = dict(dst_dcp_size=cfg.max_dst_dcp, depth=cfg.pack_depth)
+    kw = dict(dst_dcp_size=cfg.max_dst_dcp + 1, depth=cfg.pack_depth)
     nb = pack_buffer_nbytes(lay, region_tokens=cfg.pack_region_tokens, **kw)
     buf = torch.empty(nb, dtype=torch.uint8, device=cfg.device)
     return buf, list(pack_regions(lay, region_tokens=cfg.pack_region_tokens, **kw))
@@ -86,7 +95,8 @@ class RegionPool:
         """
         if not self._free or self._by_peer[peer] >= self.depth:
             return -1
-        if self._by_group[group] >= max(self.depth, -(-self.total // max(1, wanting))):
+        share = min(-(-self.total // max(1, wanting)), self.total - self.depth)
+        if self._by_group[group] >= max(self.depth, share):
             return -1
         region = self._free.pop()
         self.busy[region] = True

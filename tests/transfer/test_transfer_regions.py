@@ -3,8 +3,6 @@ the bounds that keep one decode peer or instance from starving the others."""
 
 from __future__ import annotations
 
-import pytest
-
 from pdplug.transfer.regions import RegionPool
 
 
@@ -28,17 +26,23 @@ def test_a_group_is_held_to_its_share_while_another_wants_regions() -> None:
     assert pool.held(("a", 0)) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 23 finding (bench cluster scenario 3 on NIXL with max_dst_dcp = the decode "
-    "DCP size): the group share is enforced when a region is taken, never afterwards; an "
-    "instance that took every region while alone keeps them while its writes are stuck "
-    "(a partition), and every room to another instance that needs relayout waits for a "
-    "region until it fails 'no progress in Transferring'",
-)
 def test_a_stuck_instance_that_took_every_region_leaves_another_instance_one() -> None:
-    pool = RegionPool(4, 2)  # max_dst_dcp 2 x pack_depth 2, as sized for a DCP 2 decode
+    # (max_dst_dcp 2 + 1) x pack_depth 2, as make_pack_buffer sizes it for a DCP 2 decode
+    pool = RegionPool(6, 2)
     for r in range(2):  # instance a (DCP 2), alone, fills the pool; then its writes stick
         for _ in range(2):
             assert pool.take(("a", r), "a", 1) >= 0
     assert pool.take(("b", 0), "b", 2) >= 0  # instance b (healthy) must get a region
+
+
+def test_a_group_alone_leaves_depth_regions_free() -> None:
+    pool = RegionPool(6, 2)
+    got = [pool.take(("a", r), "a", 1) >= 0 for r in range(3) for _ in range(2)]
+    assert got == [True] * 4 + [False] * 2  # 6 - depth 2: every rank of a DCP 2 decode, twice
+    assert pool.take(("b", 0), "b", 2) >= 0 and pool.take(("b", 0), "b", 2) >= 0
+    assert pool.take(("b", 1), "b", 2) == -1  # the pool is empty now
+
+
+def test_a_pool_of_depth_regions_still_serves_one_peer() -> None:
+    pool = RegionPool(2, 2)  # total - depth = 0: the depth bound alone applies
+    assert [pool.take(("a", 0), "a", 1) >= 0 for _ in range(3)] == [True, True, False]
