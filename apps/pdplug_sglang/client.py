@@ -10,12 +10,12 @@ short answer. SGLang streams the whole ``output_ids`` so far in every event (wit
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from pdplug_engines.client import run_all
 from pdplug_engines.tokens import Completion, RequestFailed
 
 __all__ = ["generate_all"]
@@ -64,27 +64,6 @@ async def _one(
     )
 
 
-async def _all(
-    url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int, timeout_s: float
-) -> list[Completion | RequestFailed]:
-    import httpx
-
-    sem = asyncio.Semaphore(concurrency)
-    # one connection per request (no keep-alive): a pooled connection the server's
-    # keep-alive timer closes fails the next request on a loaded host
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-
-        async def bounded(i: int, p: Sequence[int]) -> Completion | RequestFailed:
-            async with sem:
-                try:
-                    return await asyncio.wait_for(_one(client, url, i, p, max_tokens), timeout_s)
-                except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as e:
-                    return RequestFailed(i, f"{type(e).__name__}: {e}")
-
-        return list(await asyncio.gather(*(bounded(i, p) for i, p in enumerate(prompts))))
-
-
 def generate_all(
     url: str,
     prompts: Sequence[Sequence[int]],
@@ -101,4 +80,4 @@ def generate_all(
     :param concurrency: requests in flight at once.
     :param timeout_s: bound of one request (seconds).
     """
-    return asyncio.run(_all(url, prompts, max_tokens, concurrency, timeout_s))
+    return run_all(_one, url, prompts, max_tokens, concurrency=concurrency, timeout_s=timeout_s)
