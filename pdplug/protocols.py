@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from pdplug.config import WireConfig
+
 __all__ = [
     "Consensus",
     "Scheduler",
@@ -34,6 +36,7 @@ __all__ = [
     "KVSender",
     "KVReceiver",
     "send_step",
+    "find_instance",
 ]
 
 
@@ -353,7 +356,9 @@ class KVReceiver(Protocol):
     KV.
 
     Call order: :meth:`register_kv` -> :meth:`connect` (peers from
-    :func:`pdplug.bootstrap.resolve`) -> per request :meth:`expect` -> :meth:`poll` (or
+    :func:`pdplug.bootstrap.resolve`; or, on the default receivers, ``find(instance,
+    rendezvous)``, which connects in the background: hosts call :func:`find_instance`) -> per
+    request :meth:`expect` -> :meth:`poll` (or
     :meth:`wait`) until ``Success``/``Failed`` -> (:meth:`drained` before reusing the pages
     of a failed room) -> :meth:`clear`.
 
@@ -483,3 +488,31 @@ def send_step(sender: Any, sends: Sequence[tuple[Any, ...]]) -> None:
         return
     for item in sends:
         sender.send(*item)
+
+
+def find_instance(
+    receiver: Any,
+    instance: str,
+    rendezvous: str,
+    *,
+    wire: WireConfig | None = None,
+    timeout_s: float = 30.0,
+) -> None:
+    """Make prefill ``instance`` (registered at ``rendezvous``) known to ``receiver`` before
+    the first :meth:`KVReceiver.expect` bound for it. A receiver with a ``find(instance,
+    rendezvous)`` method (the default receivers: :meth:`pdplug.transfer.KVReceiverSession.find`)
+    returns at once and connects it in the background when a room needs it, so the host's step
+    never blocks on a dead, restarting or unknown instance (issue 22); any other receiver (a
+    third-party one written before ``find``) is resolved and connected inline here.
+
+    :param wire: socket rules of the inline lookup (its key); ``timeout_s``: its bound (s).
+    :raises pdplug.errors.CompatError, pdplug.errors.TransferError: from an inline connect.
+    """
+    find = getattr(receiver, "find", None)
+    if callable(find):
+        find(instance, rendezvous)
+        return
+    from pdplug import bootstrap
+
+    peers = bootstrap.resolve(rendezvous, instance, timeout_s=timeout_s, wire=wire)
+    receiver.connect(peers, rendezvous=rendezvous)

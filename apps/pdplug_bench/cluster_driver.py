@@ -209,7 +209,7 @@ def classify(reason: str) -> str:
     for key, name in (
         ("consensus", "consensus"),
         ("silent", "silent peer"),
-        ("not found again", "prefill not found"),
+        ("could not connect prefill", "prefill not found"),
         ("not connected", "prefill not found"),
         ("probe", "probe"),
         ("a pp rank voted bad", "voted bad"),

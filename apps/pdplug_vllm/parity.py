@@ -27,7 +27,14 @@ from pdplug_engines.tokens import Completion, compare_tokens, kv_bytes_bounds, p
 from pdplug_vllm.bad_params import BadParamsResult, probe_bad_params
 from pdplug_vllm.client import complete_all
 from pdplug_vllm.engines import EngineSpec, kv_transfer_config
-from pdplug_vllm.phases import FaultResult, KillResult, fault_phase, kill_decode_mid_run
+from pdplug_vllm.phases import (
+    FaultResult,
+    KillResult,
+    RestartResult,
+    fault_phase,
+    kill_decode_mid_run,
+    restart_prefill,
+)
 from pdplug_vllm.proxy import ProxyConfig, make_app
 from pdplug_vllm.shapes import check_shape
 
@@ -69,6 +76,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar kill: the decode-killed phase, when run.
     :ivar prefill_pp/prefill_tp/decode_tp: the engines' shape (the single engine is TP 1).
     :ivar bad_params: malformed ``kv_transfer_params`` sent straight to both engines, when run.
+    :ivar restart: the prefill engine killed and started again, when run.
     """
 
     connector: str
@@ -96,6 +104,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_tp: int = 1
     decode_tp: int = 1
     bad_params: BadParamsResult | None = None
+    restart: RestartResult | None = None
 
     @property
     def shape(self) -> str:
@@ -261,6 +270,7 @@ def run_parity(
     bad_params: bool = False,
     prefill_cores: str = "",
     warm_timeout_s: float | None = None,
+    restart: bool = False,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -288,6 +298,9 @@ def run_parity(
     :param bad_params: ``pdplug`` only: after the parity phase, send malformed
         ``kv_transfer_params`` straight to both engines
         (:func:`pdplug_vllm.bad_params.probe_bad_params`).
+    :param restart: ``pdplug`` only: after the fault phases (before the kill), SIGKILL the
+        prefill engine, start it again and send the prompts (ids shifted by three) through the
+        same proxy and decode engine (:func:`pdplug_vllm.phases.restart_prefill`).
     :raises pdplug_engines.procs.EngineError: an engine did not start.
     :raises ValueError: bad prompts, a shape :func:`check_shape` refuses, or
         ``fault_prompts`` with another connector.
@@ -300,6 +313,8 @@ def run_parity(
         raise ValueError(f"run_parity: fault_prompts={fault_prompts} needs connector 'pdplug'")
     if bad_params and connector != "pdplug":
         raise ValueError("run_parity: bad_params needs connector 'pdplug'")
+    if restart and connector != "pdplug":
+        raise ValueError("run_parity: restart needs connector 'pdplug'")
     ports = free_ports(8)
     prefill, decode, proxy_opts = disagg_specs(
         connector, model, ports[:4], prefill_pp=prefill_pp, prefill_tp=prefill_tp,
@@ -334,12 +349,16 @@ def run_parity(
                          f"vocab_size={spec.vocab_size}")  # fmt: skip
     requests, prompt_tokens = len(prompts), max(len(p) for p in prompts)
     kill: KillResult | None = None
+    restarted: RestartResult | None = None
     faults: list[FaultResult] = []
-    with running(engines, workdir / f"logs-{connector}", start_timeout_s) as (
-        _,
-        p_engine,
-        d_engine,
-        *_others,
+    with (
+        contextlib.ExitStack() as stack,
+        running(engines, workdir / f"logs-{connector}", start_timeout_s) as (
+            _,
+            p_engine,
+            d_engine,
+            *_others,
+        ),
     ):
         start_s = time.monotonic() - t0
         warm = token_prompts(1, prompt_tokens, spec.vocab_size, seed=7919)[0]
@@ -369,6 +388,15 @@ def run_parity(
                     max_tokens, single.url, prefill.url, [decode, decode_fail], config,
                     ports[7], switch, warm, timeout_s=request_timeout_s,
                 )  # fmt: skip
+            if restart:
+                again = [[(t + 3) % spec.vocab_size for t in p] for p in prompts]
+                ref_again = complete_all(single.url, again, max_tokens, concurrency=concurrency,
+                                         timeout_s=request_timeout_s)  # fmt: skip
+                restarted, p_engine = restart_prefill(
+                    url, again, ref_again, max_tokens, p_engine, d_engine,
+                    start_timeout_s=start_timeout_s, timeout_s=request_timeout_s,
+                )  # fmt: skip
+                stack.callback(p_engine.stop)
             if kill_decode:
                 # fresh prompts: the parity set is in both engines' prefix caches and would
                 # finish before the kill
@@ -411,6 +439,7 @@ def run_parity(
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         bad_params=probed,
+        restart=restarted,
     )
 
 

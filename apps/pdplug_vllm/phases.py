@@ -8,6 +8,8 @@ start-up dominates on CPU):
   with a given ``kv_load_failure_policy``: ``recompute`` must still answer every request with
   the single engine's tokens, ``fail`` must end exactly the requests whose room failed;
 * :func:`kill_decode_mid_run`: the decode engine is SIGKILLed while requests run;
+* :func:`restart_prefill`: the prefill engine is SIGKILLed and started again, and the next
+  requests must find it with the decode engine untouched;
 * :func:`wait_idle`: afterwards an engine holds no KV block (``delay_free`` blocks included),
   runs and queues no request and, on the prefill engine, every pdplug room a rank started has
   been reported ended (``vllm:pdplug_rooms_started_total`` equals succeeded plus failed).
@@ -34,8 +36,10 @@ __all__ = [
     "IdleResult",
     "KillResult",
     "ROOM_METRICS",
+    "RestartResult",
     "fault_phase",
     "kill_decode_mid_run",
+    "restart_prefill",
     "wait_idle",
 ]
 
@@ -268,4 +272,75 @@ def kill_decode_mid_run(
         prefill_idle=(
             wait_idle(p_url, rooms=True, timeout_s=idle_timeout_s) if healthy and rooms else None
         ),
+    )
+
+
+class RestartResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The prefill engine killed and started again (new processes, same ports), the decode
+    engine untouched (issue 23 scenario 5, in the vLLM adapter).
+
+    :ivar requests: fresh requests sent through the proxy once the new prefill was ready;
+        ``identical``: answered with the single engine's tokens; ``failed``: (index, reason).
+    :ivar restart_s: seconds from the kill until the new prefill engine answered ``/health``
+        (its start-up).
+    :ivar first_s: the first request's latency (sent once the new prefill was ready): the
+        decode found the new instance; -1 when it failed.
+    :ivar decode_alive: the decode engine's process is the one started before the kill.
+    """
+
+    requests: int
+    identical: int
+    failed: list[tuple[int, str]]
+    restart_s: float
+    first_s: float
+    decode_alive: bool
+
+
+def restart_prefill(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    ref: Sequence[Completion | RequestFailed],
+    max_tokens: int,
+    prefill: Engine,
+    decode: Engine,
+    *,
+    start_timeout_s: float = 600.0,
+    timeout_s: float = 120.0,
+) -> tuple[RestartResult, Engine]:
+    """SIGKILL the prefill engine's process group, start the same spec again (same ports, so
+    the same rendezvous address and instance name), and send ``prompts`` through the proxy at
+    ``url`` as soon as it is ready: every one must be answered with ``ref``'s tokens (the
+    single engine's), with no decode restarted.
+
+    :returns: the result and the new prefill engine (the caller stops it).
+    :raises pdplug_engines.procs.EngineError: the new prefill did not start.
+    """
+    from pdplug_engines.procs import launch
+    from pdplug_engines.tokens import compare_tokens
+
+    prefill.kill()
+    prefill.proc.wait(timeout=30.0)
+    t_kill = time.monotonic()
+    spec = msgspec.structs.replace(prefill.spec, name=f"{prefill.spec.name}-restarted")  # type: ignore[type-var]
+    new = launch(spec, prefill.log_path.parent)
+    try:
+        new.wait_ready(start_timeout_s)
+    except Exception:
+        new.stop()
+        raise
+    t_ready = time.monotonic()
+    # one at a time: the first request is the first room bound for the new instance
+    got = complete_all(url, prompts, max_tokens, concurrency=1, timeout_s=timeout_s)
+    parity = compare_tokens(ref, got, prompts)
+    first = got[0].latency_s if got and isinstance(got[0], Completion) else -1.0
+    return (
+        RestartResult(
+            requests=len(prompts),
+            identical=parity.identical,
+            failed=parity.failed,
+            restart_s=round(t_ready - t_kill, 2),
+            first_s=round(first, 2),
+            decode_alive=decode.alive(),
+        ),
+        new,
     )

@@ -172,7 +172,7 @@ class RecvLeases:
                 continue
             if error is not None or state is not None:
                 why = error or f"ranks {state} are not connected"
-                self.failed(lease, f"prefill {instance} not found again: {why}", now)
+                self.failed(lease, f"could not connect prefill {instance}: {why}", now)
                 continue
             self._send_dest(lease, instance)
         if again and self._refind(instance):
@@ -180,7 +180,7 @@ class RecvLeases:
             self._counts["expect_searched_again"] += 1
         else:
             for lease in again:
-                self.failed(lease, f"prefill {instance} not found again: {error}", now)
+                self.failed(lease, f"could not connect prefill {instance}: {error}", now)
 
     def abort(self, room: int, gen: int, reason: str, now: float) -> None:
         """The host aborted ``room``: tell every source."""

@@ -251,6 +251,23 @@ class KVReceiverSession(RoomSession):
             instance, self.config.bootstrap_endpoint if rendezvous is None else rendezvous
         )
 
+    def find(self, instance: str, rendezvous: str) -> None:
+        """Know ``instance`` by where it registers, without connecting now: the first
+        :meth:`expect` bound for it waits while a search on a thread of the session resolves
+        it at ``rendezvous`` and connects it (:meth:`connect`, bounded by
+        ``bootstrap_timeout_s``), then sends it or fails naming why (unknown there, no answer,
+        or the :class:`~pdplug.CompatError`). A host's step never blocks on a lookup: a request
+        naming a dead, restarting or unknown prefill instance costs its own room only (issue
+        22: a decode worker that resolved inline stalled every request for 30 s). Known or
+        connected instances are left as they are.
+
+        :raises ValueError: ``rendezvous`` is empty.
+        """
+        if not rendezvous:
+            raise ValueError(f"KVReceiver.find: prefill {instance!r} needs a rendezvous endpoint")
+        if instance not in self._finder.rendezvous:
+            self._finder.remember(instance, rendezvous)
+
     def _refuse(self, instance: str, mismatches: list[str]) -> NoReturn:
         """Remember why ``instance`` refused this rank (later rooms for it fail naming it) and
         raise the CompatError."""

@@ -353,7 +353,8 @@ def _decode(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> Non
     pm = PluginManager()
     recvs: dict[str, list[Any]] = {}
     kvs: dict[str, list[list[Any]]] = {}
-    peers = resolve(endpoint, PREFILL, timeout_s=20)
+    find = bool(opts.get("find"))  # KVReceiverSession.find: connected by the first room
+    peers = None if find else resolve(endpoint, PREFILL, timeout_s=20)
     for inst in opts["instances"]:
         dcp = {"dec-tp": 1, "dec-dcp2": 2, "dec-dcp4": 4}[inst]
         recvs[inst], kvs[inst] = [], []
@@ -362,7 +363,10 @@ def _decode(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> Non
             rc = pm.make_kv_receiver(_kv_config("decode", lay, endpoint, opts, inst), name=backend)
             kv = dst_kv(lay)
             rc.register_kv(kv)
-            rc.connect(peers)
+            if find:
+                rc.find(PREFILL, endpoint)
+            else:
+                rc.connect(peers)
             recvs[inst].append(rc)
             kvs[inst].append(kv)
     send(conn, event="ready", pid=os.getpid())
@@ -402,12 +406,17 @@ def _decode(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> Non
                         r.close()
                 return
             if op == "expect":
+                # "from": another prefill instance name (found at the rendezvous first)
+                source = cmd.get("from", PREFILL if find else None)
                 for room in cmd["rooms"]:
                     inst, total, prefix, dcp = request(room)
                     for r, rc in enumerate(recvs[inst]):
+                        if cmd.get("from"):
+                            rc.find(cmd["from"], endpoint)
                         rc.expect(
-                            room, dst_pages(room, r), decode_prefix_len=prefix, num_tokens=total
-                        )
+                            room, dst_pages(room, r), decode_prefix_len=prefix, num_tokens=total,
+                            instance=source,
+                        )  # fmt: skip
                     watching[room] = {
                         "inst": inst,
                         "t0": time.monotonic(),

