@@ -77,7 +77,10 @@ def test_pp2_mooncake_parity(prompts, ref, tmp_path: Path) -> None:
         _check(measure(dep, prompts, MAX_TOKENS, ref), len(prompts))
 
 
+# CI time: PP 2 on Mooncake and PP 1 on NIXL cover it
+# (tox run -e sglang -- -m long tests/sglang_backend)
 @pytest.mark.nixl
+@pytest.mark.long
 def test_pp2_nixl_parity(prompts, ref, tmp_path: Path) -> None:
     # SGLang's own nixl backend hangs at PP 2 on this machine (docs/sglang-backend.md)
     with deployment("pdplug-nixl", tmp_path, prefill_pp=2) as dep:
