@@ -298,9 +298,10 @@ def run_parity(
     :param bad_params: ``pdplug`` only: after the parity phase, send malformed
         ``kv_transfer_params`` straight to both engines
         (:func:`pdplug_vllm.bad_params.probe_bad_params`).
-    :param restart: ``pdplug`` only: after the fault phases (before the kill), SIGKILL the
-        prefill engine, start it again and send the prompts (ids shifted by three) through the
-        same proxy and decode engine (:func:`pdplug_vllm.phases.restart_prefill`).
+    :param restart: ``pdplug`` only: after the fault phases (before the decode kill), SIGKILL
+        the prefill engine while the prompts (ids shifted by four) run, start it again and send
+        the prompts (ids shifted by three) through the same proxy and decode engine
+        (:func:`pdplug_vllm.phases.restart_prefill`).
     :raises pdplug_engines.procs.EngineError: an engine did not start.
     :raises ValueError: bad prompts, a shape :func:`check_shape` refuses, or
         ``fault_prompts`` with another connector.
@@ -389,12 +390,14 @@ def run_parity(
                     ports[7], switch, warm, timeout_s=request_timeout_s,
                 )  # fmt: skip
             if restart:
+                cut = [[(t + 4) % spec.vocab_size for t in p] for p in prompts]
                 again = [[(t + 3) % spec.vocab_size for t in p] for p in prompts]
                 ref_again = complete_all(single.url, again, max_tokens, concurrency=concurrency,
                                          timeout_s=request_timeout_s)  # fmt: skip
                 restarted, p_engine = restart_prefill(
-                    url, again, ref_again, max_tokens, p_engine, d_engine,
+                    url, cut, again, ref_again, max_tokens, p_engine, d_engine,
                     start_timeout_s=start_timeout_s, timeout_s=request_timeout_s,
+                    hold_switch=switch if FAULT_ENV in prefill.env else None,
                 )  # fmt: skip
                 stack.callback(p_engine.stop)
             if kill_decode:

@@ -193,6 +193,59 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_idle: IdleResult | None = None
 
 
+def _kill_while_rooms_live(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    p_url: str,
+    victim: Engine,
+    *,
+    timeout_s: float,
+    rooms: bool,
+    kill_after_s: float = 1.0,
+    hold_switch: str | Path | None = None,
+) -> tuple[list[Completion | RequestFailed], int, float]:
+    """Send ``prompts`` through the proxy at ``url`` (all at once) and SIGKILL ``victim``'s
+    process group once the prefill engine at ``p_url`` holds rooms of them (``rooms``; polled,
+    at most 30 s) or ``kill_after_s`` later; ``hold_switch`` holds the prefill's writes from
+    before the requests until just after the kill (:func:`kill_decode_mid_run`).
+
+    :returns: the answers (every request ended, or the list is short), the rooms the prefill
+        held at the kill (-1 without ``rooms``), seconds from the kill until the last ended.
+    """
+    started = scrape(p_url, ROOM_METRICS)[ROOM_METRICS[0]] if rooms else 0.0
+    if hold_switch is not None:
+        Path(hold_switch).write_text(HOLD)
+    box: list[list[Completion | RequestFailed]] = []
+    t = threading.Thread(
+        target=lambda: box.append(
+            complete_all(url, prompts, max_tokens, concurrency=len(prompts), timeout_s=timeout_s)
+        ),
+        daemon=True,
+    )
+    t.start()
+    held = -1
+    try:
+        if rooms:  # kill while rooms are live on the prefill side, whatever the host's load
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
+                m = scrape(p_url, ROOM_METRICS)
+                if m[ROOM_METRICS[0]] > started:
+                    held = int(m[ROOM_METRICS[0]] - m[ROOM_METRICS[1]] - m[ROOM_METRICS[2]])
+                    if held > 0:  # rooms of this run live on the prefill now: kill
+                        break
+                time.sleep(0.05)
+        else:
+            time.sleep(kill_after_s)
+        victim.kill()
+    finally:
+        if hold_switch is not None:
+            Path(hold_switch).unlink(missing_ok=True)
+    killed = time.monotonic()
+    t.join(timeout_s + 10.0)
+    return (box[0] if box else []), held, time.monotonic() - killed
+
+
 def kill_decode_mid_run(
     url: str,
     prompts: Sequence[Sequence[int]],
@@ -223,39 +276,10 @@ def kill_decode_mid_run(
     import httpx
 
     p_url = prefill.spec.url
-    started = scrape(p_url, ROOM_METRICS)[ROOM_METRICS[0]] if rooms else 0.0
-    if hold_switch is not None:
-        Path(hold_switch).write_text(HOLD)
-
-    box: list[list[Completion | RequestFailed]] = []
-    t = threading.Thread(
-        target=lambda: box.append(
-            complete_all(url, prompts, max_tokens, concurrency=len(prompts), timeout_s=timeout_s)
-        ),
-        daemon=True,
-    )
-    t.start()
-    held = -1
-    if rooms:  # kill while rooms are live on the prefill side, whatever the host's load
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:
-            m = scrape(p_url, ROOM_METRICS)
-            if m[ROOM_METRICS[0]] > started:
-                held = int(m[ROOM_METRICS[0]] - m[ROOM_METRICS[1]] - m[ROOM_METRICS[2]])
-                if held > 0:  # rooms of this run live on the prefill now: kill
-                    break
-            time.sleep(0.05)
-    else:
-        time.sleep(kill_after_s)
-    try:
-        decode.kill()
-    finally:
-        if hold_switch is not None:
-            Path(hold_switch).unlink(missing_ok=True)
-    killed = time.monotonic()
-    t.join(timeout_s + 10.0)
-    ended_s = time.monotonic() - killed
-    res = box[0] if box else []
+    res, held, ended_s = _kill_while_rooms_live(
+        url, prompts, max_tokens, p_url, decode, timeout_s=timeout_s, rooms=rooms,
+        kill_after_s=kill_after_s, hold_switch=hold_switch,
+    )  # fmt: skip
     reasons = sorted({r.reason[:120] for r in res if isinstance(r, RequestFailed)})
     try:
         healthy = httpx.get(p_url + "/health", timeout=10.0).status_code == 200
@@ -276,18 +300,30 @@ def kill_decode_mid_run(
 
 
 class RestartResult(msgspec.Struct, frozen=True, kw_only=True):
-    """The prefill engine killed and started again (new processes, same ports), the decode
-    engine untouched (issue 23 scenario 5, in the vLLM adapter).
+    """The prefill engine killed while requests run, then started again (new processes, same
+    ports), the decode engine untouched (issue 22's prefill killed mid-run; issue 23 scenario 5
+    in the vLLM adapter).
 
-    :ivar requests: fresh requests sent through the proxy once the new prefill was ready;
+    :ivar inflight: requests running when the prefill was killed; ``inflight_completed`` /
+        ``inflight_failed``: how they ended (the decode's ``kv_load_failure_policy`` decides);
+        ``inflight_ended_s``: seconds from the kill until the last ended; ``held_at_kill``:
+        rooms the prefill held then.
+    :ivar decode_idle: :func:`wait_idle` of the decode engine after they ended: it freed every
+        block of the rooms the dead prefill was writing.
+    :ivar requests: fresh requests sent one at a time once the new prefill was ready;
         ``identical``: answered with the single engine's tokens; ``failed``: (index, reason).
-    :ivar restart_s: seconds from the kill until the new prefill engine answered ``/health``
-        (its start-up).
-    :ivar first_s: the first request's latency (sent once the new prefill was ready): the
-        decode found the new instance; -1 when it failed.
+    :ivar restart_s: seconds from the kill until the new prefill engine answered ``/health``.
+    :ivar first_s: the first fresh request's latency (the decode found the new instance); -1
+        when it failed.
     :ivar decode_alive: the decode engine's process is the one started before the kill.
     """
 
+    inflight: int
+    inflight_completed: int
+    inflight_failed: int
+    inflight_ended_s: float
+    held_at_kill: int
+    decode_idle: IdleResult | None
     requests: int
     identical: int
     failed: list[tuple[int, str]]
@@ -298,6 +334,7 @@ class RestartResult(msgspec.Struct, frozen=True, kw_only=True):
 
 def restart_prefill(
     url: str,
+    inflight: Sequence[Sequence[int]],
     prompts: Sequence[Sequence[int]],
     ref: Sequence[Completion | RequestFailed],
     max_tokens: int,
@@ -306,11 +343,14 @@ def restart_prefill(
     *,
     start_timeout_s: float = 600.0,
     timeout_s: float = 120.0,
+    hold_switch: str | Path | None = None,
 ) -> tuple[RestartResult, Engine]:
-    """SIGKILL the prefill engine's process group, start the same spec again (same ports, so
-    the same rendezvous address and instance name), and send ``prompts`` through the proxy at
-    ``url`` as soon as it is ready: every one must be answered with ``ref``'s tokens (the
-    single engine's), with no decode restarted.
+    """Send ``inflight`` through the proxy at ``url`` and SIGKILL the prefill engine's process
+    group while it holds rooms of them (``hold_switch``: as :func:`kill_decode_mid_run`); every
+    one must end within ``timeout_s`` and the decode engine must free every block. Then start
+    the same prefill spec again (same ports: the same rendezvous address and instance name) and
+    send ``prompts`` one at a time once it is ready: each must be answered with ``ref``'s tokens
+    (the single engine's), with no decode restarted.
 
     :returns: the result and the new prefill engine (the caller stops it).
     :raises pdplug_engines.procs.EngineError: the new prefill did not start.
@@ -318,9 +358,14 @@ def restart_prefill(
     from pdplug_engines.procs import launch
     from pdplug_engines.tokens import compare_tokens
 
-    prefill.kill()
+    res, held, ended_s = _kill_while_rooms_live(
+        url, inflight, max_tokens, prefill.spec.url, prefill, timeout_s=timeout_s, rooms=True,
+        hold_switch=hold_switch,
+    )  # fmt: skip
+    t_kill = time.monotonic() - ended_s
     prefill.proc.wait(timeout=30.0)
-    t_kill = time.monotonic()
+    done = len(res) == len(inflight)
+    idle = wait_idle(decode.spec.url, timeout_s=90.0) if done and decode.alive() else None
     spec = msgspec.structs.replace(prefill.spec, name=f"{prefill.spec.name}-restarted")  # type: ignore[type-var]
     new = launch(spec, prefill.log_path.parent)
     try:
@@ -335,6 +380,12 @@ def restart_prefill(
     first = got[0].latency_s if got and isinstance(got[0], Completion) else -1.0
     return (
         RestartResult(
+            inflight=len(inflight),
+            inflight_completed=sum(isinstance(r, Completion) for r in res),
+            inflight_failed=sum(isinstance(r, RequestFailed) for r in res),
+            inflight_ended_s=round(ended_s, 2),
+            held_at_kill=held,
+            decode_idle=idle,
             requests=len(prompts),
             identical=parity.identical,
             failed=parity.failed,

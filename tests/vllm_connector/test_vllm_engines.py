@@ -13,6 +13,7 @@ second write reports an error, so the sender fails those rooms and tells the dec
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 pytest.importorskip("vllm")
@@ -29,6 +30,7 @@ def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tm
         "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, kill_decode=True,
         kill_timeout_s=60.0, fault_prompts=6, restart=True,
     )  # fmt: skip
+    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
     assert res.failed == [], res.failed
     assert res.identical == res.requests == 16
     assert 0 < res.ttft_p50_s <= res.ttft_p99_s
@@ -47,10 +49,15 @@ def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tm
     assert rec.failed == 0 and rec.identical == rec.requests == 6, rec
     assert fail.failed == fail.rooms_failed and fail.failed > 0, fail
     assert fail.identical == fail.completed == fail.requests - fail.failed, fail
-    # the prefill engine is killed and started again (same ports): the very next requests, one
-    # at a time, find the new instance through the same decode engine (issue 23 scenario 5)
+    # the prefill engine is killed while it holds rooms of 16 requests: each ends (answered by
+    # the decode's recompute policy, or failed at the proxy), none hangs, the decode frees every
+    # block; then it starts again (same ports) and the very next requests, one at a time, find
+    # the new instance through the same decode engine (issue 23 scenario 5)
     r = res.restart
     assert r is not None and r.decode_alive, r
+    assert r.held_at_kill > 0 and r.inflight_completed + r.inflight_failed == r.inflight == 16, r
+    assert r.inflight_ended_s < 120.0 + 10.0, r
+    assert r.decode_idle is not None and r.decode_idle.idle, r
     assert r.failed == [] and r.identical == r.requests == 16, r
     k = res.kill
     assert k is not None and k.completed + k.failed == k.requests == 16, k
