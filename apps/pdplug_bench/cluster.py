@@ -117,8 +117,8 @@ def _fmt(v: float | None, scale: float = 1.0, nd: int = 2) -> str:
     show_default=True,
     type=click.IntRange(2, 64),
     help="Decode DCP size each prefill rank's pack buffer is sized for (2 pack regions per "
-    "rank; KVConfig's default). 2 (the decode DCP size) shows scenario 3's region starvation "
-    "on NIXL.",
+    "rank plus 2 kept for another decode instance; KVConfig's default). 2 (the decode DCP "
+    "size) is the tightest: scenario 3 there checks a stuck instance cannot starve the other.",
 )
 @click.option(
     "--logs",
