@@ -28,7 +28,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     :ivar name: label in logs and errors (``"single"``, ``"prefill"``, ``"decode"``).
     :ivar model: checkpoint directory (see :func:`pdplug_engines.tiny_model.build_tiny_llama`).
-    :ivar port: HTTP port on 127.0.0.1.
+    :ivar port: HTTP port on ``host``.
+    :ivar host: address the server binds (``127.0.0.1``; a namespace host's address when the
+        engine runs on a host of a :class:`pdplug.testing.netns.Cluster`).
     :ivar kv_transfer: vLLM ``--kv-transfer-config`` document, or None for a plain engine.
     :ivar block_size: KV block size in tokens (a multiple of 32 on CPU).
     :ivar max_model_len: longest sequence in tokens.
@@ -52,6 +54,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     model: str
     port: int
+    host: str = "127.0.0.1"
     kv_transfer: dict[str, Any] | None = None
     block_size: int = 32
     max_model_len: int = 4096
@@ -84,7 +87,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def url(self) -> str:
         """Base URL of the engine's OpenAI-compatible server."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         """The server command line (run with this interpreter).
@@ -95,7 +98,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         """
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", self.host, "--port", str(self.port),
             "--dtype", self.dtype,
             "--block-size", str(self.block_size),
             "--max-model-len", str(self.max_model_len),
