@@ -25,7 +25,8 @@ from pdplug_bench.machine import json_option
 
 __all__ = ["cli", "JSON_KEYS", "json_row"]
 
-#: the keys every ``--json`` row has (issue 23); rows carry more (TTFT, bytes, notes)
+#: the keys of every ``--json`` row (issue 23); the rest of what a row measured (TTFT, bytes,
+#: checks that failed, notes) is under ``"details"``, one entry per row, with the run's options
 JSON_KEYS = ("scenario", "backend", "rooms", "ok", "failed", "lost", "wrong_bytes", "fail_s",
              "recover_s")  # fmt: skip
 
@@ -39,13 +40,28 @@ def _scenarios(ctx: click.Context, param: click.Parameter, value: str) -> list[s
         raise click.BadParameter(
             f"{value!r}: expected comma-separated scenario numbers among {', '.join(SCENARIOS)}"
         )
+    _no_repeats(value, keys)
     return keys
+
+
+def _no_repeats(value: str, items: list[str]) -> None:
+    twice = sorted({x for x in items if items.count(x) > 1})
+    if twice:
+        raise click.BadParameter(f"{value!r} names {', '.join(twice)} more than once")
+
+
+def _rate(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not 1.0 <= value <= 1000.0:  # also NaN, which click's FloatRange lets through
+        raise click.BadParameter(f"{value!r}: expected rooms per second in 1..1000")
+    return value
 
 
 def _backends(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
     from pdplug_bench.options import component_names
 
-    return component_names(value, "kv_sender", "--backend")
+    names = component_names(value, "kv_sender", "--backend")
+    _no_repeats(value, names)
+    return names
 
 
 def _harness() -> Any:
@@ -101,8 +117,9 @@ def _fmt(v: float | None, scale: float = 1.0, nd: int = 2) -> str:
     "--rate",
     default=20.0,
     show_default=True,
-    type=click.FloatRange(1.0, 1000.0),
-    help="Rooms issued per second.",
+    type=float,
+    callback=_rate,
+    help="Rooms issued per second (1 to 1000).",
 )
 @click.option(
     "--concurrency",
@@ -148,7 +165,7 @@ def cli(
     from pdplug_bench.cluster_scenarios import TITLES, Options, Row, run_scenario
     from pdplug_bench.machine import machine_line, write_json
 
-    _harness()
+    netns = _harness()
     console = Console(width=160)
     console.print(machine_line())
     opts = Options(
@@ -171,6 +188,10 @@ def cli(
             try:
                 row = run_scenario(key, b, opts)
             except WorkerError as e:
+                sig = netns.interrupted()
+                if sig is not None:  # the clean-up killed the workers: stop, as interrupted
+                    console.print(f"[red]interrupted (signal {sig}): the cluster is removed[/]")
+                    raise SystemExit(128 + sig) from None
                 row = Row(scenario=key, backend=b, problems=[f"worker failed: {e}"[:2000]])
             rows.append(row)
             # a row as soon as it is measured (a run cut short still shows what it did)
@@ -219,6 +240,21 @@ def cli(
         for p in r.problems:
             console.print(f"[red]{r.scenario} on {r.backend}: {p}[/]")
     if json_path:
-        write_json(json_path, {"rows": [json_row(r) for r in rows]})
+        details = [
+            {"scenario": r.scenario, "backend": r.backend, "ttft_p50_ms": r.ttft_p50_ms,
+             "ttft_p99_ms": r.ttft_p99_ms, "kv_bytes": r.kv_bytes, "rx_bytes": r.rx_bytes,
+             "seconds": r.seconds, "problems": r.problems, "notes": r.notes}
+            for r in rows
+        ]  # fmt: skip
+        options = {
+            "short": short,
+            "rate": rate,
+            "concurrency": concurrency,
+            "max_dst_dcp": max_dst_dcp,
+            "backends": backend,
+            "scenarios": scenarios,
+        }
+        write_json(json_path, {"rows": [json_row(r) for r in rows], "details": details,
+                               "options": options})  # fmt: skip
     if bad:
         raise SystemExit(1)

@@ -253,7 +253,7 @@ def clean(c: Any, dep: Deployment, opts: Options) -> Row:
     bad = [r.room for r in dep.rooms.values() if not r.ok]
     if bad:
         probs.append(f"rooms failed on a clean network: {bad}")
-    return summarize(dep, "1 clean", t0, problems=probs)
+    return summarize(dep, TITLES["1"], t0, problems=probs)
 
 
 def lossy(c: Any, dep: Deployment, opts: Options) -> Row:
@@ -268,7 +268,7 @@ def lossy(c: Any, dep: Deployment, opts: Options) -> Row:
     bad = [(r.room, r.reason()) for r in dep.rooms.values() if not r.ok]
     if bad:
         probs.append(f"rooms failed through 1 % loss and 200 Mbit/s: {bad[:5]}")
-    return summarize(dep, "2 loss 1% + 200 Mbit/s", t0, problems=probs,
+    return summarize(dep, TITLES["2"], t0, problems=probs,
                      notes={"link": "d0: 1 % loss, tbf 200 Mbit/s, GSO off"})  # fmt: skip
 
 
@@ -290,7 +290,7 @@ def partition(c: Any, dep: Deployment, opts: Options) -> Row:
     run(4 * to, ["d0", "d1"])
     run(opts.phase(4.0), ["d0", "d1"])
     _settle(dep, probs, 30.0)
-    row = summarize(dep, "3 partition 5 s", t0, fault_t=t_cut, fault_hosts=["d0"],
+    row = summarize(dep, TITLES["3"], t0, fault_t=t_cut, fault_hosts=["d0"],
                     recover_from=t_heal, recover_hosts=["d0"], problems=probs)  # fmt: skip
     late = [
         r.room
@@ -332,7 +332,7 @@ def decode_dies(c: Any, dep: Deployment, opts: Options) -> Row:
               and r.t0 < t_kill and r.d is not None]  # fmt: skip
     after = [r.d.t - r.t0 for r in dep.rooms.values() if r.dest == "d0" and r.ok
              and r.t0 >= t_kill and r.d is not None]  # fmt: skip
-    row = summarize(dep, "4 decode host killed", t0, fault_t=t_kill, fault_hosts=["d1"],
+    row = summarize(dep, TITLES["4"], t0, fault_t=t_kill, fault_hosts=["d1"],
                     recover_from=t_kill, problems=probs)  # fmt: skip
     d0 = [(r.room, r.reason()) for r in dep.rooms.values() if r.dest == "d0" and not r.ok]
     if d0:
@@ -392,7 +392,7 @@ def prefill_dies(c: Any, dep: Deployment, opts: Options) -> Row:
     run(2 * t.transfer_s + 2.0, ["d0", "d1"], until=_succeeded_after(dep, t_ready, ["d0", "d1"]))
     run(opts.phase(3.0), ["d0", "d1"])
     _settle(dep, probs, 30.0)
-    row = summarize(dep, "5 PP prefill host killed", t0, fault_t=t_kill, fault_hosts=[],
+    row = summarize(dep, TITLES["5"], t0, fault_t=t_kill, fault_hosts=[],
                     recover_from=t_ready, problems=probs)  # fmt: skip
     new_bad = [(r.room, r.reason()) for r in dep.rooms.values() if r.t0 >= t_ready and not r.ok]
     if new_bad:
@@ -428,7 +428,7 @@ def starved(c: Any, dep: Deployment, opts: Options) -> Row:
         run(10.0, ["d0", "d1"])
     run(opts.phase(3.0), ["d0", "d1"])
     _settle(dep, probs, 30.0)
-    row = summarize(dep, "6 prefill host starved 10 s", t0, problems=probs)
+    row = summarize(dep, TITLES["6"], t0, problems=probs)
     bad = [(r.room, r.reason()) for r in dep.rooms.values() if not r.ok]
     if bad:
         row.problems.append(f"rooms failed while p1 was slow: {bad[:5]}")
@@ -520,7 +520,7 @@ def intruder(c: Any, dep: Deployment, opts: Options) -> Row:
         probs.append(f"rooms failed during the attack: {bad[:5]}")
     if dep.lost_consensus:
         probs.append(f"consensus failed: {dep.lost_consensus}")
-    row = summarize(dep, "7 non-member frames", t0, problems=probs)
+    row = summarize(dep, TITLES["7"], t0, problems=probs)
     row.notes.update(
         targets=len(pdplug_eps),
         raw_ports=len(raw),
@@ -545,7 +545,16 @@ SCENARIOS: dict[str, Scenario] = {
     "7": intruder,
 }
 #: one line per scenario, for the CLI's help and the table
-TITLES = {k: (fn.__doc__ or "").split("\n")[0] for k, fn in SCENARIOS.items()}
+#: each scenario's row title (its docstring says what it checks)
+TITLES = {
+    "1": "1 clean",
+    "2": "2 loss 1% + 200 Mbit/s",
+    "3": "3 partition 5 s",
+    "4": "4 decode host killed",
+    "5": "5 PP prefill host killed",
+    "6": "6 prefill host starved 10 s",
+    "7": "7 non-member frames",
+}
 
 
 def _cluster_args(key: str) -> dict[str, Any]:

@@ -261,10 +261,15 @@ class KVReceiverSession(RoomSession):
         22: a decode worker that resolved inline stalled every request for 30 s). Known or
         connected instances are left as they are.
 
-        :raises ValueError: ``rendezvous`` is empty.
+        :raises ValueError: ``instance`` or ``rendezvous`` is empty.
+        :raises TransferError: the session is closed.
         """
+        if not instance:
+            raise ValueError("KVReceiver.find: instance must be a prefill instance name, got ''")
         if not rendezvous:
             raise ValueError(f"KVReceiver.find: prefill {instance!r} needs a rendezvous endpoint")
+        if self._closed:
+            raise TransferError(f"KVReceiver.find: {self.config.instance} is closed")
         if instance not in self._finder.rendezvous:
             self._finder.remember(instance, rendezvous)
 

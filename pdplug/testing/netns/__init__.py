@@ -33,7 +33,7 @@ rule and fixture). Imports nothing from the reference host, the benchmarks or a 
 
 from __future__ import annotations
 
-from pdplug.testing.netns.cleanup import RunId, sweep
+from pdplug.testing.netns.cleanup import RunId, interrupted, sweep
 from pdplug.testing.netns.cluster import (
     BRIDGE,
     DEFAULT_LATENCY_MS,
@@ -60,6 +60,7 @@ __all__ = [
     "require_netns",
     "netns_cluster",
     "sweep",
+    "interrupted",
     "list_namespaces",
     "DEV",
     "BRIDGE",

@@ -38,6 +38,7 @@ __all__ = [
     "track",
     "untrack",
     "close_all",
+    "interrupted",
 ]
 
 #: a prefix is lower-case letters and digits, starting with a letter (it must not contain
@@ -45,6 +46,7 @@ __all__ = [
 PREFIX_RE = re.compile(r"[a-z][a-z0-9]{0,15}")
 _NAME_RE = re.compile(r"(?P<prefix>[a-z][a-z0-9]*)-(?P<pid>\d+)-(?P<start>\d+)-(?P<seq>\d+)(-.+)?")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_interrupted: int | None = None
 
 
 def check_prefix(prefix: str) -> str:
@@ -217,7 +219,16 @@ def _at_exit() -> None:
     close_all()
 
 
+def interrupted() -> int | None:
+    """The SIGINT or SIGTERM that closed this process's clusters, or None: a caller that
+    catches the errors of processes the clean-up killed (a worker that "exited unexpectedly")
+    can tell an interrupt from a fault and stop instead of going on."""
+    return _interrupted
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    global _interrupted
+    _interrupted = signum
     prev = _saved.get(signum, signal.SIG_DFL)
     close_all()
     with _lock:
