@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -50,9 +50,6 @@ from pdplug.transfer.session import RoomSession
 from pdplug.transfer.sources import PrefillSources
 from pdplug.types import DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
 from pdplug.wire import rank_identity
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["KVReceiverSession"]
 
@@ -184,21 +181,13 @@ class KVReceiverSession(RoomSession):
     ) -> None:
         """Handshake with every rank of one prefill instance (from
         :func:`pdplug.bootstrap.resolve`); bounded by ``timeout_s`` (default
-        ``bootstrap_timeout_s``).
-
-        The instance stays known after its sources die: a prefill rank dropped as silent (a
-        partition, a host that vanished) or replaced (a rolling restart: new processes that
-        registered again) is looked up again at ``rendezvous`` and reconnected by the next
-        :meth:`expect` bound for it, in the background (that room waits, bounded by its
-        deadline), and whenever a failed room waits for such a source to drain.
-
-        :param rendezvous: where the instance registers (default
-            ``KVConfig.bootstrap_endpoint``; ``""``: never look it up again, rooms to a dead
-            source fail at once).
+        ``bootstrap_timeout_s``). The instance stays known after its sources die: one dropped
+        as silent or replaced (a rolling restart) is looked up again at ``rendezvous`` (default
+        ``KVConfig.bootstrap_endpoint``; ``""``: never) by the next :meth:`expect` bound for it,
+        in the background, and whenever a failed room waits for such a source to drain.
 
         :raises CompatError: naming every mismatch, from this side's check and from each
-            prefill rank's refusal (page size, bytes per token, dtype, layout version, backend,
-            plugin vetoes).
+            prefill rank's refusal (:meth:`pdplug.protocols.KVReceiver.connect`).
         :raises TransferError: a prefill rank did not answer in time.
         :raises ValueError: ``prefill`` is empty or spans several instances.
         """
@@ -252,26 +241,19 @@ class KVReceiverSession(RoomSession):
         )
 
     def find(self, instance: str, rendezvous: str) -> None:
-        """Know ``instance`` by where it registers, without connecting now: the first
-        :meth:`expect` bound for it waits while a search on a thread of the session resolves
-        it at ``rendezvous`` and connects it (:meth:`connect`, bounded by
-        ``bootstrap_timeout_s``), then sends it or fails naming why (unknown there, no answer,
-        or the :class:`~pdplug.CompatError`). A host's step never blocks on a lookup: a request
-        naming a dead, restarting or unknown prefill instance costs its own room only (issue
-        22: a decode worker that resolved inline stalled every request for 30 s). Known or
-        connected instances are left as they are.
+        """Know ``instance`` by its rendezvous without connecting now: the first :meth:`expect`
+        bound for it waits while a thread resolves and connects it (``bootstrap_timeout_s``),
+        then is sent or fails naming why: no host step blocks on a lookup (issue 22).
 
-        :raises ValueError: ``instance`` or ``rendezvous`` is empty.
+        :raises ValueError: an empty ``instance`` or ``rendezvous``.
         :raises TransferError: the session is closed.
         """
-        if not instance:
-            raise ValueError("KVReceiver.find: instance must be a prefill instance name, got ''")
-        if not rendezvous:
-            raise ValueError(f"KVReceiver.find: prefill {instance!r} needs a rendezvous endpoint")
+        if not instance or not rendezvous:
+            raise ValueError(f"KVReceiver.find: instance={instance!r}, rendezvous={rendezvous!r}"
+                             ": both must be non-empty")  # fmt: skip
         if self._closed:
             raise TransferError(f"KVReceiver.find: {self.config.instance} is closed")
-        if instance not in self._finder.rendezvous:
-            self._finder.remember(instance, rendezvous)
+        self._finder.rendezvous.setdefault(instance, rendezvous)
 
     def _refuse(self, instance: str, mismatches: list[str]) -> NoReturn:
         """Remember why ``instance`` refused this rank (later rooms for it fail naming it) and
