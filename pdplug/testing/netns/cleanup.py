@@ -165,7 +165,9 @@ def track(key: int, close: Callable[[], None]) -> None:
     """Register an open cluster: ``close()`` runs on interpreter exit and on SIGINT/SIGTERM.
 
     The signal handlers are installed with the first open cluster and only from the main
-    thread (Python allows no other); from another thread only ``atexit`` covers it.
+    thread (Python allows no other); from another thread only ``atexit`` covers it. A signal
+    the process ignores (SIG_IGN, as a job started in the background ignores SIGINT) is left
+    ignored: it removes nothing and ends nothing.
 
     :param key: an id unique while registered (``id(cluster)``).
     :param close: an idempotent function removing everything the cluster made.
@@ -180,7 +182,10 @@ def track(key: int, close: Callable[[], None]) -> None:
             _atexit_registered = True
         if not _saved and threading.current_thread() is threading.main_thread():
             for sig in _SIGNALS:
-                _saved[sig] = signal.getsignal(sig)
+                old = signal.getsignal(sig)
+                if old == signal.SIG_IGN:
+                    continue  # a process that ignores it (started in the background) goes on
+                _saved[sig] = old
                 signal.signal(sig, _on_signal)
 
 
