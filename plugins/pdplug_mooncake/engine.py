@@ -49,6 +49,8 @@ __all__ = ["MooncakeEngine", "coalesce_runs"]
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
 # a worker waiting for its write: yield for the first 100 us, then sleep 50 us doubling to 1 ms
 _SPIN_S, _SLEEP_MIN_S, _SLEEP_MAX_S = 100e-6, 50e-6, 1e-3
+# transfer_check_status: 1 done; 0 in flight, -2 past the engine's own timeout and still held
+_DONE, _IN_FLIGHT = 1, (0, -2)
 
 
 def coalesce_runs(
@@ -284,15 +286,9 @@ class MooncakeEngine:
         self.counts["descriptors"] += int(length.shape[0])
         s, d, n = src.tolist(), dst.tolist(), length.tolist()
         if peer.verified and len(n) <= self._async_runs:
-            w = _AsyncWrite(peer=peer)
-            for a, b, c in zip(s, d, n):
-                bid = self._engine.batch_transfer_async_write(peer.session, [a], [b], [c])
-                if not bid:  # refused: report ERR once the runs already submitted ended
-                    w.error = f"mooncake async write to {peer.session} was refused"
-                    break
-                w.ids.append(bid)
+            ids, error = self._submit_runs(peer.session, s, d, n)  # ERR once those ended
             self.counts["async_writes"] += 1
-            return w
+            return _AsyncWrite(peer=peer, ids=ids, error=error)
         key: list[int] = []  # the future's id, known before the worker can run the write
         fut: Future[int] = peer.worker.submit(lambda: self._write(peer, key, s, d, n), key)
         if self._waker is not None:
@@ -352,6 +348,19 @@ class MooncakeEngine:
                 return -1
         return 0
 
+    def _submit_runs(
+        self, session: str, src: list[int], dst: list[int], ln: list[int]
+    ) -> tuple[list[int], str]:
+        """Submit each run as its own asynchronous batch; returns the batch ids and ``""``, or
+        why the engine refused one (the runs before it are submitted and must still end)."""
+        ids: list[int] = []
+        for a, b, c in zip(src, dst, ln):
+            bid = self._engine.batch_transfer_async_write(session, [a], [b], [c])
+            if not bid:
+                return ids, f"mooncake write to {session} was refused"
+            ids.append(bid)
+        return ids, ""
+
     def _write_runs(
         self, fid: int, session: str, src: list[int], dst: list[int], ln: list[int]
     ) -> str:
@@ -365,19 +374,12 @@ class MooncakeEngine:
         small host slows every other peer's rooms (bench cluster scenario 4). Single-run
         batches because ``transfer_check_status`` of a multi-run batch reports done before
         all of its runs landed (mooncake 0.3.13)."""
-        ids: list[int] = []
-        error = ""
-        for a, b, c in zip(src, dst, ln):
-            bid = self._engine.batch_transfer_async_write(session, [a], [b], [c])
-            if not bid:  # refused: the runs already submitted must still end
-                error = f"mooncake write to {session} was refused"
-                break
-            ids.append(bid)
+        ids, error = self._submit_runs(session, src, dst, ln)
         spin_until, delay, k = time.monotonic() + _SPIN_S, _SLEEP_MIN_S, 0
         while k < len(ids):
             rc = int(self._engine.transfer_check_status(ids[k]))
-            if rc not in (0, -2):  # ended (-2: past the engine's own timeout, still held)
-                if rc != 1 and not error:
+            if rc not in _IN_FLIGHT:
+                if rc != _DONE and not error:
                     error = f"mooncake write to {session} failed ({rc})"
                 if error and fid not in self._failures:
                     self._failures[fid] = error
@@ -419,9 +421,9 @@ class MooncakeEngine:
         pending = []
         for bid in w.ids:
             rc = int(self._engine.transfer_check_status(bid))
-            if rc == 0 or rc == -2:  # in flight (-2: past the engine's own timeout, still held)
+            if rc in _IN_FLIGHT:
                 pending.append(bid)
-            elif rc != 1:  # the engine freed the batch (1: done)
+            elif rc != _DONE:  # the engine freed the batch
                 w.error = w.error or f"mooncake async write to {w.peer.session} failed ({rc})"
         w.ids = pending
         if w.error:
