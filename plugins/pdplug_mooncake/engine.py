@@ -102,12 +102,15 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self.running = False
+        # one writer each (the posting thread, this thread): their difference is safe to read
+        self._submitted = self._ended = 0
 
     def submit(self, fn: Callable[[], int], key: list[int] | None = None) -> Future[int]:
         """Queue ``fn``; ``key`` (if given) receives ``id`` of the returned future first."""
         fut: Future[int] = Future()
         if key is not None:
             key.append(id(fut))
+        self._submitted += 1
         self._q.put((fn, fut))
         return fut
 
@@ -118,6 +121,7 @@ class _Worker:
         while (item := self._q.get()) is not None:
             fn, fut = item
             if not fut.set_running_or_notify_cancel():
+                self._ended += 1
                 continue  # cancelled while queued: it never touched memory
             self.running = True
             try:
@@ -126,6 +130,12 @@ class _Worker:
                 fut.set_exception(e)
             finally:
                 self.running = False
+                self._ended += 1
+
+    @property
+    def queued(self) -> int:
+        """Writes submitted and not yet ended (running or waiting)."""
+        return self._submitted - self._ended
 
 
 class _Peer(msgspec.Struct, kw_only=True):
@@ -140,6 +150,7 @@ class _Peer(msgspec.Struct, kw_only=True):
     refs: int = 0
     verified: bool = False
     probe: threading.Thread | None = None
+    async_live: int = 0  # asynchronous writes not yet ended
 
 
 class _AsyncWrite(msgspec.Struct, kw_only=True):
@@ -148,6 +159,7 @@ class _AsyncWrite(msgspec.Struct, kw_only=True):
     peer: _Peer
     ids: list[int] = []
     error: str = ""
+    ended: bool = False
 
 
 class MooncakeEngine:
@@ -158,12 +170,16 @@ class MooncakeEngine:
         ``host`` (advertised host, default ``config.wire.bind_host``), ``max_batch``
         (descriptors per write call, default 1024), ``probe_timeout_s`` (seconds a peer has
         to answer the handshake probe before its writes fail, default
-        ``min(2, transfer_timeout_s / 2)``), ``async_max_runs`` (writes of at most this many
-        runs to a verified session go asynchronous from the posting thread, default 0: every
-        write on the peer's worker thread. Asynchronous writes need no Python thread to
-        complete, but after a refused run the engine fails a session's other queued runs one
-        every second or so: the write reports ``"FAILING"`` (its room fails at once) and its
-        room stays undrained until they end).
+        ``min(2, transfer_timeout_s / 2)``), ``async_max_runs`` (a write of at most this many
+        runs to a verified session with nothing else in flight is submitted from the posting
+        thread and polled by :meth:`check`; default 0: every write on the peer's worker
+        thread). It saves the worker's two thread hand-offs per write (``pdplug bench
+        transfer``'s fixed cost per send, issue 24), but is off by default: with it on, two
+        integrity tests (rooms queued behind others, decode TP routing) saw writes held past
+        their 5 s timeout. Alone only, because after a refused run the engine fails the
+        session's other queued runs one every second or so (the write reports ``"FAILING"``:
+        its room fails at once and stays undrained until they end), and a write queued in the
+        engine behind others would age against its own timeout.
     :raises ImportError: mooncake is not installed.
     :raises TransferError: ``initialize`` failed (names host and protocol).
     """
@@ -285,9 +301,17 @@ class MooncakeEngine:
             src, dst, length = coalesce_runs(src, dst, length)
         self.counts["descriptors"] += int(length.shape[0])
         s, d, n = src.tolist(), dst.tolist(), length.tolist()
-        if peer.verified and len(n) <= self._async_runs:
+        # alone on an idle session only: a refused run fails the session's other queued runs,
+        # and a write queued behind others in the engine would age against its own timeout
+        if (
+            peer.verified
+            and len(n) <= self._async_runs
+            and not peer.async_live
+            and not peer.worker.queued
+        ):
             ids, error = self._submit_runs(peer.session, s, d, n)  # ERR once those ended
             self.counts["async_writes"] += 1
+            peer.async_live += 1
             return _AsyncWrite(peer=peer, ids=ids, error=error)
         key: list[int] = []  # the future's id, known before the worker can run the write
         fut: Future[int] = peer.worker.submit(lambda: self._write(peer, key, s, d, n), key)
@@ -428,6 +452,9 @@ class MooncakeEngine:
         w.ids = pending
         if w.error:
             w.peer.verified = False  # probe the session again before its next write
+        if not pending and not w.ended:
+            w.ended = True
+            w.peer.async_live -= 1
         if pending:
             # after a refused run the engine fails the session's other queued runs slowly
             return "FAILING" if w.error else "PROC"

@@ -5,8 +5,10 @@ which Mooncake's TCP transport pays for one by one)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,6 +117,57 @@ def test_runs_of_two_registered_buffers_adjacent_in_memory_stay_apart() -> None:
             time.sleep(0.01)
         assert a.check(xfer) == "DONE", a.failure(xfer)
         assert a.counts["descriptors"] == 2
+        assert np.array_equal(dst, src)
+    finally:
+        a.close()
+        b.close()
+
+
+def _wait_done(eng: Any, xfer: Any) -> None:
+    deadline = time.monotonic() + 30.0
+    while eng.check(xfer) in ("PROC", "FAILING") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert eng.check(xfer) == "DONE", eng.failure(xfer)
+
+
+@pytest.mark.parametrize("limit", ["64", "0"])
+def test_a_write_alone_on_a_verified_session_is_posted_from_the_caller(limit: str) -> None:
+    """Issue 24: the first write to a session goes through its worker (the session is probed
+    first); a later write with nothing else in flight is submitted from the posting thread;
+    one posted while that one is still in flight goes to the worker (a refused run must not
+    fail a neighbour's runs); ``async_max_runs=0`` keeps every write on the worker. Every
+    byte lands either way."""
+    require("mooncake")
+    from pdplug.types import PeerInfo
+    from pdplug_mooncake.engine import MooncakeEngine
+
+    extra = {"async_max_runs": limit}
+    a = MooncakeEngine(KVConfig(instance="p", role="prefill", layout=_lay(), extra=extra))
+    b = MooncakeEngine(KVConfig(instance="d", role="decode", layout=_lay()))
+    try:
+        src = (np.arange(1 << 16) % 253).astype(np.uint8)
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        a.register([(src.ctypes.data, src.nbytes)])
+        b.register([(dst.ctypes.data, dst.nbytes)])
+        peer = a.connect(
+            PeerInfo(instance="d", role="decode", layout=_lay(), agent=b.agent(),
+                     backend="mooncake")
+        )  # fmt: skip
+        q = 1 << 14  # four quarters: one write each
+
+        def post(i: int) -> Any:
+            off = np.array([i * q], dtype=np.int64)
+            return a.post(peer, src.ctypes.data + off, dst.ctypes.data + off,
+                          np.array([q], dtype=np.int64), b"t")  # fmt: skip
+
+        _wait_done(a, post(0))  # unverified: the worker probes, then writes
+        assert a.counts["async_writes"] == 0
+        _wait_done(a, post(1))  # alone on a verified session
+        x2, x3 = post(2), post(3)  # x3 while x2 is in flight, or not when x2 was quick
+        _wait_done(a, x2)
+        _wait_done(a, x3)
+        got = a.counts["async_writes"]
+        assert got in ((2, 3) if limit != "0" else (0,)), a.counts
         assert np.array_equal(dst, src)
     finally:
         a.close()
