@@ -292,10 +292,11 @@ class ResolveTimeout(TransferError):
     :ivar world: ranks the instance has (``pp_size * tp_size``; 0 while none registered).
     """
 
-    def __init__(self, message: str, *, answered: bool, registered: int = 0, world: int = 0):
+    def __init__(
+        self, message: str, *, answered: bool = False, registered: int = 0, world: int = 0
+    ) -> None:
         super().__init__(message)
         self.answered, self.registered, self.world = answered, registered, world
-
 
 
 def _request(
