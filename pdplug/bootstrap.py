@@ -59,6 +59,7 @@ __all__ = [
     "world_of",
     "bind_random",
     "Registrar",
+    "ResolveTimeout",
 ]
 
 log = logging.getLogger(__name__)
@@ -282,6 +283,22 @@ class RendezvousServer:
 # --------------------------------------------------------------------------- clients
 
 
+class ResolveTimeout(TransferError):
+    """:func:`resolve` gave up after its ``timeout_s``: the rendezvous never answered, or its
+    last answer said the instance was not ready (issue 22: a client is told which).
+
+    :ivar answered: the rendezvous answered at least once (False: nothing came back).
+    :ivar registered: ranks of the instance registered at the last answer (0: unknown there).
+    :ivar world: ranks the instance has (``pp_size * tp_size``; 0 while none registered).
+    """
+
+    def __init__(
+        self, message: str, *, answered: bool = False, registered: int = 0, world: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.answered, self.registered, self.world = answered, registered, world
+
+
 def _request(
     endpoint: str,
     msg: Register | Resolve,
@@ -411,7 +428,8 @@ def resolve(
 
     :param identity: sender identity (e.g. the decode rank's
         :func:`~pdplug.wire.peer_identity`); default: a random ``"resolver-…"`` one.
-    :raises TransferError: not every rank registered within ``timeout_s`` (names how many did).
+    :raises ResolveTimeout: (a :class:`~pdplug.errors.TransferError`) not every rank
+        registered within ``timeout_s`` (names how many did), or no answer at all.
     :raises ValueError: ``endpoint`` is off loopback and ``wire.hmac_key`` is ``None``.
     """
     w = wire or WireConfig()
@@ -422,9 +440,9 @@ def resolve(
         msg = Resolve(instance=instance, ref=secrets.randbits(63))
         try:
             reply: msgspec.Struct | None = _request(endpoint, msg, codec, w, deadline, "resolve")
-        except TransferError:
+        except TransferError as e:
             if last is None:
-                raise
+                raise ResolveTimeout(str(e), answered=False) from None
             reply = None  # the server answered "not ready" before: say so, not "no answer"
         if isinstance(reply, Resolved) and reply.instance == instance:
             last = reply
@@ -432,8 +450,11 @@ def resolve(
                 return list(reply.peers)
         if time.monotonic() + poll_s >= deadline:
             got = f"{last.registered} of {last.world or '?'}" if last else "no answer"
-            raise TransferError(
+            raise ResolveTimeout(
                 f"rendezvous {endpoint}: prefill instance {instance!r} not ready after "
-                f"{timeout_s:g} s ({got} ranks registered)"
+                f"{timeout_s:g} s ({got} ranks registered)",
+                answered=last is not None,
+                registered=last.registered if last else 0,
+                world=last.world if last else 0,
             )
         time.sleep(poll_s)

@@ -5,9 +5,11 @@ is one completions request with a ``kv_transfer_params`` a client can get wrong 
 missing or unknown fields, absurd sizes, contradictory flags); with
 :class:`pdplug.adapters.vllm.guard.KVParamsGuard` in front of the engine each must end fast
 with HTTP 400 naming the field. :data:`UNKNOWN_REMOTE` cases are well formed but name a
-prefill nobody runs: they can only fail once the decode gave up on the bootstrap
-(``bootstrap_timeout_s``; a decode worker resolves one instance at a time, so the second
-ends up to twice that after it was sent). Afterwards both engines must still serve.
+prefill nobody runs: the guard looks the instance up at the rendezvous the request names
+and, once the decode's ``bootstrap_timeout_s`` passed without it, answers 504 (the
+rendezvous answered nothing) or 404 (it does not know the instance), naming the field, the
+instance, the endpoint and the seconds (:data:`UNKNOWN_REMOTE_WANT`). Afterwards both
+engines must still serve.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import msgspec
 from pdplug.adapters.room_ids import MAX_ALLOCATOR_ID, ROOM_BITS
 from pdplug.ports import free_ports
 
-__all__ = ["CASES", "BadParamsResult", "Probe", "UNKNOWN_REMOTE", "probe_bad_params"]
+__all__ = [
+    "CASES",
+    "BadParamsResult",
+    "Probe",
+    "UNKNOWN_REMOTE",
+    "UNKNOWN_REMOTE_WANT",
+    "probe_bad_params",
+]
 
 #: rooms of the probes: the last allocator id's, never a proxy's (ids from 0 up)
 _ROOM = MAX_ALLOCATOR_ID << ROOM_BITS
@@ -65,6 +74,13 @@ CASES: tuple[tuple[str, str, Any, str], ...] = (
 #: instead waits ``KVConfig.waiting_timeout_s``, 120 s by default)
 UNKNOWN_REMOTE = ("unknown instance, dead bootstrap", "unknown instance, live bootstrap")
 
+#: what each :data:`UNKNOWN_REMOTE` case must get: (HTTP status, ``param``, the instance the
+#: message names) (:mod:`pdplug.adapters.vllm.reachable`)
+UNKNOWN_REMOTE_WANT: dict[str, tuple[int, str, str]] = {
+    UNKNOWN_REMOTE[0]: (504, "kv_transfer_params.pdplug.bootstrap", "nobody-dead"),
+    UNKNOWN_REMOTE[1]: (404, "kv_transfer_params.pdplug.prefill_instance", "nobody"),
+}
+
 
 class Probe(msgspec.Struct, frozen=True, kw_only=True):
     """One request's answer.
@@ -72,7 +88,8 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     :ivar name/side: the case and the engine it went to.
     :ivar status: HTTP status; ``seconds``: until the answer.
     :ivar param/message: the error document's ``param`` and ``message`` (truncated to 300).
-    :ivar want_field: the field the case must name ("" for :data:`UNKNOWN_REMOTE`).
+    :ivar want_field: the field the case must name ("" for :data:`UNKNOWN_REMOTE`, whose
+        wants are :data:`UNKNOWN_REMOTE_WANT`).
     """
 
     name: str

@@ -15,7 +15,10 @@ A request whose own ``kv_transfer_params`` are malformed or contradictory (what
 :func:`pdplug.adapters.vllm.params.check_request_params` refuses on an engine) gets HTTP 400 in
 :class:`pdplug.adapters.vllm.guard.KVParamsGuard`'s format and reaches no engine; well-formed
 ones are replaced by the proxy's own, as before (the proxy owns the room and the side flags).
-Issue 22.
+So a client cannot make the proxy name a prefill instance or bootstrap of its choosing, and the
+proxy does no prefill lookup of its own: if its configured prefill does not resolve, the decode
+engine's guard answers 404/503/504 with the reason and the proxy relays that status and body
+(a streamed request: as its SSE error). Issue 22.
 
 A client that disconnects cancels both upstream requests (vLLM aborts a request whose HTTP
 connection closed); a prefill request that fails ends the decode request with the same error.

@@ -56,7 +56,13 @@ class ParamsError(ValueError):
 
     :ivar field: where (``"kv_transfer_params.pdplug.room"``), for an HTTP 400's ``param``
         (cut to :data:`MAX_NAME_CHARS`: an unknown key a client made up can be any length).
+    :cvar status/err_type: the HTTP status and vLLM error ``type`` a client gets for it (400,
+        ``"BadRequestError"``; a subclass answers others, see
+        :class:`pdplug.adapters.vllm.reachable.PrefillUnreachable`).
     """
+
+    status: int = 400
+    err_type: str = "BadRequestError"
 
     def __init__(self, field: str, message: str) -> None:
         if len(message) > MAX_MESSAGE_CHARS:
