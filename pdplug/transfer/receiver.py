@@ -216,7 +216,7 @@ class KVReceiverSession(RoomSession):
             for m in check_prefill_peer(local, p, backend=self.engine.name, compat=self.compat)
         ]
         limit = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
-        fut = self._loop.call(lambda: self._sources.connect(instance, peers, local), 10.0)
+        fut = self._loop.call(lambda: self._sources.connect(instance, peers, local), limit)
         try:
             sources = fut.result(timeout=limit)
         except FutureTimeout as e:

@@ -12,22 +12,26 @@ import time
 import types
 from typing import Any
 
-import httpx
 import pytest
 import zmq
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import PlainTextResponse
-from starlette.routing import Route
 
-from pdplug import KVLayout, WireConfig
-from pdplug.adapters.vllm.guard import KVParamsGuard
-from pdplug.adapters.vllm.params import decode_request_params
-from pdplug.adapters.vllm.reachable import PrefillCheck, engine_settings
-from pdplug.bootstrap import RendezvousServer, register
-from pdplug.ports import free_ports
-from pdplug.types import PeerInfo
+# the web stack of pdplug[vllm] (tox env ``vllm`` runs this file): skipped without it
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+
+from starlette.applications import Starlette  # noqa: E402
+from starlette.middleware import Middleware  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+from starlette.responses import PlainTextResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+
+from pdplug import KVLayout, WireConfig  # noqa: E402
+from pdplug.adapters.vllm.guard import KVParamsGuard  # noqa: E402
+from pdplug.adapters.vllm.params import decode_request_params  # noqa: E402
+from pdplug.adapters.vllm.reachable import PrefillCheck, engine_settings  # noqa: E402
+from pdplug.bootstrap import RendezvousServer, register  # noqa: E402
+from pdplug.ports import free_ports  # noqa: E402
+from pdplug.types import PeerInfo  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 a PP 2 prefill engine and a TP 2 prefill engine, each pushing to a TP 1 decode engine behind
 ``pdplug proxy``; token parity against a single engine on the bundled trace's first 16
 prompts (63..2725 tokens, the longest prefilled in two chunks), and exactly the KV bytes the
-prompts need.
+prompts need. After its parity run the PP 2 pair's decode engine is killed mid-run.
 
 PP 2: each stage is its own worker process holding half the tiny Llama's layers; it registers
 those layers' KV, publishes itself at the prefill scheduler's rendezvous
@@ -43,12 +43,22 @@ def _check_parity(res: ParityResult) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_pp2_prefill_to_tp1_decode_is_token_identical(tmp_path) -> None:
+def test_pp2_prefill_to_tp1_decode_is_token_identical_then_decode_dies(tmp_path) -> None:
     res = run_parity(
         "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, prefill_pp=2,
-        start_timeout_s=600.0, request_timeout_s=120.0,
+        start_timeout_s=600.0, request_timeout_s=120.0, kill_decode=True, kill_timeout_s=60.0,
     )  # fmt: skip
+    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
     _check_parity(res)
+    # the decode dies while both PP stages hold rooms of its requests: every request ends
+    # within its bound (the ones cut off with a reason), the prefill keeps serving, and each
+    # stage releases every block it held for them and ends every room it started
+    k = res.kill
+    assert k is not None and k.completed + k.failed == k.requests == 16, k
+    assert k.failed > 0 and k.reasons, k
+    assert k.ended_s < 60.0 + 10.0 and k.prefill_healthy, k
+    assert k.held_at_kill > 0, k
+    assert k.prefill_idle is not None and k.prefill_idle.idle, k.prefill_idle
 
 
 @pytest.mark.timeout(900)
