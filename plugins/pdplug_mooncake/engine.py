@@ -25,6 +25,17 @@ C17). So a session is opened only right after ``send_probe`` answered within
 is first connected): the probe runs on a daemon thread of its own and takes no binding lock, so
 a probe that never returns costs its peer's writes only (they fail at once, naming the probe);
 a peer that answers again later is probed again by the next write bound for it.
+
+**Teardown holds the GIL.** Destroying a ``TransferEngine`` blocks for about 0.5-0.7 s with the
+GIL held (its native threads are joined; mooncake 0.3.13, measured on this project's 2-core
+machine). Left to the cyclic garbage collector, that happens at a random later moment, inside
+whatever the process is doing: a collection that freed a few closed sessions' engines stalled
+every Python thread of the process for seconds, long enough for live sessions' peers to declare
+them silent (seen in the test suite, where NIXL rooms failed while old Mooncake sessions were
+collected). So :meth:`MooncakeEngine.close` destroys the engine itself, at once, on the
+closing thread; an engine that a thread may still call (a write stuck on a peer, a probe that
+has not returned) is kept in :data:`RETIRED` until the process exits instead, so its last
+reference never drops on a thread in the middle of other work.
 """
 
 from __future__ import annotations
@@ -44,7 +55,11 @@ import numpy as np
 from pdplug import KVConfig, TransferError
 from pdplug.types import PeerInfo
 
-__all__ = ["MooncakeEngine", "coalesce_runs"]
+__all__ = ["RETIRED", "MooncakeEngine", "coalesce_runs"]
+
+#: closed engines a thread may still call (a stuck write, a probe not returned): never destroyed
+#: before the process exits (see the module docstring, "Teardown holds the GIL")
+RETIRED: list[Any] = []
 
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
 # a worker waiting for its write: yield for the first 100 us, then sleep 50 us doubling to 1 ms
@@ -225,6 +240,7 @@ class MooncakeEngine:
         self._regions: list[tuple[int, int]] = []
         self._starts = np.zeros(0, dtype=np.int64)  # sorted region starts (coalesce_runs)
         self._waker: Callable[[], None] | None = None
+        self._closed = False
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ TransferEngine
@@ -485,11 +501,17 @@ class MooncakeEngine:
         return []
 
     def close(self) -> None:
-        """Stop the workers and unregister memory; idempotent. A worker still inside a write
-        (a peer that stopped answering) is left to finish on its daemon thread, and the memory
-        it reads stays registered."""
-        stuck = any(p.worker.running for p in self._peers.values())
-        for p in self._peers.values():
+        """Stop the workers, unregister memory and destroy the engine now, on this thread (see
+        the module docstring: its teardown holds the GIL); idempotent. A worker still inside a
+        write (a peer that stopped answering) is left to finish on its daemon thread, and the
+        memory it reads stays registered; such an engine, or one a probe thread still calls,
+        goes to :data:`RETIRED` instead of being destroyed."""
+        if self._closed:
+            return
+        self._closed = True
+        peers = list(self._peers.values())
+        stuck = any(p.worker.running for p in peers)
+        for p in peers:
             p.worker.stop()
         self._peers.clear()
         if self._regions and not stuck:
@@ -498,3 +520,10 @@ class MooncakeEngine:
             except Exception:
                 pass
             self._regions.clear()
+        if stuck or any(
+            p.worker.queued or p.async_live or (p.probe is not None and p.probe.is_alive())
+            for p in peers
+        ):
+            RETIRED.append(self._engine)  # a thread still calls it: kept until the process exits
+        else:
+            self._engine = None  # the last reference: destroyed here (about 0.6 s, GIL held)

@@ -172,3 +172,42 @@ def test_a_write_alone_on_a_verified_session_is_posted_from_the_caller(limit: st
     finally:
         a.close()
         b.close()
+
+
+def test_close_destroys_the_engine_at_once_unless_a_thread_still_uses_it() -> None:
+    """A Mooncake engine's teardown holds the GIL for about 0.6 s, so ``close`` destroys it
+    there and then (a weak reference dies without a garbage collection), never leaving it to
+    the cyclic collector, which would stall every thread at a random later moment (NIXL rooms
+    of other sessions failed while closed Mooncake sessions were collected). An engine whose
+    peer's write is still on its worker is kept in ``RETIRED`` instead; closing twice is a
+    no-op."""
+    require("mooncake")
+    import gc
+    import threading
+    import weakref
+
+    from pdplug.types import PeerInfo
+    from pdplug_mooncake import engine as mc
+
+    gc.disable()  # the weak reference must die by reference counting alone
+    try:
+        a = mc.MooncakeEngine(KVConfig(instance="p", role="prefill", layout=_lay()))
+        native = weakref.ref(a._engine)
+        a.close()
+        assert native() is None
+        a.close()
+
+        b = mc.MooncakeEngine(KVConfig(instance="d", role="decode", layout=_lay()))
+        peer = b.connect(
+            PeerInfo(instance="x", role="decode", layout=_lay(), agent=b"127.0.0.1:9",
+                     backend="mooncake")
+        )  # fmt: skip
+        gate = threading.Event()
+        peer.worker.submit(lambda: int(gate.wait(10)))  # a write still on the worker
+        native = weakref.ref(b._engine)
+        before = len(mc.RETIRED)
+        b.close()
+        gate.set()
+        assert native() is not None and mc.RETIRED[before:] == [native()]
+    finally:
+        gc.enable()
