@@ -40,6 +40,7 @@ reference never drops on a thread in the middle of other work.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import re
 import threading
@@ -60,6 +61,21 @@ __all__ = ["RETIRED", "MooncakeEngine", "coalesce_runs"]
 #: closed engines a thread may still call (a stuck write, a probe not returned): never destroyed
 #: before the process exits (see the module docstring, "Teardown holds the GIL")
 RETIRED: list[Any] = []
+
+#: probe threads that may still be inside ``send_probe`` (joined, bounded, at interpreter exit)
+_PROBES: set[threading.Thread] = set()
+
+
+@atexit.register
+def _wait_for_probes(limit_s: float = 2.0) -> None:
+    """Give live probes up to ``limit_s`` to return before the interpreter finalizes: a daemon
+    thread that comes back from Mooncake's native code after that point is ended by CPython
+    with a forced unwind through C++ frames, which aborts the process (std::terminate, exit
+    code 134). A probe still blocked on a silent peer after ``limit_s`` stays blocked."""
+    t_end = time.monotonic() + limit_s
+    for t in list(_PROBES):
+        t.join(max(0.0, t_end - time.monotonic()))
+
 
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
 # a worker waiting for its write: yield for the first 100 us, then sleep 50 us doubling to 1 ms
@@ -310,6 +326,8 @@ class MooncakeEngine:
         write); otherwise queued on the peer's worker thread (which probes an unverified
         session first), whose completion fires the waker. Runs contiguous on both sides go
         as one descriptor (:func:`coalesce_runs`)."""
+        if self._closed:
+            raise TransferError(f"mooncake: engine {self._session} is closed; write not posted")
         if self._starts.shape[0] > 1 and length.shape[0] > 1:
             where = np.searchsorted(self._starts, src, side="right")
             src, dst, length = coalesce_runs(src, dst, length, where)
@@ -344,12 +362,20 @@ class MooncakeEngine:
         if peer.probe is not None and peer.probe.is_alive():
             return -1  # an earlier probe never returned: do not stack threads on a dead peer
         answer: list[int] = []
+
+        def probe() -> None:
+            try:
+                answer.append(int(self._engine.send_probe(peer.session)))
+            finally:
+                _PROBES.discard(threading.current_thread())
+
         t = threading.Thread(
-            target=lambda: answer.append(int(self._engine.send_probe(peer.session))),
+            target=probe,
             name=f"pdplug-mooncake-probe-{peer.session}",
             daemon=True,
         )
         peer.probe = t
+        _PROBES.add(t)
         t.start()
         t.join(self._probe_s)
         if t.is_alive() or not answer or answer[0] != 0:
