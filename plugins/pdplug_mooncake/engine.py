@@ -205,14 +205,13 @@ class MooncakeEngine:
         runs to a verified session with nothing else in flight is submitted from the posting
         thread and polled by :meth:`check`; default 0: every write on the peer's worker
         thread). It saves the worker's two thread hand-offs per write (``pdplug bench
-        transfer``'s fixed cost per send, issue 24), but is off by default: with it on, two
-        integrity tests (rooms queued behind others, decode TP routing) saw writes held past
-        their 5 s timeout while closed engines were being garbage-collected (see "Teardown
-        holds the GIL"); with that fixed they pass, in one run so far. Alone only, because
-        after a refused run the engine fails the session's other queued runs one every second
-        or so (the write reports ``"FAILING"``:
-        its room fails at once and stays undrained until they end), and a write queued in the
-        engine behind others would age against its own timeout.
+        transfer``'s fixed cost per send, issue 24), but is off by default: with it on, the
+        writes of a failed post (addresses outside the decode's registered memory) kept runs
+        pending with the engine past 30 s, their room undrained all that time, where on the
+        worker it drains in 1-3 s. Alone only, because after a refused run the engine fails
+        the session's other queued runs one every second or so (the write reports
+        ``"FAILING"``: its room fails at once and stays undrained until they end), and a write
+        queued in the engine behind others would age against its own timeout.
     :raises ImportError: mooncake is not installed.
     :raises TransferError: ``initialize`` failed (names host and protocol).
     """

@@ -317,7 +317,10 @@ def _prefill(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> No
                         send(conn, event="sent_first", room=room, segments=len(segs))
             if not st["reported"] and all(p in terminal for p in polls):
                 st["reported"] = True
-                t_end = time.monotonic() + 5.0  # in-flight writes drain within the timeout
+                # a worker write drains within its timeout; after a refused run Mooncake ends
+                # the session's other queued runs about one a second (``"FAILING"``)
+                t_fail = time.monotonic()
+                t_end = t_fail + 30.0
                 while not all(s.drained(room) for s in senders) and time.monotonic() < t_end:
                     time.sleep(0.005)
                 send(
@@ -329,6 +332,7 @@ def _prefill(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> No
                     segments=len(segs or ()),
                     cap=st.get("cap"),
                     drained=[s.drained(room) for s in senders],
+                    drain_s=round(time.monotonic() - t_fail, 3),
                     posts=[s.stats().get("posts", 0) for s in senders],
                 )
         time.sleep(0.001)
