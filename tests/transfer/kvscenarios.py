@@ -196,7 +196,7 @@ def failures(backend: str) -> None:
         pre.cmd(op="corrupt", on=True)
         dec.cmd(op="expect", rooms=[211])
         pre.cmd(op="serve", rooms=[211])
-        p = pre.wait("done", 30, room=211)
+        p = pre.wait("done", 130, room=211)  # reported once drained (see _kvharness)
         d = dec.wait("done", 30, room=211)
         pre.cmd(op="corrupt", on=False)
         assert p["status"] == [FAILED, FAILED], p
