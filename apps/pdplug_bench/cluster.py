@@ -69,9 +69,9 @@ def _harness() -> Any:
     try:
         from pdplug.testing import netns
     except ImportError as e:
+        # the ImportError already names the extra: say it once
         raise click.ClickException(
-            "pdplug bench cluster runs on the test harness pdplug.testing.netns, which needs "
-            f'pytest: pip install "pdplug[testing]" ({e})'
+            f"pdplug bench cluster runs on the test harness pdplug.testing.netns: {e}"
         ) from None
     ok, why = netns.netns_available()
     if not ok:
@@ -141,7 +141,8 @@ def _fmt(v: float | None, scale: float = 1.0, nd: int = 2) -> str:
     "--logs",
     type=click.Path(file_okay=False),
     default=None,
-    help="Keep every worker's log in this folder (default: a temporary one, removed).",
+    help="Keep every worker's log in this folder, created if missing (default: a temporary "
+    "one, removed).",
 )
 @json_option
 def cli(

@@ -53,8 +53,8 @@ def component_name(value: str, point: str, option: str) -> str:
 def number_list(value: str, option: str, unit: str, minimum: float) -> list[float]:
     """A comma list of numbers, each at least ``minimum``.
 
-    :raises click.BadParameter: an empty entry, an entry that is not a number, or one below
-        ``minimum``.
+    :raises click.BadParameter: an empty entry, an entry that is not a number, one below
+        ``minimum``, or one given twice (it would print one measurement as two rows).
     """
     try:
         out = [float(x) for x in value.split(",")]
@@ -67,6 +67,12 @@ def number_list(value: str, option: str, unit: str, minimum: float) -> list[floa
     if not out or min(out) < minimum:
         raise click.BadParameter(
             f"{value!r}: every value must be >= {minimum:g} {unit}", param_hint=f"'{option}'"
+        )
+    twice = sorted({x for x in out if out.count(x) > 1})
+    if twice:
+        raise click.BadParameter(
+            f"{value!r} names {', '.join(f'{x:g}' for x in twice)} more than once",
+            param_hint=f"'{option}'",
         )
     return out
 

@@ -71,8 +71,9 @@ def demo_options(f: Any) -> Any:
                      help="Bound on the whole replay, seconds (refused up front when the "
                           "trace's arrivals alone take longer)."),
         click.option("--log-dir", default=None,
-                     help="Keep worker logs in this directory (default: a temp dir, removed "
-                          "after a clean run; '' = the workers write to stderr)."),
+                     help="Keep worker logs in this directory, created if missing (default: "
+                          "a temp dir, removed after a clean run; '' = the workers write to "
+                          "stderr)."),
         click.option("--keep-logs", is_flag=True,
                      help="Keep the temp worker-log directory after a clean run."),
         click.option("--device", default="cpu", show_default=True,
@@ -339,6 +340,14 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
         parent = os.path.dirname(os.path.abspath(json_path))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             _fail(f"--json {json_path}: {parent} is not a writable directory")
+        existed = os.path.exists(json_path)
+        try:  # a real write test: access() says nothing about /proc, little to root
+            with open(json_path, "a"):
+                pass
+        except OSError as e:
+            _fail(f"--json {json_path}: not writable ({e.strerror})")
+        if not existed:
+            os.remove(json_path)
     if engine == "vllm":
         ctx = click.get_current_context()
         used = ("scale", "max_output", "log_dir", "trace", "prefill_pp", "prefill_tp",

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -471,6 +472,10 @@ def run_demo(
         )
         report["refused"] = sorted(refused)
         clean = all(m["rid"] in refused for m in report["mismatches"])
+    except KeyboardInterrupt:
+        if run.log_dir:  # kept after a failure: say where (the CLI prints only "Aborted!")
+            sys.stderr.write(f"pdplug demo: interrupted; worker logs kept in {run.log_dir}\n")
+        raise
     finally:
         _stop_reference(ref_future)
         run.close()

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.timeout(60)
         (("transfer", "--sizes", "abc"), ("'--sizes'", "expected comma-separated numbers")),
         (("transfer", "--sizes", "0.01"), ("'--sizes'", "must be >= 0.25 MiB")),
         (("transfer", "--sizes", "1,,2"), ("'--sizes'", "expected comma-separated numbers")),
+        (("transfer", "--sizes", "16,16"), ("'--sizes'", "names 16 more than once")),
+        (("transfer", "--steps", "8,8"), ("'--steps'", "names 8 more than once")),
         (("transfer", "--repeats", "0"), ("'--repeats'", "1<=x<=1000")),
         (("transfer", "--json", "/nonexistent-dir/x.json"), ("'--json'", "does not exist")),
         (("pack", "--json", "/nonexistent-dir/x.json"), ("'--json'", "does not exist")),
@@ -109,4 +111,4 @@ def test_bench_cluster_without_pytest_names_the_testing_extra_in_one_line() -> N
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "Traceback" not in out.stderr, out.stderr
-    assert 'pip install "pdplug[testing]"' in out.stderr, out.stderr
+    assert out.stderr.count('pip install "pdplug[testing]"') == 1, out.stderr  # said once

@@ -310,3 +310,10 @@ def test_tp_options_are_refused_by_the_engines_without_tp(engine: str) -> None:
     res = CliRunner().invoke(demo, ["--engine", engine, "--decode-tp", "2"])
     assert res.exit_code == 1, res.output
     assert f"--engine {engine} does not use --decode-tp" in res.output, res.output
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run() -> None:
+    """A folder that exists but a file the kernel refuses (/proc): refused up front, never
+    after minutes of replay (found by a fresh-user check)."""
+    code, out = _demo("--json", "/proc/x")
+    assert code == 1 and "--json /proc/x: not writable" in out, out
