@@ -24,6 +24,9 @@ runs them alone).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -45,14 +48,21 @@ def _check_parity(res: ParityResult) -> None:
     assert res.bytes_ok and res.kv_bytes > 0, (res.kv_bytes, res.kv_bytes_min, res.kv_bytes_max)
 
 
+def _parity(tmp_path: Path, **shape: Any) -> ParityResult:
+    """``run_parity`` on the first 16 trace prompts with ``shape`` (engine shape and phases),
+    its result kept as ``result.json`` for reading, token parity and exact bytes checked."""
+    res = run_parity(
+        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8,
+        start_timeout_s=600.0, request_timeout_s=120.0, **shape,
+    )  # fmt: skip
+    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))
+    _check_parity(res)
+    return res
+
+
 @pytest.mark.timeout(900)
 def test_pp2_prefill_to_tp1_decode_is_token_identical(tmp_path) -> None:
-    res = run_parity(
-        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, prefill_pp=2,
-        start_timeout_s=600.0, request_timeout_s=120.0,
-    )  # fmt: skip
-    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
-    _check_parity(res)
+    _parity(tmp_path, prefill_pp=2)
 
 
 # not in CI: in one of two local CI runs the kill found no room held (every request had
@@ -60,24 +70,14 @@ def test_pp2_prefill_to_tp1_decode_is_token_identical(tmp_path) -> None:
 @pytest.mark.long
 @pytest.mark.timeout(900)
 def test_pp2_prefill_to_tp1_decode_is_token_identical_then_decode_dies(tmp_path) -> None:
-    res = run_parity(
-        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, prefill_pp=2,
-        start_timeout_s=600.0, request_timeout_s=120.0, kill_decode=True, kill_timeout_s=60.0,
-    )  # fmt: skip
-    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
-    _check_parity(res)
+    res = _parity(tmp_path, prefill_pp=2, kill_decode=True, kill_timeout_s=60.0)
     # the decode dies while both PP stages hold rooms of its requests
     check_decode_kill(res.kill)
 
 
 @pytest.mark.timeout(900)
 def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp_path) -> None:
-    res = run_parity(
-        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, prefill_tp=2,
-        start_timeout_s=600.0, request_timeout_s=120.0, bad_params=True,
-    )  # fmt: skip
-    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
-    _check_parity(res)
+    res = _parity(tmp_path, prefill_tp=2, bad_params=True)
     bad = res.bad_params
     assert bad is not None and bad.serving_after, bad
     malformed = [p for p in bad.probes if p.want_field]
@@ -102,9 +102,4 @@ def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp
 @pytest.mark.timeout(900)
 def test_tp1_prefill_to_tp2_decode_is_token_identical(tmp_path) -> None:
     """Each decode TP rank receives its own KV head from the one prefill rank."""
-    res = run_parity(
-        "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, decode_tp=2,
-        start_timeout_s=600.0, request_timeout_s=120.0,
-    )  # fmt: skip
-    (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
-    _check_parity(res)
+    _parity(tmp_path, decode_tp=2)
