@@ -192,7 +192,7 @@ def deployment(
     log_dir = Path(log_dir)
     overlay = str(write_overlay(log_dir / "overlay"))
     model_dir = _model_dir(log_dir, model)
-    p_port, d_port, r_port, b_port = free_ports(4)
+    p_port, d_port, b_port = free_ports(3)
     extra = dict(env or {})
     if sender:
         extra["PDPLUG_KV_SENDER"] = sender
@@ -209,17 +209,31 @@ def deployment(
     )  # fmt: skip
     t0 = time.monotonic()
     with running([prefill, decode], log_dir, timeout_s=timeout_s) as (p, d):
-        router = launch(
-            RouterSpec(port=r_port, prefill=((p.spec.url, b_port),), decode=(d.spec.url,)), log_dir
-        )
+        router = _start_router(p.spec.url, b_port, d.spec.url, log_dir)
         try:
-            router.wait_ready(60.0)
             yield Deployment(
                 backend=backend, prefill_pp=prefill_pp, url=router.spec.url,
                 start_s=time.monotonic() - t0, prefill=p, decode=d, router=router,
             )  # fmt: skip
         finally:
             router.stop()
+
+
+def _start_router(p_url: str, b_port: int, d_url: str, log_dir: Path, tries: int = 3) -> Engine:
+    """SGLang's router in front of a started pair, on a port picked only now: engines bind
+    ports of their own choosing while they start (a port picked before them was once taken
+    by then), and a port lost to that race is picked again."""
+    for attempt in range(tries):
+        (port,) = free_ports(1)
+        router = launch(RouterSpec(port=port, prefill=((p_url, b_port),), decode=(d_url,)), log_dir)
+        try:
+            router.wait_ready(60.0)
+            return router
+        except EngineError as e:
+            router.stop()
+            if "address already in use" not in str(e) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _kv_bytes(prefill: Engine) -> float:
