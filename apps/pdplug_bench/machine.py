@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -83,6 +84,20 @@ def _writable(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         raise click.BadParameter(f"{value!r}: not writable ({e.strerror})") from None
     if not existed:
         os.remove(value)
+    return value
+
+
+def writable_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A ``--workdir`` callback: the folder is created if missing and must take a file, checked
+    before the run (engines started in a folder nobody can write fail minutes later)."""
+    if value is None:
+        return None
+    try:
+        os.makedirs(value, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=value):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"{value!r}: not a writable folder ({e.strerror})") from None
     return value
 
 

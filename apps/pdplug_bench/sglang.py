@@ -24,6 +24,8 @@ from typing import Any
 
 import click
 
+from pdplug_bench.machine import json_option, writable_dir
+
 __all__ = ["cli", "admission_latencies"]
 
 #: (pdplug label, SGLang label, prefill PP) compared like with like
@@ -95,10 +97,9 @@ def _row(res: Any, rnd: int, admission: list[float]) -> dict[str, Any]:
               help="Alternations of each pdplug / SGLang pair.")  # fmt: skip
 @click.option("--pairs", default="mooncake-pp1,mooncake-pp2,nixl-pp1", show_default=True,
               help="Comma-separated transport-ppN pairs to run.")  # fmt: skip
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
               help="Model, engine logs and traces (default: a temporary directory).")  # fmt: skip
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help='Write {"rows": [...]} here.')  # fmt: skip
+@json_option
 @click.option("--reqtrace", is_flag=True,
               help="Trace every request's life on both engines (pdplug_sglang.reqtrace) and "
                    "print each run's phases.")  # fmt: skip
@@ -130,12 +131,16 @@ def cli(
     from pdplug_host.trace import trace_prompts
     from pdplug_sglang.parity import deployment, measure, reference
 
-    wanted = {p.strip() for p in pairs.split(",") if p.strip()}
+    names = [p.strip() for p in pairs.split(",") if p.strip()]
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"{pairs!r}: a pair is named twice", param_hint="--pairs")
+    wanted = set(names)
     chosen = [p for p in PAIRS if f"{p[0].split('-')[1]}-pp{p[2]}" in wanted]
     known = {f"{p[0].split('-')[1]}-pp{p[2]}" for p in PAIRS}
     if not chosen or wanted - known:
+        why = " (no nixl-pp2: SGLang's nixl hangs at PP 2 on CPU)" if "nixl-pp2" in wanted else ""
         raise click.BadParameter(
-            f"{sorted(wanted - known) or pairs}: expected some of {sorted(known)}",
+            f"{sorted(wanted - known) or pairs}: expected some of {sorted(known)}{why}",
             param_hint="--pairs",
         )
     console = Console(width=160)

@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 
+from pdplug_bench.machine import json_option, writable_dir
+
 __all__ = ["cli"]
 
 
@@ -34,10 +36,9 @@ __all__ = ["cli"]
 @click.option("--prefill-pp", "prefill_pps", default="1", show_default=True,
               help="Comma-separated prefill PP sizes (1, 2): one row per connector and "
                    "size.")  # fmt: skip
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, callback=writable_dir,
               help="Model and engine logs (default: a temporary directory).")  # fmt: skip
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the results here.")  # fmt: skip
+@json_option
 def cli(
     requests: int,
     scale: int,
