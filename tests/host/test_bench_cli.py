@@ -116,3 +116,19 @@ def test_bench_cluster_without_pytest_names_the_testing_extra_in_one_line() -> N
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "Traceback" not in out.stderr, out.stderr
     assert out.stderr.count('pip install "pdplug[testing]"') == 1, out.stderr  # said once
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_restores_the_handler() -> None:
+    """``pdplug bench`` and the engine demos run inside :func:`sigterm_as_interrupt`: a
+    ``kill`` raises KeyboardInterrupt, so ``running`` blocks stop their engines (the default
+    action orphaned a bench's SGLang engines)."""
+    import os
+    import signal
+
+    from pdplug_engines.procs import sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode; never reached
+    assert signal.getsignal(signal.SIGTERM) is before
