@@ -294,7 +294,8 @@ def _sglang_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]
     "--requests",
     default=None,
     type=click.IntRange(min=1),
-    help=f"Requests from the trace  [default: {DEFAULT_REQUESTS}, or all of a shorter trace]",
+    help=f"Requests from the trace  [default: {DEFAULT_REQUESTS}; 16 with --engine vllm or "
+    "sglang; or all of a shorter trace]",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the report as JSON here.")  # fmt: skip
