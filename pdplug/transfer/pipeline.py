@@ -274,6 +274,8 @@ class SendPipeline:
         self._more = False
         wanting = len(self.pool.groups() | {k[0] for k in self._queues})
         keys = list(self._queues)
+        if not keys:
+            return
         self._turn = (self._turn + 1) % len(keys)
         for key in keys[self._turn :] + keys[: self._turn]:
             q = self._queues[key]
@@ -363,8 +365,9 @@ class SendPipeline:
             if i + 1 < len(done) and self._queues and self._inflight:
                 # writes that completed while this one was posted (an engine copying inside
                 # its post call) hand their regions to the pack thread before the next post
-                self.reap(now)
-                self._dispatch(now)
+                self.reap(now)  # a failed one may purge its lease's queues
+                if self._queues:
+                    self._dispatch(now)
 
     def _post_one(self, p: Packing, plan: TransferPlan, now: float) -> None:
         job, lease = p.job, p.job.lease

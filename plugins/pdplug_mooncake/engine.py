@@ -11,8 +11,10 @@ another peer's. The worker submits each run as its own asynchronous batch and po
 backing-off sleeps: ``batch_transfer_sync_write`` spins a core while it waits, which a write
 stuck on a vanished peer turns into seconds of a core. At most ``max_batch`` runs are in flight
 per write call because a TCP lane whose queue overflows rejects the batch and stays unusable
-(measured on mooncake 0.3.13). The engine has no completion notifications: the session reports
-completion and failure over the ZMQ control channel.
+(measured on mooncake 0.3.13), and fewer while a peer's writes have not yet landed: a per-peer
+window that starts at four runs and grows with each run that lands, so a write the peer refuses
+has few runs left with the engine to drain. The engine has no completion notifications: the
+session reports completion and failure over the ZMQ control channel.
 
 **Probe before the handshake.** The first write to a session (and the first after a failed
 one, after which the binding forgets the session) opens it with a metadata handshake that the
@@ -80,6 +82,8 @@ def _wait_for_probes(limit_s: float = 2.0) -> None:
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
 # a worker waiting for its write: yield for the first 100 us, then sleep 50 us doubling to 1 ms
 _SPIN_S, _SLEEP_MIN_S, _SLEEP_MAX_S = 100e-6, 50e-6, 1e-3
+# runs a worker write keeps with the engine at first and after a failed run (see _write_runs)
+_WINDOW_MIN = 4
 # transfer_check_status: 1 done; 0 in flight, -2 past the engine's own timeout and still held
 _DONE, _IN_FLIGHT = 1, (0, -2)
 
@@ -182,6 +186,7 @@ class _Peer(msgspec.Struct, kw_only=True):
     verified: bool = False
     probe: threading.Thread | None = None
     async_live: int = 0  # asynchronous writes not yet ended
+    window: int = _WINDOW_MIN  # runs a worker write may keep with the engine (_write_runs)
 
 
 class _AsyncWrite(msgspec.Struct, kw_only=True):
@@ -406,7 +411,7 @@ class MooncakeEngine:
         step = self._max_batch
         for i in range(0, len(ln), step):
             error = self._write_runs(
-                fid, peer.session, src[i : i + step], dst[i : i + step], ln[i : i + step]
+                fid, peer, src[i : i + step], dst[i : i + step], ln[i : i + step]
             )
             self.counts["batch_calls"] += 1
             if error:
@@ -429,36 +434,65 @@ class MooncakeEngine:
         return ids, ""
 
     def _write_runs(
-        self, fid: int, session: str, src: list[int], dst: list[int], ln: list[int]
+        self,
+        fid: int,
+        peer: _Peer,
+        src: list[int],
+        dst: list[int],
+        ln: list[int],
     ) -> str:
         """Write the runs as single-run asynchronous batches and wait (on this worker thread)
         until none can land any more; ``""`` when every run landed, else why not. The first
-        failed run is reported at once (:meth:`check` says ``"FAILING"`` for write ``fid``):
-        after one the engine ends a session's other queued runs about one a second.
+        failed run is reported at once (:meth:`check` says ``"FAILING"`` for write ``fid``).
+
+        At most ``peer.window`` runs are with the engine at once: the window starts at
+        :data:`_WINDOW_MIN` and grows by one per run that lands (up to ``max_batch``), and a
+        failed run stops further submission and resets it. After a rejected run the engine
+        ends a session's other queued runs three or four a second, so a write of 64 runs
+        to addresses the peer refuses drained in 15 s when all were submitted at once and
+        stays undrained, its room's pages held, all that time (mooncake 0.3.13); windowed,
+        it drains in about ``window / 4`` s. The window is the peer's, so a session that
+        keeps landing writes keeps a wide one.
 
         Not ``batch_transfer_sync_write``: it busy-polls the batch's status, so a write stuck
         on a peer that vanished (TCP retransmitting) spins a core until it ends, and on a
         small host slows every other peer's rooms (bench cluster scenario 4). Single-run
         batches because ``transfer_check_status`` of a multi-run batch reports done before
         all of its runs landed (mooncake 0.3.13)."""
-        ids, error = self._submit_runs(session, src, dst, ln)
+        session, n, error = peer.session, len(ln), ""
+        ids: list[int] = []
         spin_until, delay, k = time.monotonic() + _SPIN_S, _SLEEP_MIN_S, 0
-        while k < len(ids):
+        while k < n:
+            if not error and len(ids) < n and len(ids) - k < peer.window:
+                top = min(n, k + peer.window)
+                more, error = self._submit_runs(
+                    session, src[len(ids) : top], dst[len(ids) : top], ln[len(ids) : top]
+                )
+                ids.extend(more)
+            if k >= len(ids):
+                break  # refused, or a failure stopped submission: nothing else with the engine
             rc = int(self._engine.transfer_check_status(ids[k]))
             if rc not in _IN_FLIGHT:
-                if rc != _DONE and not error:
+                if rc == _DONE:
+                    peer.window = min(peer.window + 1, self._max_batch)
+                elif not error:
                     error = f"mooncake write to {session} failed ({rc})"
-                if error and fid not in self._failures:
-                    self._failures[fid] = error
-                    if self._waker is not None:
-                        self._waker()
+                if error:
+                    peer.window = _WINDOW_MIN
+                    if fid not in self._failures:
+                        self._failures[fid] = error
+                        if self._waker is not None:
+                            self._waker()
                 k += 1
+                spin_until, delay = time.monotonic() + _SPIN_S, _SLEEP_MIN_S
                 continue
             if time.monotonic() < spin_until:
                 time.sleep(0)  # a small write ends within microseconds: only yield the GIL
             else:
                 time.sleep(delay)
                 delay = min(2 * delay, _SLEEP_MAX_S)
+        if error and len(ids) < n:
+            self.counts["runs_not_submitted"] += n - len(ids)
         return error
 
     def wakes(self, xfer: Any) -> bool:

@@ -123,6 +123,67 @@ def test_runs_of_two_registered_buffers_adjacent_in_memory_stay_apart() -> None:
         b.close()
 
 
+def test_a_refused_write_drains_in_seconds_and_the_window_grows_back() -> None:
+    """A write of 64 separate runs to addresses outside the peer's registered memory: the
+    engine refuses them, and because at most the peer's window (4 after a failure) was with
+    the engine, the write ends ``"ERR"`` within a few seconds (all 64 submitted at once took
+    15 s: the engine ends a failed session's queued runs three or four a second) with most
+    runs never submitted. The next write of 1,024 runs lands every byte and widens the
+    window again."""
+    require("mooncake")
+    from pdplug.types import PeerInfo
+    from pdplug_mooncake.engine import _WINDOW_MIN, MooncakeEngine
+
+    a = MooncakeEngine(KVConfig(instance="p", role="prefill", layout=_lay()))
+    b = MooncakeEngine(KVConfig(instance="d", role="decode", layout=_lay()))
+    try:
+        src = (np.arange(1 << 19) % 253 + 1).astype(np.uint8)
+        dst = np.zeros(1 << 19, dtype=np.uint8)
+        a.register([(src.ctypes.data, src.nbytes)])
+        b.register([(dst.ctypes.data, dst.nbytes)])
+        peer = a.connect(
+            PeerInfo(
+                instance="d", role="decode", layout=_lay(), agent=b.agent(), backend="mooncake"
+            )
+        )
+        # separate runs (a gap on both sides between neighbours): 64 descriptors
+        off = 512 * np.arange(64, dtype=np.int64)
+        ln = np.full(64, 256, dtype=np.int64)
+        t0 = time.monotonic()
+        bad = a.post(peer, src.ctypes.data + off, dst.ctypes.data + (1 << 44) + off, ln, b"x")
+        while a.check(bad) in ("PROC", "FAILING") and time.monotonic() - t0 < 60:
+            time.sleep(0.005)
+        drained_s = time.monotonic() - t0
+        assert a.check(bad) == "ERR" and "failed" in (a.failure(bad) or ""), a.failure(bad)
+        assert drained_s < 8.0, drained_s
+        assert a.counts["runs_not_submitted"] >= 64 - 2 * _WINDOW_MIN, a.counts
+        assert peer.window == _WINDOW_MIN and not dst.any()
+
+        off = 512 * np.arange(1024, dtype=np.int64)
+        good = None
+        for _ in range(5):  # the engine reconnects the session after the refusal: retry
+            good = a.post(
+                peer,
+                src.ctypes.data + off,
+                dst.ctypes.data + off,
+                np.full(1024, 256, dtype=np.int64),
+                b"y",
+            )
+            t0 = time.monotonic()
+            while a.check(good) in ("PROC", "FAILING") and time.monotonic() - t0 < 30:
+                time.sleep(0.005)
+            if a.check(good) == "DONE":
+                break
+            time.sleep(1.0)
+        assert good is not None and a.check(good) == "DONE", a.failure(good)
+        rows = off[:, None] + np.arange(256)
+        assert np.array_equal(dst[rows], src[rows])
+        assert peer.window > 512, peer.window
+    finally:
+        a.close()
+        b.close()
+
+
 def _wait_done(eng: Any, xfer: Any) -> None:
     deadline = time.monotonic() + 30.0
     while eng.check(xfer) in ("PROC", "FAILING") and time.monotonic() < deadline:

@@ -482,3 +482,124 @@ def test_a_freed_region_is_packed_again_before_the_next_segment_is_posted(backen
         # before the second of them returns (at the latest once the first returned and
         # segment 0's completions were seen); posting first would start it after both
         assert packer.starts[2] < log.spans[3][1], (packer.starts, log.spans)
+
+
+class FailInPost:
+    """The session's real engine, except that the first ``fail`` posts fail inside the post
+    call (the handle checks ``"ERR"`` at once, as from an engine that copies synchronously and
+    was refused); they never touch memory."""
+
+    def __init__(self, inner: Any, fail: int = 1) -> None:
+        self.inner = inner
+        self.fail = fail
+        self.failed: list[object] = []
+
+    def post(self, *args: Any) -> Any:
+        if len(self.failed) < self.fail:
+            h = object()
+            self.failed.append(h)
+            return h
+        return self.inner.post(*args)
+
+    def _ours(self, h: Any) -> bool:
+        return any(h is f for f in self.failed)
+
+    def check(self, h: Any) -> str:
+        return "ERR" if self._ours(h) else self.inner.check(h)
+
+    def failure(self, h: Any) -> str | None:
+        return "refused in the post call (test)" if self._ours(h) else self.inner.failure(h)
+
+    def cancel(self, h: Any) -> bool:
+        return False if self._ours(h) else self.inner.cancel(h)
+
+    def release(self, h: Any) -> None:
+        if not self._ours(h):
+            self.inner.release(h)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class HeldPacker:
+    """The session's real packer; ``pack_all`` waits until ``go`` is set (bounded)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.go = threading.Event()
+        self.plans: list[int] = []
+
+    def pack(self, plan: Any, entries: Sequence[Any], buf: torch.Tensor) -> None:
+        self.go.wait(30)
+        self.inner.pack(plan, entries, buf)
+
+    def pack_all(self, plans: Sequence[Any], entries: Sequence[Any], buf: torch.Tensor) -> None:
+        self.plans.append(len(plans))
+        self.go.wait(30)
+        self.inner.pack_all(plans, entries, buf)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_post_failing_in_its_call_with_more_queued_drains_the_room(backend: str) -> None:
+    """A room whose first packed write fails inside the post call, while its other DCP rank's
+    pack is done in the same round and more segments wait for a region: the failure purges
+    the queued segments and the room fails and drains (the engine loop once raised
+    ``ZeroDivisionError`` here, dropping the rank's other packed write, so the room never
+    drained: seen as a Mooncake failed-post test hanging in CI). The next room, on the same
+    sender, completes with exact bytes."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        # one region of one page per DCP rank: segment k + 1 waits for segment k's regions
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, pack_region_tokens=P, pack_depth=1)
+        dec = Decode(pm, backend, srv.endpoint, dcp=2)
+        try:
+            s = pre.senders[0]
+            s.engine = eng = FailInPost(s.engine)
+            room, sp = 21, _pages(0, 8)
+            dps = [_pages(10, 4), _pages(30, 4)]
+            s.start(room)
+            for r, rc in enumerate(dec.recvs):
+                rc.expect(room, dps[r], num_tokens=8 * P)
+            _waiting(s, room)
+            gate = HeldPacker(s._pipe.packer)
+            s._pipe.packer = gate
+            d = s.dest(room)[0]
+            segs = pre.sched.split_send(
+                token_start=0,
+                token_end=8 * P,
+                decode_prefix_len=d.decode_prefix_len,
+                is_last_send=True,
+                capacity_tokens=s.capacity_tokens(room),
+            )
+            assert len(segs) >= 3, segs
+            for seg in segs:
+                s.send(room, seg, sp[seg.token_start // P :])
+            # segment 0's two writes are in the (held) pack, the later segments wait for
+            # their regions
+            held = wait_true(lambda: gate.plans and s.stats()["queued"] > 0, 10.0)
+            assert held is not None, (gate.plans, s.stats())
+            assert gate.plans == [2], gate.plans
+            gate.go.set()
+            st = wait_all([s], room, 15)
+            assert st == [FAILED], (st, s.failure_reason(room))
+            assert "refused in the post call (test)" in s.failure_reason(room)
+            assert wait_true(lambda: s.drained(room), 15.0) is not None, s.stats()
+            assert s.stats()["loop_errors"] == 0, s.stats()
+            assert len(eng.failed) == 1
+            st = wait_all(dec.recvs, room, 15)
+            assert st == [FAILED, FAILED], st
+            # the session goes on: a second room on the same sender lands exactly
+            room2 = 22
+            s.start(room2)
+            for r, rc in enumerate(dec.recvs):
+                rc.expect(room2, dps[r], num_tokens=8 * P)
+            dec.poison()
+            send_room(pre, room2, sp)
+            st = wait_all([s, *dec.recvs], room2, 30)
+            assert st == [OK] * 3, (st, s.failure_reason(room2))
+            assert exact(dec, expected(pre, dec, 8 * P, 0, sp, dps), dps)
+        finally:
+            pre.close()
+            dec.close()
