@@ -123,6 +123,7 @@ class Rooms:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._rooms: dict[int, _Room] = {}
+        self._waiting = 0  # threads inside wait(): a change notifies only when one waits
         self.ignored = 0  # events for unknown rooms or other generations
 
     @classmethod
@@ -149,7 +150,7 @@ class Rooms:
             self._rooms[room] = _Room(
                 generation=gen, status=status, deadline=self._deadline(status)
             )
-            self._changed.notify_all()
+            self._notify()
         return gen
 
     def clear(self, room: int, generation: int | None = None) -> bool:
@@ -162,7 +163,7 @@ class Rooms:
             if r is None or (generation is not None and generation != r.generation):
                 return False
             del self._rooms[room]
-            self._changed.notify_all()
+            self._notify()
             return True
 
     def __contains__(self, room: object) -> bool:
@@ -244,7 +245,11 @@ class Rooms:
                 if left is not None and left <= 0:
                     return r.status
                 # wake at least every 50 ms: deadlines are enforced by another thread
-                self._changed.wait(0.05 if left is None else min(left, 0.05))
+                self._waiting += 1
+                try:
+                    self._changed.wait(0.05 if left is None else min(left, 0.05))
+                finally:
+                    self._waiting -= 1
 
     # ------------------------------------------------------------------ transitions
     def advance(self, room: int, status: KVPoll, generation: int | None = None) -> KVPoll | None:
@@ -284,7 +289,7 @@ class Rooms:
             r.reason = reason
             r.deadline = 0.0
             r.success_held = False
-            self._changed.notify_all()
+            self._notify()
             return True
 
     def fail_all(self, reason: str) -> list[tuple[int, int]]:
@@ -302,7 +307,7 @@ class Rooms:
                     r.success_held = False
                     out.append((room, r.generation))
             if out:
-                self._changed.notify_all()
+                self._notify()
         return out
 
     def touch(self, room: int, generation: int | None = None) -> None:
@@ -348,9 +353,12 @@ class Rooms:
                 r.success_held = True
             return r.generation, r.status
 
-    def done_pending(self, room: int, n: int = 1, generation: int | None = None) -> KVPoll | None:
+    def done_pending(
+        self, room: int, n: int = 1, generation: int | None = None, touch: bool = False
+    ) -> KVPoll | None:
         """``n`` pending chunks completed; publishes a held ``Success`` when none remain.
 
+        :param touch: also record progress (:meth:`touch`), in the same lock round.
         :returns: the status after the update, ``None`` if ignored.
         :raises ValueError: more chunks completed than were pending.
         """
@@ -361,6 +369,8 @@ class Rooms:
             if n > r.pending:
                 raise ValueError(f"room {room}: done_pending({n}) but only {r.pending} pending")
             r.pending -= n
+            if touch and r.deadline:
+                r.deadline = self._deadline(r.status)
             if r.pending == 0 and r.success_held and r.status != KVPoll.Failed:
                 r.success_held = False
                 self._set(r, KVPoll.Success)
@@ -392,7 +402,7 @@ class Rooms:
                     r.success_held = False
                     out.append((room, r.generation, r.reason))
             if out:
-                self._changed.notify_all()
+                self._notify()
         return out
 
     # ------------------------------------------------------------------ internals
@@ -403,11 +413,15 @@ class Rooms:
             return None
         return r
 
+    def _notify(self) -> None:
+        if self._waiting:  # Condition.notify_all costs a few calls even with no waiter
+            self._changed.notify_all()
+
     def _set(self, r: _Room, status: KVPoll) -> None:
         if status != r.status:
             r.status = status
             r.deadline = self._deadline(status)
-            self._changed.notify_all()
+            self._notify()
 
     def _deadline(self, status: KVPoll) -> float:
         spec = self._timeouts.get(status)

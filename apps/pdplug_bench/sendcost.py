@@ -6,7 +6,11 @@ engine's post-to-completion time on the same prepared descriptors and size (NIXL
 transfer handle made once and re-posted, polled with ``check_xfer_state``; Mooncake:
 ``batch_transfer_sync_write`` in the caller's thread), paired (ABBA order) and reported as the
 median of the paired differences in microseconds. The room's bootstrap (the decode's DestInfo,
-``WaitingForInput``) happens before the clock starts, as in a real step.
+``WaitingForInput``) happens before the clock starts, as in a real step, and before *both*
+runs of the pair: the host thread sleeps while it waits for the decode, and the first work
+after a sleep runs slower than the same work hot (caches, a descheduled virtual CPU), so the
+run that comes first after the bootstrap pays for it; the order alternates, so both do equally
+(before 2026-12-03 only pdplug's run followed the bootstrap, and paid for it every time).
 
 **K sends per step**: a step posts K rooms of the same size at once (``send_many`` when the
 sender has it, else K ``send`` calls) and polls them all to ``Success``; the raw baseline posts
@@ -75,10 +79,15 @@ def fixed_cost(
         cases = rig.cases(size, k)
         tag = f"{rig.backend} {size / MIB:g} MiB x {k}"
 
-        def run_pdplug(checked: bool, rep: int, cases: list[Any] = cases, tag: str = tag) -> float:
+        def bootstrap(checked: bool, cases: list[Any] = cases) -> list[int]:
             rooms = [rig.room() for _ in cases]
             for room, c in zip(rooms, cases):
                 rig.expect([room], c, POISON if checked else None)
+            return rooms
+
+        def run_pdplug(
+            checked: bool, rep: int, rooms: list[int], cases: list[Any] = cases, tag: str = tag
+        ) -> float:
             items = [(room, c["seg"], c["sp"]) for room, c in zip(rooms, cases)]
             t0 = time.perf_counter()
             _post_step(rig.sender, items)
@@ -116,12 +125,16 @@ def fixed_cost(
         diff: list[float] = []
         for rep in range(reps + 2):
             checked = rep in (0, reps + 1)  # warm-up and last round: checked, untimed
+            # both runs of a pair follow the same bootstrap round trip with the decode (its
+            # rooms' DestInfos, WaitingForInput): the first of the two starts cold after it,
+            # the second warm after the first, and the order alternates
+            rooms = bootstrap(checked)
             if rep % 2:
-                t_p = run_pdplug(checked, rep)
+                t_p = run_pdplug(checked, rep, rooms)
                 t_r = run_raw(checked, rep)
             else:
                 t_r = run_raw(checked, rep)
-                t_p = run_pdplug(checked, rep)
+                t_p = run_pdplug(checked, rep, rooms)
             if not checked:
                 pd.append(t_p)
                 raw.append(t_r)

@@ -9,6 +9,7 @@ object between destinations that declared the same pages, as a KV sender does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ def segment_to_chunk(
     dst_pages: np.ndarray,
     decode_prefix_len: int,
     page_size: int,
+    checked: bool = False,
 ) -> SendChunk:
     """The :class:`SendChunk` a planner needs for one scheduler :class:`Segment`.
 
@@ -36,6 +38,8 @@ def segment_to_chunk(
     :param decode_prefix_len: tokens decode already holds (tokens).
     :param page_size: source page size (tokens). A segment may start inside a source page
         when the decode side's page differs (then ``rel_start`` is set).
+    :param checked: both page arrays are int64 ``[n]`` ids already checked by
+        :func:`page_array` (a sender's own copies): not checked again.
     :raises ValueError: the segment starts before ``decode_prefix_len``, or ``src_pages`` is
         too short; :func:`page_array`'s errors (``PlanError``) for ids that are not 1-D
         integers in ``[0, 2**40)``.
@@ -49,7 +53,7 @@ def segment_to_chunk(
         )
     skip = start % page_size
     need = -(-(skip + n) // page_size) if n else 0
-    pages = page_array(src_pages, "src_pages", room)
+    pages = src_pages if checked else page_array(src_pages, "src_pages", room)
     if pages.shape[0] < need:
         raise ValueError(
             f"segment of {n} tokens from in-page offset {skip} needs {need} "
@@ -59,7 +63,7 @@ def segment_to_chunk(
     return SendChunk(
         room=room,
         src_pages=pages[:need],
-        dst_pages=page_array(dst_pages, "dst_pages", room),
+        dst_pages=dst_pages if checked else page_array(dst_pages, "dst_pages", room),
         decode_prefix_len=decode_prefix_len,
         src_page_offset=rel // page_size,
         num_tokens=n,
@@ -73,7 +77,7 @@ def segment_chunks(
     room: int,
     segment: Segment,
     src_pages: np.ndarray,
-    dests: Sequence[tuple[bytes, int]],
+    dests: Sequence[tuple[bytes, int]] | Sequence[tuple[np.ndarray, int]],
     page_size: int,
 ) -> list[SendChunk]:
     """One :class:`SendChunk` per destination for one segment, as a KV sender builds them:
@@ -82,20 +86,25 @@ def segment_chunks(
     so planners tell equal chunks apart by identity instead of comparing page lists.
 
     :param src_pages: as :func:`segment_to_chunk`.
-    :param dests: per destination, its page ids as wire bytes (:func:`pdplug.types.
-        pages_to_bytes`: int64 little-endian) and its ``decode_prefix_len`` (tokens).
+    :param dests: per destination, its page ids and its ``decode_prefix_len`` (tokens). Page
+        ids are wire bytes (:func:`pdplug.types.pages_to_bytes`: int64 little-endian; equal
+        bytes share a chunk), or int64 arrays already checked by :func:`page_array` with
+        ``src_pages`` checked too (a sender's own; one array object shares a chunk).
     :param page_size: source page size (tokens).
     :raises ValueError: as :func:`segment_to_chunk`; page bytes not a multiple of 8.
     """
     from pdplug.types import pages_from_bytes
 
-    made: dict[tuple[bytes, int], SendChunk] = {}
+    made: dict[Any, SendChunk] = {}
     out = []
-    for key in dests:
+    for pages, prefix in dests:
+        arrays = isinstance(pages, np.ndarray)
+        key = (id(pages) if arrays else pages, prefix)
         chunk = made.get(key)
         if chunk is None:
+            dst = pages if arrays else pages_from_bytes(pages)
             chunk = made[key] = segment_to_chunk(
-                room, segment, src_pages, pages_from_bytes(key[0]), key[1], page_size
+                room, segment, src_pages, dst, prefix, page_size, checked=arrays
             )
         out.append(chunk)
     return out

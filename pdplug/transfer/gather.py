@@ -1,5 +1,7 @@
-"""The pack thread's work and its ordering: wait for the host's KV, pack a whole segment in one
-call, mark when the pack finished on the device; and the busy clock of packing vs writing.
+"""The pack thread's work, its ordering and its busy clock.
+
+It waits for the host's KV, packs a whole segment in one call and marks when the pack finished
+on the device; the busy clock measures packing against writing.
 
 Ordering of one segment on a prefill rank (what :meth:`pdplug.protocols.KVSender.send`
 promises):

@@ -32,6 +32,8 @@ from pdplug.types import KVPoll, Segment
 
 __all__ = ["Handoff", "Job", "REAP_S", "WATCH_S"]
 
+_NO_PAGES = np.zeros(0, dtype=np.int64)
+
 #: a step's job: (room, generation, segment, source page ids, ready marker)
 Job = tuple[int, int, Segment, np.ndarray, Any]
 #: seconds between two reaps a polling host runs itself (a host polling many rooms reaps once)
@@ -75,12 +77,15 @@ class Handoff:
     def accept(self, room: int, segment: Segment, src_pages: Any, ready: Any = None) -> Job | None:
         """Check one send and count it pending (``KVSender.send``'s errors); ``None`` when it
         is ignored (the room failed)."""
-        check_ready(ready)
-        status = self._rooms.status(room)
-        gen = None
-        if status != KVPoll.Failed:
+        if ready is not None:
+            check_ready(ready)
+        try:
             pages = page_ids(src_pages, "src_pages", self._num_pages(), "KVSender.send", room)
-            gen, status = self._rooms.begin_send(room, segment.is_last)
+        except ValueError:
+            if self._rooms.status(room) != KVPoll.Failed:  # a failed room ignores the send
+                raise
+            pages = _NO_PAGES
+        gen, status = self._rooms.begin_send(room, segment.is_last)
         if status == KVPoll.Failed:
             self._counts["send_after_failure"] += 1
             return None

@@ -154,7 +154,7 @@ class SendLeases:
         lease = self.leases.get(room)
         if lease is None or lease.generation != gen or lease.failed:
             return
-        keys = sorted(lease.dests)
+        keys = lease.order or sorted(lease.dests)
         for key in keys:
             d = lease.dests[key]
             short = seg.is_last and seg.token_end < d.num_tokens
@@ -169,9 +169,11 @@ class SendLeases:
                 return
         try:
             # destinations with equal pages share one chunk (planners compare by identity)
+            dst = lease.dst_pages
             chunks = segment_chunks(
                 room, seg, pages,
-                [(lease.dests[k].dst_pages, lease.dests[k].decode_prefix_len) for k in keys],
+                [(dst[k] if dst else lease.dests[k].dst_pages, lease.dests[k].decode_prefix_len)
+                 for k in keys],
                 self._layout.page_size,
             )  # fmt: skip
             jobs = [
@@ -276,8 +278,7 @@ class SendLeases:
         left = lease.segments.get(job.chunk.chunk_id, 0) - 1
         lease.segments[job.chunk.chunk_id] = left
         if left == 0 and not lease.failed and not lease.cleared:
-            self._rooms.touch(lease.room, lease.generation)
-            st = self._rooms.done_pending(lease.room, 1, lease.generation)
+            st = self._rooms.done_pending(lease.room, 1, lease.generation, touch=True)
             if st == KVPoll.Success and not lease.succeeded:
                 lease.succeeded = True
                 self._counts["rooms_ok"] += 1
@@ -394,17 +395,9 @@ class SendLeases:
         lease.peers[peer.key] = peer
         if len(lease.dests) < lease.expected:
             return
-        ds = [lease.dests[k] for k in sorted(lease.dests)]
-        if len({(x.decode_prefix_len, x.num_tokens) for x in ds}) != 1:
-            self.fail(
-                lease,
-                "DestInfo differs across decode DCP ranks: "
-                + ", ".join(
-                    f"dcp {x.dcp_rank}: decode_prefix_len={x.decode_prefix_len} "
-                    f"num_tokens={x.num_tokens}"
-                    for x in ds
-                ),
-            )
+        why = lease.complete()
+        if why:
+            self.fail(lease, why)
             return
         self._rooms.advance(lease.room, KVPoll.WaitingForInput, lease.generation)
 

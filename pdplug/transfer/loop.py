@@ -102,7 +102,9 @@ class EngineLoop:
         self._deferred: deque[Callable[[], None]] = deque()  # socket work of host threads
         self._parked = False  # the loop thread is (about to be) blocked in zmq_poll
         self._stop = threading.Event()
+        self._stopping = False  # _stop.is_set(), read on the send path without a call
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ident: int | None = None  # the loop thread's id once started
         self._on_death = on_death
         self._max_errors = max_errors
         self._in_a_row = 0
@@ -114,9 +116,11 @@ class EngineLoop:
     def start(self) -> None:
         """Start the thread."""
         self._thread.start()
+        self._ident = self._thread.ident
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (after the current round) and close the wake sockets; idempotent."""
+        self._stopping = True
         self._stop.set()
         self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -133,7 +137,7 @@ class EngineLoop:
 
     def on_thread(self) -> bool:
         """Whether the caller runs on the engine thread."""
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._ident
 
     # ------------------------------------------------------------------ sockets (engine thread)
     def add_socket(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
@@ -186,15 +190,15 @@ class EngineLoop:
         loop thread: at once). Returns whether it ran; then ``fn`` held :attr:`lock`, as a
         round would. An exception in ``fn`` is logged and counted like a round's, never raised
         into the caller. Call :meth:`kick` after it when ``fn`` left work in flight."""
-        if self.died is not None or self._stop.is_set():
+        if self.died is not None or self._stopping:
             return False
-        if self.on_thread():
-            self._guard(lambda _x: fn(), None)
+        if threading.get_ident() == self._ident:
+            self._call(fn)
             return True
         if not self.lock.acquire(blocking=False):
             return False
         try:
-            self._guard(lambda _x: fn(), None)
+            self._call(fn)
         finally:
             self.lock.release()
         return True
@@ -205,9 +209,9 @@ class EngineLoop:
         end); else :meth:`submit` it. Returns whether it ran here."""
         if self.try_run(fn):
             return True
-        if self.died is None and not self._stop.is_set() and self.lock.acquire(timeout=wait_s):
+        if self.died is None and not self._stopping and self.lock.acquire(timeout=wait_s):
             try:
-                self._guard(lambda _x: fn(), None)
+                self._call(fn)
             finally:
                 self.lock.release()
             return True
@@ -279,6 +283,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        self._ident = threading.get_ident()  # before the first round (start() sets it too)
         try:
             self._rounds()
         except BaseException as e:  # the thread ends: say so, so nothing waits for it
@@ -370,8 +375,18 @@ class EngineLoop:
         try:
             fn(arg)
         except Exception as e:  # a bug in one round must not kill the rank's data plane
-            self.errors += 1
-            self._last_error = f"{type(e).__name__}: {e}"
-            log.exception("%s: error in the engine loop", self.name)
+            self._error(e)
             return False
         return True
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        """``fn()`` run as a round runs its work (:meth:`_guard` without an argument)."""
+        try:
+            fn()
+        except Exception as e:
+            self._error(e)
+
+    def _error(self, e: Exception) -> None:
+        self.errors += 1
+        self._last_error = f"{type(e).__name__}: {e}"
+        log.exception("%s: error in the engine loop", self.name)

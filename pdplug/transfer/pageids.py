@@ -15,6 +15,9 @@ import numpy as np
 
 __all__ = ["page_ids"]
 
+_INT64 = np.dtype(np.int64)
+_MAX = np.maximum.reduce
+
 
 def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
     """A private int64 ``[n]`` copy of ``value`` (any integer array-like, flattened), every id
@@ -30,6 +33,11 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         an id outside ``[0, num_pages)`` (the first one is named with its exact value, unsigned
         ones and Python ints beyond 64 bits included).
     """
+    if type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1:
+        arr = value.copy()  # the usual case (a host's int64 page list): one reduction
+        if not arr.shape[0] or int(_MAX(arr.view(np.uint64))) < num_pages:
+            return arr
+        value = arr
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword
     except (OverflowError, RuntimeError, TypeError, ValueError) as e:

@@ -15,10 +15,11 @@ relayout are planned and posted directly, at most ``max_inflight`` per peer at o
 no run (a rank that owns no token of the chunk) becomes a notification-only chunk (SGLang
 #32837).
 
-Every posted write is checked each round (:class:`~pdplug.transfer.writes.InFlight`); ``ERR``
-or an engine exception fails the room; a *stuck* write fails its room but keeps its region and
-handle until the engine reports it done or failed. Nothing is ever abandoned while the engine
-may still move its bytes.
+A job to a peer without relayout whose queue is empty starts in :meth:`SendPipeline.submit`
+itself (the direct lane: planned and posted by the thread that sends, no queue round). Posting
+and completion (:class:`~pdplug.transfer.posting.WritePoster`): ``ERR`` or an engine exception
+fails the room; a *stuck* write fails its room but keeps its region and handle until the engine
+reports it done or failed. Nothing is ever abandoned while the engine may still move its bytes.
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdplug.packing import plan_addresses, source_table
-from pdplug.transfer.engine import XFER_DONE, TransferEngine, engine_wakes
+from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.gather import Packing, PackQueue, ReadyGate
+from pdplug.transfer.posting import WritePoster
 from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
 from pdplug.transfer.regions import RegionPool
-from pdplug.transfer.writes import InFlight, Write
 from pdplug.types import ChunkTag, KVLayout, PackRegion, TransferPlan
 from pdplug.wire import Codec
 
@@ -86,50 +86,58 @@ class SendPipeline:
         on_idle: Callable[[Peer], None],
         waker: Callable[[], None] = lambda: None,
     ) -> None:
-        self._waker = waker
-        self.engine = engine  # also whether (and for which writes) it wakes the loop
         self.planner = planner
         self.packer: Packer | None = None
         self.layout = layout
         self.rank = rank
-        self._tags = tags
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
-        self._on_done = on_done
         self._on_fail = on_fail
-        self._on_written = on_written
         self._on_drained = on_drained
         self._on_idle = on_idle
         self.regions: list[PackRegion] = []
         self.pool = RegionPool(0, 1)
         self._entries: list[Any] = []
-        self._src_base = np.zeros(0, dtype=np.int64)
-        self._src_tables: dict[tuple[int, ...], np.ndarray] = {}
         self._pack: torch.Tensor | None = None
-        self._pack_base = 0
         self._queues: dict[PeerKey, deque[Job]] = {}
         self._turn = 0
         self._packing = PackQueue(waker)
-        self._inflight = InFlight(timeout_s)
         self._unpacked: Counter[PeerKey] = Counter()
         self._more = False  # dispatch stopped at its per-round budget
         self._waiting = False  # a packed segment waits for its pack-done marker
         self._gate = ReadyGate()  # segments whose host ready marker has not completed
         self.clock = self._packing.clock
-        self.progress_at = 0.0  # last write completion (or work arriving at an idle pipeline)
         self.counts: Counter[str] = Counter()
         self.timings = dict.fromkeys(("plan_s", "pack_s", "post_s", "write_s"), 0.0)
+        self._poster = WritePoster(
+            engine=engine,  # also whether (and for which writes) it wakes the loop
+            rank=rank,
+            tags=tags,
+            timeout_s=timeout_s,
+            clock=self.clock,
+            counts=self.counts,
+            timings=self.timings,
+            on_done=on_done,
+            on_fail=on_fail,
+            on_written=on_written,
+            settle=self._settle,
+            waker=waker,
+        )
+        self._inflight = self._poster.inflight
 
     @property
     def engine(self) -> TransferEngine:
         """The backend adapter."""
-        return self._engine
+        return self._poster.engine
 
     @engine.setter
     def engine(self, engine: TransferEngine) -> None:
-        self._engine = engine
-        self.wakes = engine_wakes(engine, self._waker)
-        self._wakes_for = getattr(engine, "wakes", None)  # per write, when the engine says
+        self._poster.engine = engine
+
+    @property
+    def progress_at(self) -> float:
+        """Last write completion, or work arriving at an idle pipeline (monotonic seconds)."""
+        return self._poster.progress_at
 
     def set_memory(
         self,
@@ -143,10 +151,8 @@ class SendPipeline:
         """The registered KV entries (tensors, or raw addresses of regions), the pack buffer
         and its region table."""
         self._entries = entries
-        self._src_base = src_base
         self._pack = pack
-        self._pack_base = 0 if pack is None else int(pack.data_ptr())
-        self._src_tables.clear()
+        self._poster.set_memory(src_base, 0 if pack is None else int(pack.data_ptr()))
         self.regions = regions
         self.pool = RegionPool(len(regions), depth)
         self.packer = packer
@@ -154,11 +160,13 @@ class SendPipeline:
     # ------------------------------------------------------------------ state
     def has_work(self) -> bool:
         """Work queued, packing or in flight (a round must look at it)."""
-        return bool(self._queues or self._packing or self._inflight or self._gate)
+        return bool(
+            self._queues or self._packing.items or self._inflight.writes or self._gate.parked
+        )
 
     def has_queued(self) -> bool:
         """Jobs queued or parked that a round must start."""
-        return bool(self._queues or self._gate or self._more)
+        return bool(self._queues or self._gate.parked or self._more)
 
     def busy(self, watched: bool = False) -> bool:
         """Whether the loop must poll rather than sleep: left-over dispatch, a pack or ready
@@ -203,11 +211,32 @@ class SendPipeline:
         return any(jobs[0].lease is lease for _, jobs in self._gate.parked)
 
     def submit(self, jobs: list[Job], now: float, ready: Any = None) -> None:
-        """Queue one segment's jobs (FIFO per destination) once ``ready.query()`` is true
-        (:class:`~pdplug.transfer.gather.ReadyGate`; waiting holds up no other room)."""
+        """Start or queue one segment's jobs once ``ready.query()`` is true
+        (:class:`~pdplug.transfer.gather.ReadyGate`; waiting holds up no other room).
+
+        A job to a peer without relayout whose queue is empty and that has room for another
+        write starts at once (planned and posted on this thread: the direct lane, no queue
+        round trip); every other job waits in its destination's FIFO for :meth:`step`."""
         if not self.has_work():
-            self.progress_at = now
-        self._queue(self._gate.admit(jobs, ready, now))
+            self._poster.progress_at = now
+        if ready is not None or self._gate.parked:
+            jobs = self._gate.admit(jobs, ready, now)
+        queues, unpacked = self._queues, self._unpacked
+        for job in jobs:
+            key, lease = job.key, job.lease
+            peer = lease.peers.get(key)
+            if (
+                key in queues
+                or peer is None
+                or peer.relayout
+                or not peer.alive
+                or lease.failed
+                or lease.cleared
+                or unpacked[key] >= self.max_inflight
+            ):
+                queues.setdefault(key, deque()).append(job)
+            else:
+                self._start(job, peer, -1, now)
 
     def _queue(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -231,10 +260,11 @@ class SendPipeline:
 
     def step(self, now: float) -> None:
         """One round: reap writes, post what finished packing, dispatch queued jobs."""
-        self.reap(now)
+        if self._inflight.writes:
+            self.reap(now)
         posts = self.counts["posts"]
         self._waiting = False
-        if self._gate:
+        if self._gate.parked:
             ready, failed = self._gate.release(now, self.timeout_s)
             self._queue(ready)
             for lease, why in failed:
@@ -244,11 +274,11 @@ class SendPipeline:
         # UCX over shared memory does), so the gather of segment k + 2 overlaps the post of k + 1
         if self._queues:
             self._dispatch(now)
-        if self._packing:
+        if self._packing.items:
             self._post_packed(now)
         if self.counts["posts"] != posts:
             self.reap(now)  # an engine that copies inside its post call is done already
-        if not self._inflight:
+        if not self._inflight.writes:
             self.clock.writes_idle(time.perf_counter())
 
     def close(self) -> None:
@@ -329,30 +359,9 @@ class SendPipeline:
         self.timings["plan_s"] += time.perf_counter() - t0
         if plan.num_runs == 0:
             self._settle(job, peer, region)
-            self._notify_only(job, peer, self._tag(job, plan))
+            self._poster.notify_only(job, peer, self._poster.tag(job, plan))
             return
-        self._post(job, peer, region, plan, now)
-
-    def _tag(self, job: Job, plan: TransferPlan) -> ChunkTag:
-        return ChunkTag(
-            generation=job.lease.dests[job.key].generation,
-            room=job.lease.room,
-            chunk_id=plan.chunk_id,
-            is_last=plan.is_last,
-            src_rank=self.rank,
-        )
-
-    def _notify_only(self, job: Job, peer: Peer, tag: ChunkTag) -> None:
-        self.counts["notify_only"] += 1
-        if self.engine.notifications:
-            try:
-                self.engine.notify(peer.handle, self._tags.encode(tag))
-            except Exception as e:
-                self._on_fail(job.lease, f"notification of chunk {tag.chunk_id} failed: {e}")
-                return
-        else:
-            self._on_written(job, tag)
-        self._on_done(job)
+        self._poster.post(job, peer, region, plan, now)
 
     def _post_packed(self, now: float) -> None:
         """Post every job whose segment is packed and whose pack-done marker completed."""
@@ -379,82 +388,15 @@ class SendPipeline:
             if not peer.alive:
                 self._on_fail(lease, f"{describe(job.key)} is gone")
             else:
-                self._notify_only(job, peer, self._tag(job, plan))
+                self._poster.notify_only(job, peer, self._poster.tag(job, plan))
             return
         if peer is not p.peer:  # the write uses the current connection's handle
             peer.inflight += 1
             p.peer.inflight -= 1
             if p.peer.gone and p.peer.inflight == 0:
                 self._on_idle(p.peer)
-        self._post(job, peer, p.region, plan, now)
-
-    def _post(self, job: Job, peer: Peer, region: int, plan: TransferPlan, now: float) -> None:
-        lease = job.lease
-        tag = self._tag(job, plan)
-        t0 = time.perf_counter()
-        self.clock.write_started(t0)
-        try:
-            key = plan.pack_entries if plan.packed else ()
-            tab = self._src_tables.get(key)
-            if tab is None:  # one per packed entry set (a handful per sender)
-                tab = self._src_tables[key] = source_table(self._src_base, self._pack_base, key)
-            src, dst, ln = plan_addresses(plan, tab, peer.dst_table)
-            wire_tag = self._tags.encode(tag) if self.engine.notifications else b""
-            handle = self.engine.post(peer.handle, src, dst, ln, wire_tag)
-        except Exception as e:
-            self.counts["post_failed"] += 1
-            self._settle(job, peer, region)
-            self._on_fail(
-                lease,
-                f"post of chunk {plan.chunk_id} to dcp {job.dst_rank} failed: "
-                f"{type(e).__name__}: {e}",
-            )
-            return
-        self.timings["post_s"] += time.perf_counter() - t0
-        wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
-        self._inflight.add(job, peer, handle, region, plan.nbytes, tag, now, not wakes)
-        self.counts["posts"] += 1
-        self.counts["runs"] += plan.num_runs
-
-    # ------------------------------------------------------------------ completion
-    def _why(self, handle: Any) -> str:
-        why = getattr(self.engine, "failure", None)
-        return (why(handle) if callable(why) else None) or ""
+        self._poster.post(job, peer, p.region, plan, now)
 
     def reap(self, now: float) -> None:
         """Ask the engine about every write in flight now (finished, failed, stuck)."""
-        done, stuck = self._inflight.poll(self.engine, now)
-        for w in stuck:  # its region and handle stay reserved until the engine answers
-            self.counts["writes_failing" if w.failing else "writes_stuck"] += 1
-            self._on_fail(w.job.lease, w.held_reason(self.timeout_s, self._why(w.handle)))
-        for w, st in done:
-            self._finish(w, st, now)
-
-    def _finish(self, x: Write, st: str, now: float) -> None:
-        job, lease = x.job, x.job.lease
-        self.progress_at = now
-        if st == XFER_DONE:
-            self._inflight.completed(x, now)
-        if x.stuck:
-            self.counts["writes_stuck_ended"] += 1
-        ok = st == XFER_DONE and not lease.failed
-        if ok:
-            self.timings["write_s"] += now - x.t_post
-            self.counts["bytes"] += x.nbytes
-        elif st != XFER_DONE:
-            self.counts["post_failed"] += 1
-            reason = f"write of chunk {x.tag.chunk_id} to dcp {job.dst_rank} failed (engine {st})"
-            detail = self._why(x.handle)
-            reason = f"{reason}: {detail}" if detail else reason
-            self._on_fail(lease, reason)
-        # the room's outcome first, then free the region: a drained notice must follow the
-        # last byte, and the completion must not wait for the release
-        if ok:
-            if not self.engine.notifications:
-                self._on_written(job, x.tag)
-            self._on_done(job)
-        self._settle(job, x.peer, x.region)
-        try:
-            self.engine.release(x.handle)
-        except Exception:
-            pass
+        self._poster.reap(now)

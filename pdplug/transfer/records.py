@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pdplug.types import DestInfo, KVLayout, PeerInfo
+from pdplug.packing import page_array
+from pdplug.types import DestInfo, KVLayout, PeerInfo, pages_from_bytes
 
 __all__ = ["PeerKey", "peer_key", "describe", "Peer", "Lease", "Job"]
 
@@ -78,6 +79,8 @@ class Lease(msgspec.Struct, kw_only=True):
     :ivar notified: failure notices sent: 0 none, 1 failed, 2 failed and drained.
     :ivar posted: a job of the room was dispatched (bytes may have moved).
     :ivar succeeded: the room ended ``Success`` here (it is never failed afterwards).
+    :ivar order: destination positions in send order (sorted), set once every DestInfo
+        arrived; ``dst_pages``: each one's checked int64 page ids (equal lists share one array).
     """
 
     room: int
@@ -94,6 +97,32 @@ class Lease(msgspec.Struct, kw_only=True):
     cleared: bool = False
     posted: bool = False
     succeeded: bool = False
+    order: list[PeerKey] = []
+    dst_pages: dict[PeerKey, np.ndarray] = {}
+
+    def complete(self) -> str:
+        """Every DestInfo arrived: check that the decode DCP ranks agree and decode their page
+        lists once (:attr:`order`, :attr:`dst_pages`; not again on every send). Returns why
+        the room must fail, ``""`` when it may go ``WaitingForInput``."""
+        ds = [self.dests[k] for k in sorted(self.dests)]
+        if len({(x.decode_prefix_len, x.num_tokens) for x in ds}) != 1:
+            return "DestInfo differs across decode DCP ranks: " + ", ".join(
+                f"dcp {x.dcp_rank}: decode_prefix_len={x.decode_prefix_len} "
+                f"num_tokens={x.num_tokens}"
+                for x in ds
+            )
+        arrays: dict[bytes, np.ndarray] = {}  # equal page lists share one array
+        try:
+            for x in ds:
+                if x.dst_pages not in arrays:
+                    arrays[x.dst_pages] = page_array(
+                        pages_from_bytes(x.dst_pages), "dst_pages", x.room
+                    )
+        except ValueError as e:
+            return f"DestInfo: {e}"
+        self.order = sorted(self.dests)
+        self.dst_pages = {k: arrays[self.dests[k].dst_pages] for k in self.order}
+        return ""
 
 
 class Job(msgspec.Struct, kw_only=True):

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdplug.packing import page_array
+from pdplug.types import SendChunk
 from pdplug_dcp.chunks import ChunkState, token_runs
-from pdplug_dcp.pairs import EntryClass
+from pdplug_dcp.pairs import EntryClass, Pair
 
-__all__ = ["class_runs", "expand_entries"]
+__all__ = ["class_runs", "expand_entries", "whole_page_runs"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -152,3 +154,41 @@ def expand_entries(
         np.concatenate((dst,) * e),
         np.concatenate((length,) * e),
     )
+
+
+def whole_page_runs(chunk: SendChunk, pair: Pair) -> tuple[np.ndarray, ...] | None:
+    """The direct plan's runs ``(entry, src_offset, dst_offset, length)`` (int64 ``[E * P]``,
+    entry-major) of the commonest pair, in a few array operations: one main class of whole
+    rows at equal page size, no DCP, no draft entries, and a chunk that starts on a page
+    boundary on both sides (what :func:`class_runs` does through :func:`_page_runs`, without
+    the general path's per-chunk bookkeeping: a KV sender plans every send of such a pair
+    this way). ``None`` when the pair or the chunk needs the general path, which also names
+    every error (it re-validates, so no invalid chunk passes here)."""
+    if pair.dcp != 1 or pair.drafts or len(pair.main) != 1:
+        return None
+    cls = pair.main[0]
+    ps = pair.src_page
+    if not (ps == pair.dst_page == cls.d_page and cls.ncols == 1 and cls.w == cls.s_ts == cls.d_ts):
+        return None
+    n, prefix = chunk.num_tokens, chunk.decode_prefix_len
+    if chunk.rel_start != -1 or prefix % ps or chunk.src_page_offset < 0 or n <= 0:
+        return None
+    q0 = chunk.src_page_offset
+    pages = -(-n // ps)
+    try:
+        src = page_array(chunk.src_pages, "src_pages", chunk.room)
+        dst = page_array(chunk.dst_pages, "dst_pages", chunk.room)
+    except ValueError:
+        return None
+    if src.shape[0] < pages or dst.shape[0] < q0 + pages:
+        return None
+    src = src[:pages] * cls.s_ps
+    dst = dst[q0 : q0 + pages] * cls.d_ps
+    s0, d0 = int(cls.s_cols[0]), int(cls.d_cols[0])
+    if s0:
+        src += s0
+    if d0:
+        dst += d0
+    length = np.full(pages, ps * cls.w, dtype=np.int64)
+    length[-1] = (n - (pages - 1) * ps) * cls.w
+    return expand_entries(cls.entries, src, dst, length)

@@ -39,7 +39,7 @@ from pdplug.packing import region_capacity_tokens
 from pdplug.protocols import Packer
 from pdplug.types import PackGroup, PackRegion, SendChunk, TransferPlan
 from pdplug_dcp.chunks import ChunkState, chunk_state
-from pdplug_dcp.direct import class_runs, expand_entries
+from pdplug_dcp.direct import class_runs, expand_entries, whole_page_runs
 from pdplug_dcp.packed import (
     PackedShape,
     check_capacity,
@@ -142,6 +142,11 @@ class DcpPlanner:
             bytes exceed ``region.nbytes``); names room, rank, tokens and capacity.
         """
         pair = self._pair(src, dst)
+        if region is None and dst_dcp_rank == 0:
+            runs = whole_page_runs(chunk, pair)  # the commonest pair in a few array operations
+            if runs is not None:
+                return _transfer_plan(chunk, 0, chunk.num_tokens, False, runs, None, _EMPTY,
+                                      pair, ())  # fmt: skip
         st = chunk_state(chunk, pair)
         return self._plan_rank(
             st, pair, dst_dcp_rank, region, _draft_runs(st, pair) if pair.drafts else _NONE

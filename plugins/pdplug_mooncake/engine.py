@@ -4,17 +4,20 @@ Mooncake's Python API (SGLang's and vLLM's Mooncake connectors use the same call
 ``TransferEngine.initialize(host, "P2PHANDSHAKE", protocol, device)`` binds a random RPC port
 and names the engine ``host:port``, which is what a peer writes to (the session id). Memory is
 registered in one ``batch_register_memory`` call over de-duplicated regions (overlapping
-re-registration is rejected, Mooncake#3153). A write blocks its caller until the peer has the
-bytes, so each peer gets its own worker thread: the session's engine thread packs the next
-segment while a write runs, and a peer that stops answering blocks only its own writes, never
-another peer's. The worker submits each run as its own asynchronous batch and polls them with
-backing-off sleeps: ``batch_transfer_sync_write`` spins a core while it waits, which a write
-stuck on a vanished peer turns into seconds of a core. At most ``max_batch`` runs are in flight
-per write call because a TCP lane whose queue overflows rejects the batch and stays unusable
-(measured on mooncake 0.3.13), and fewer while a peer's writes have not yet landed: a per-peer
-window that starts at four runs and grows with each run that lands, so a write the peer refuses
-has few runs left with the engine to drain. The engine has no completion notifications: the
-session reports completion and failure over the ZMQ control channel.
+re-registration is rejected, Mooncake#3153). A write to a session whose segment is open goes
+out as asynchronous single-run batches from the thread that posts it and is advanced by
+:meth:`MooncakeEngine.check` (:mod:`pdplug_mooncake.runs`): no Python thread per write. Each
+peer also has a worker thread, for what can block: the first write to a session, and the first
+after a failed one, which must probe the session first (below); writes posted while the worker
+has one queued follow it there, so a peer's writes land in post order. The worker submits each
+run as its own asynchronous batch too and polls them with backing-off sleeps:
+``batch_transfer_sync_write`` spins a core while it waits, which a write stuck on a vanished
+peer turns into seconds of a core. At most ``max_batch`` runs are in flight per peer because
+a TCP lane whose queue overflows rejects the batch and stays unusable (measured on mooncake
+0.3.13), and fewer while the peer's writes have not yet landed: a window that starts at four
+runs and grows with each run that lands, so a write the peer refuses has few runs left with
+the engine to drain. The engine has no completion notifications: the session reports
+completion and failure over the ZMQ control channel.
 
 **Probe before the handshake.** The first write to a session (and the first after a failed
 one, after which the binding forgets the session) opens it with a metadata handshake that the
@@ -57,6 +60,10 @@ import numpy as np
 
 from pdplug import KVConfig, TransferError
 from pdplug.types import PeerInfo
+from pdplug_mooncake.runs import DONE as _DONE
+from pdplug_mooncake.runs import IN_FLIGHT as _IN_FLIGHT
+from pdplug_mooncake.runs import WINDOW_MIN as _WINDOW_MIN
+from pdplug_mooncake.runs import AsyncRuns, AsyncWrite
 
 __all__ = ["RETIRED", "MooncakeEngine", "coalesce_runs"]
 
@@ -82,10 +89,6 @@ def _wait_for_probes(limit_s: float = 2.0) -> None:
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
 # a worker waiting for its write: yield for the first 100 us, then sleep 50 us doubling to 1 ms
 _SPIN_S, _SLEEP_MIN_S, _SLEEP_MAX_S = 100e-6, 50e-6, 1e-3
-# runs a worker write keeps with the engine at first and after a failed run (see _write_runs)
-_WINDOW_MIN = 4
-# transfer_check_status: 1 done; 0 in flight, -2 past the engine's own timeout and still held
-_DONE, _IN_FLIGHT = 1, (0, -2)
 
 
 def coalesce_runs(
@@ -177,7 +180,9 @@ class _Peer(msgspec.Struct, kw_only=True):
     """A peer session (``host:port``) and its worker; ``refs``: connects not yet undone.
 
     ``verified``: the binding holds an open segment for ``session`` (a probe answered and no
-    write failed since); ``probe``: the last probe's thread while it has not returned.
+    write failed since); ``probe``: the last probe's thread while it has not returned;
+    ``asyncs``: its asynchronous writes (:class:`~pdplug_mooncake.runs.AsyncRuns`; a new one
+    after each failure, the older ones until their writes ended).
     """
 
     session: str
@@ -185,17 +190,12 @@ class _Peer(msgspec.Struct, kw_only=True):
     refs: int = 0
     verified: bool = False
     probe: threading.Thread | None = None
-    async_live: int = 0  # asynchronous writes not yet ended
+    asyncs: list[AsyncRuns] = []
     window: int = _WINDOW_MIN  # runs a worker write may keep with the engine (_write_runs)
 
-
-class _AsyncWrite(msgspec.Struct, kw_only=True):
-    """A write submitted as single-run asynchronous batches (``ids`` still in flight)."""
-
-    peer: _Peer
-    ids: list[int] = []
-    error: str = ""
-    ended: bool = False
+    def async_live(self) -> int:
+        """Asynchronous writes not yet ended."""
+        return sum(len(r.live) for r in self.asyncs)
 
 
 class MooncakeEngine:
@@ -207,16 +207,9 @@ class MooncakeEngine:
         (descriptors per write call, default 1024), ``probe_timeout_s`` (seconds a peer has
         to answer the handshake probe before its writes fail, default
         ``min(2, transfer_timeout_s / 2)``), ``async_max_runs`` (a write of at most this many
-        runs to a verified session with nothing else in flight is submitted from the posting
-        thread and polled by :meth:`check`; default 0: every write on the peer's worker
-        thread). It saves the worker's two thread hand-offs per write (``pdplug bench
-        transfer``'s fixed cost per send, issue 24), but is off by default: with it on, the
-        writes of a failed post (addresses outside the decode's registered memory) kept runs
-        pending with the engine past 30 s, their room undrained all that time, where on the
-        worker it drains in 1-3 s. Alone only, because after a refused run the engine fails
-        the session's other queued runs one every second or so (the write reports
-        ``"FAILING"``: its room fails at once and stays undrained until they end), and a write
-        queued in the engine behind others would age against its own timeout.
+        runs to a verified session is submitted from the posting thread and advanced by
+        :meth:`check`, :mod:`pdplug_mooncake.runs`; default: any size; ``"0"`` puts every
+        write on the peer's worker thread, two thread hand-offs per write).
     :raises ImportError: mooncake is not installed.
     :raises TransferError: ``initialize`` failed (names host and protocol).
     """
@@ -243,7 +236,7 @@ class MooncakeEngine:
         self._max_batch = int(extra.get("max_batch", "1024"))
         if self._max_batch <= 0:
             raise ValueError(f"KVConfig.extra['max_batch'] must be > 0, got {self._max_batch}")
-        self._async_runs = int(extra.get("async_max_runs", "0"))
+        self._async_runs = int(extra.get("async_max_runs", str(1 << 62)))
         if self._async_runs < 0:
             raise ValueError(
                 f"KVConfig.extra['async_max_runs'] must be >= 0, got {self._async_runs}"
@@ -324,41 +317,44 @@ class MooncakeEngine:
 
     def post(
         self, peer: Any, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
-    ) -> Future[int] | _AsyncWrite:
-        """Start the write: to a verified session with at most ``async_max_runs`` runs, as one
-        asynchronous single-run batch per run submitted from the calling thread (the engine's
-        own threads move the bytes; :meth:`check` polls each batch, so completion needs no
-        Python thread: on a busy host a thread waiting for the GIL costs more than a small
-        write); otherwise queued on the peer's worker thread (which probes an unverified
-        session first), whose completion fires the waker. Runs contiguous on both sides go
-        as one descriptor (:func:`coalesce_runs`)."""
+    ) -> Future[int] | AsyncWrite:
+        """Start the write: to a verified session whose worker has nothing queued, as
+        asynchronous single-run batches submitted from the calling thread within the peer's
+        window and advanced by :meth:`check` (:mod:`pdplug_mooncake.runs`: the engine's own
+        threads move the bytes, so completion needs no Python thread); otherwise queued on the
+        peer's worker thread (which probes an unverified session first), whose completion
+        fires the waker. Runs contiguous on both sides go as one descriptor
+        (:func:`coalesce_runs`)."""
         if self._closed:
             raise TransferError(f"mooncake: engine {self._session} is closed; write not posted")
         if self._starts.shape[0] > 1 and length.shape[0] > 1:
             where = np.searchsorted(self._starts, src, side="right")
             src, dst, length = coalesce_runs(src, dst, length, where)
-        else:
+        elif length.shape[0] > 1:
             src, dst, length = coalesce_runs(src, dst, length)
-        self.counts["descriptors"] += int(length.shape[0])
-        s, d, n = src.tolist(), dst.tolist(), length.tolist()
-        # alone on an idle session only: a refused run fails the session's other queued runs,
-        # and a write queued behind others in the engine would age against its own timeout
-        if (
-            peer.verified
-            and len(n) <= self._async_runs
-            and not peer.async_live
-            and not peer.worker.queued
-        ):
-            ids, error = self._submit_runs(peer.session, s, d, n)  # ERR once those ended
+        n = length.tolist()
+        self.counts["descriptors"] += len(n)
+        s, d = src.tolist(), dst.tolist()
+        # a write behind the worker's stays behind it: the peer's writes land in post order
+        if peer.verified and len(n) <= self._async_runs and not peer.worker.queued:
+            runs = peer.asyncs[-1] if peer.asyncs else None
+            if runs is None or runs.dropped:
+                runs = AsyncRuns(
+                    self._engine, self._max_batch, lambda _why: self._dropped(peer), self.counts
+                )
+                peer.asyncs = [r for r in peer.asyncs if r.live] + [runs]
             self.counts["async_writes"] += 1
-            peer.async_live += 1
-            return _AsyncWrite(peer=peer, ids=ids, error=error)
+            return runs.post(peer.session, s, d, n)
         key: list[int] = []  # the future's id, known before the worker can run the write
         fut: Future[int] = peer.worker.submit(lambda: self._write(peer, key, s, d, n), key)
         if self._waker is not None:
             waker = self._waker
             fut.add_done_callback(lambda _f: waker())
         return fut
+
+    @staticmethod
+    def _dropped(peer: _Peer) -> None:
+        peer.verified = False  # the binding forgot the session: probe it before its next write
 
     def _verify(self, peer: _Peer) -> int:
         """Probe ``peer``'s session (on its worker thread) unless it is verified; 0 when the
@@ -498,49 +494,31 @@ class MooncakeEngine:
     def wakes(self, xfer: Any) -> bool:
         """Whether ``xfer``'s end calls the waker: a worker write does; an asynchronous one is
         found by polling :meth:`check`."""
-        return not isinstance(xfer, _AsyncWrite) and self._waker is not None
+        return not isinstance(xfer, AsyncWrite) and self._waker is not None
 
     def failure(self, xfer: Any) -> str | None:
         """Why a write whose :meth:`check` said ``"ERR"`` failed, when the engine knows."""
-        if isinstance(xfer, _AsyncWrite):
+        if isinstance(xfer, AsyncWrite):
             return xfer.error or None
         return self._failures.get(id(xfer))
 
     def check(self, xfer: Any) -> str:
         """``"PROC"`` while the write runs, then ``"DONE"`` (rc 0) or ``"ERR"``; a write with
         a failed run reports ``"FAILING"`` while others are still with the engine, and
-        ``"ERR"`` once none can land any more."""
-        if isinstance(xfer, _AsyncWrite):
-            return self._check_async(xfer)
+        ``"ERR"`` once none can land any more. Checking an asynchronous write also submits
+        the peer's next runs."""
+        if isinstance(xfer, AsyncWrite):
+            return str(xfer.owner.check(xfer))
         if not xfer.done():
             return "FAILING" if id(xfer) in self._failures else "PROC"
         if xfer.cancelled() or xfer.exception() is not None or xfer.result() != 0:
             return "ERR"
         return "DONE"
 
-    def _check_async(self, w: _AsyncWrite) -> str:
-        pending = []
-        for bid in w.ids:
-            rc = int(self._engine.transfer_check_status(bid))
-            if rc in _IN_FLIGHT:
-                pending.append(bid)
-            elif rc != _DONE:  # the engine freed the batch
-                w.error = w.error or f"mooncake async write to {w.peer.session} failed ({rc})"
-        w.ids = pending
-        if w.error:
-            w.peer.verified = False  # probe the session again before its next write
-        if not pending and not w.ended:
-            w.ended = True
-            w.peer.async_live -= 1
-        if pending:
-            # after a refused run the engine fails the session's other queued runs slowly
-            return "FAILING" if w.error else "PROC"
-        return "ERR" if w.error else "DONE"
-
     def cancel(self, xfer: Any) -> bool:
         """Withdraw a write still queued behind the running one (``Future.cancel``); an
         asynchronous write is with the engine already (False)."""
-        return False if isinstance(xfer, _AsyncWrite) else bool(xfer.cancel())
+        return False if isinstance(xfer, AsyncWrite) else bool(xfer.cancel())
 
     def release(self, xfer: Any) -> None:
         """Forget the write's failure reason (nothing else to release: the engine frees an
@@ -582,7 +560,7 @@ class MooncakeEngine:
                 pass
             self._regions.clear()
         if stuck or any(
-            p.worker.queued or p.async_live or (p.probe is not None and p.probe.is_alive())
+            p.worker.queued or p.async_live() or (p.probe is not None and p.probe.is_alive())
             for p in peers
         ):
             RETIRED.append(self._engine)  # a thread still calls it: kept until the process exits

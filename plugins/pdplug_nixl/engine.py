@@ -46,6 +46,10 @@ __all__ = ["NixlEngine", "import_nixl", "load_system_libnl", "NIXL_MODULES"]
 #: NIXL's Python API modules: the ``nixl`` meta package, then the CUDA 12 and CUDA 13 wheels
 NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
+#: a descriptor list is prepared for re-posting only from this many descriptors on: below it
+#: the per-post set-up it saves is smaller than the hashing that finds a repeated list
+_PREP_MIN_DESCS = 16
+
 _LIBNL: list[Any] = []  # the system libnl-route, once loaded (kept so it stays loaded)
 
 
@@ -214,14 +218,15 @@ class NixlEngine:
             address outside the peer's registered memory) or the post returned ``ERR``.
         """
         n = int(length.shape[0])
-        local = np.empty((n, 3), dtype=np.uint64)  # (address, bytes, device) rows
-        local[:, 0] = src
-        local[:, 1] = length
-        local[:, 2] = self._dev
-        remote = local.copy()
-        remote[:, 0] = dst
+        rows = np.empty((2, n, 3), dtype=np.uint64)  # local and remote (address, bytes, device)
+        rows[0, :, 0] = src
+        rows[1, :, 0] = dst
+        rows[:, :, 1] = length
+        rows[:, :, 2] = self._dev
+        local, remote = rows
         try:
-            small = self._prep_max and n and int(length.sum()) <= self._prep_bytes * n
+            # preparing pays off for many small descriptors only (see the module docstring)
+            small = n >= _PREP_MIN_DESCS and self._prep_max and length.sum() <= self._prep_bytes * n
             handle = self._prepped(peer, local, remote, tag) if small else None
             if handle is None:
                 handle = self._agent.initialize_xfer(

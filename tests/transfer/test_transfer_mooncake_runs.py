@@ -4,6 +4,7 @@ which Mooncake's TCP transport pays for one by one)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -123,18 +124,32 @@ def test_runs_of_two_registered_buffers_adjacent_in_memory_stay_apart() -> None:
         b.close()
 
 
-def test_a_refused_write_drains_in_seconds_and_the_window_grows_back() -> None:
+def _verified(peer: Any) -> None:
+    deadline = time.monotonic() + 10.0  # connect() probes the session on the peer's worker
+    while not peer.verified and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert peer.verified
+
+
+def _window(peer: Any) -> int:
+    return int(peer.asyncs[-1].window if peer.asyncs else peer.window)
+
+
+@pytest.mark.parametrize("path", ["async", "worker"])
+def test_a_refused_write_drains_in_seconds_and_the_window_grows_back(path: str) -> None:
     """A write of 64 separate runs to addresses outside the peer's registered memory: the
     engine refuses them, and because at most the peer's window (4 after a failure) was with
     the engine, the write ends ``"ERR"`` within a few seconds (all 64 submitted at once took
     15 s: the engine ends a failed session's queued runs three or four a second) with most
     runs never submitted. The next write of 1,024 runs lands every byte and widens the
-    window again."""
+    window again. Both ways a write goes: submitted from the posting thread to a verified
+    session, and on the peer's worker (``async_max_runs=0``)."""
     require("mooncake")
     from pdplug.types import PeerInfo
     from pdplug_mooncake.engine import _WINDOW_MIN, MooncakeEngine
 
-    a = MooncakeEngine(KVConfig(instance="p", role="prefill", layout=_lay()))
+    extra = {"async_max_runs": "0"} if path == "worker" else {}
+    a = MooncakeEngine(KVConfig(instance="p", role="prefill", layout=_lay(), extra=extra))
     b = MooncakeEngine(KVConfig(instance="d", role="decode", layout=_lay()))
     try:
         src = (np.arange(1 << 19) % 253 + 1).astype(np.uint8)
@@ -146,6 +161,7 @@ def test_a_refused_write_drains_in_seconds_and_the_window_grows_back() -> None:
                 instance="d", role="decode", layout=_lay(), agent=b.agent(), backend="mooncake"
             )
         )
+        _verified(peer)
         # separate runs (a gap on both sides between neighbours): 64 descriptors
         off = 512 * np.arange(64, dtype=np.int64)
         ln = np.full(64, 256, dtype=np.int64)
@@ -157,7 +173,8 @@ def test_a_refused_write_drains_in_seconds_and_the_window_grows_back() -> None:
         assert a.check(bad) == "ERR" and "failed" in (a.failure(bad) or ""), a.failure(bad)
         assert drained_s < 8.0, drained_s
         assert a.counts["runs_not_submitted"] >= 64 - 2 * _WINDOW_MIN, a.counts
-        assert peer.window == _WINDOW_MIN and not dst.any()
+        assert _window(peer) == _WINDOW_MIN and not dst.any()
+        assert a.counts["async_writes"] == (1 if path == "async" else 0), a.counts
 
         off = 512 * np.arange(1024, dtype=np.int64)
         good = None
@@ -178,7 +195,12 @@ def test_a_refused_write_drains_in_seconds_and_the_window_grows_back() -> None:
         assert good is not None and a.check(good) == "DONE", a.failure(good)
         rows = off[:, None] + np.arange(256)
         assert np.array_equal(dst[rows], src[rows])
-        assert peer.window > 512, peer.window
+        assert peer.window > 512, peer.window  # the write after a failure probes on the worker
+        if path == "async":  # the session is verified again: the next write goes async
+            again = a.post(peer, src.ctypes.data + off, dst.ctypes.data + off,
+                           np.full(1024, 256, dtype=np.int64), b"z")  # fmt: skip
+            _wait_done(a, again)
+            assert a.counts["async_writes"] == 2 and _window(peer) > 512, a.counts
     finally:
         a.close()
         b.close()
@@ -192,12 +214,12 @@ def _wait_done(eng: Any, xfer: Any) -> None:
 
 
 @pytest.mark.parametrize("limit", ["64", "0"])
-def test_a_write_alone_on_a_verified_session_is_posted_from_the_caller(limit: str) -> None:
-    """Issue 24: the first write to a session goes through its worker (the session is probed
-    first); a later write with nothing else in flight is submitted from the posting thread;
-    one posted while that one is still in flight goes to the worker (a refused run must not
-    fail a neighbour's runs); ``async_max_runs=0`` keeps every write on the worker. Every
-    byte lands either way."""
+def test_a_write_to_a_verified_session_is_posted_from_the_caller(limit: str) -> None:
+    """Issue 24: a write to a session not yet verified goes through its worker (the session
+    is probed first) and so does one posted while the worker has work; once verified and idle,
+    writes are submitted from the posting thread, one posted
+    while another is in flight too (they are served in post order);
+    ``async_max_runs=0`` keeps every write on the worker. Every byte lands either way."""
     require("mooncake")
     from pdplug.types import PeerInfo
     from pdplug_mooncake.engine import MooncakeEngine
@@ -221,14 +243,19 @@ def test_a_write_alone_on_a_verified_session_is_posted_from_the_caller(limit: st
             return a.post(peer, src.ctypes.data + off, dst.ctypes.data + off,
                           np.array([q], dtype=np.int64), b"t")  # fmt: skip
 
-        _wait_done(a, post(0))  # unverified: the worker probes, then writes
+        gate = threading.Event()
+        peer.worker.submit(lambda: int(gate.wait(10)))  # the worker is busy (as while probing)
+        x0 = post(0)  # behind the worker's work: queued there, so the peer's writes keep order
+        gate.set()
+        _wait_done(a, x0)
         assert a.counts["async_writes"] == 0
+        _verified(peer)
         _wait_done(a, post(1))  # alone on a verified session
-        x2, x3 = post(2), post(3)  # x3 while x2 is in flight, or not when x2 was quick
+        x2, x3 = post(2), post(3)  # x3 while x2 is in flight (or not, when x2 was quick)
         _wait_done(a, x2)
         _wait_done(a, x3)
         got = a.counts["async_writes"]
-        assert got in ((2, 3) if limit != "0" else (0,)), a.counts
+        assert got == (3 if limit != "0" else 0), a.counts
         assert np.array_equal(dst, src)
     finally:
         a.close()

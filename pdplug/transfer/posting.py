@@ -1,0 +1,197 @@
+"""A planned job becomes an engine write, and its end (done, failed, stuck) reaches the room.
+
+Used by :class:`~pdplug.transfer.pipeline.SendPipeline` (which decides *when* a job is
+planned and posted) on whichever thread holds the session's engine lock. A plan's runs are
+turned into absolute descriptors with per-entry source tables made once per packed entry set
+(:func:`pdplug.packing.plan_addresses`) and posted with the chunk's
+:class:`~pdplug.types.ChunkTag`; a plan with no run is a notification-only chunk (SGLang
+#32837). Every posted write is tracked by :class:`~pdplug.transfer.writes.InFlight` until the
+engine says it ended: ``DONE`` completes the job (``on_done``; over the control channel for
+engines without notifications, ``on_written``), ``ERR`` or an exception at post fails the room,
+a *stuck* write fails its room but keeps its region and handle until the engine answers.
+Nothing is ever abandoned while the engine may still move its bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pdplug.packing import plan_addresses, source_table
+from pdplug.transfer.engine import XFER_DONE, TransferEngine, engine_wakes
+from pdplug.transfer.gather import BusyClock
+from pdplug.transfer.records import Job, Lease, Peer
+from pdplug.transfer.writes import InFlight, Write
+from pdplug.types import ChunkTag, TransferPlan
+from pdplug.wire import Codec
+
+__all__ = ["WritePoster"]
+
+
+class WritePoster:
+    """Posts and reaps one sender's writes (engine-lock holder only).
+
+    :param engine: the backend adapter (:attr:`engine` may replace it before the first send).
+    :param rank: the source rank id carried in tags; ``tags``: the notification codec.
+    :param timeout_s: ``KVConfig.transfer_timeout_s``: when a pending write is stuck.
+    :param clock: the sender's busy clock (write spans).
+    :param counts/timings: the pipeline's counters and seconds, shared.
+    :param on_done: ``(job)`` when a job's write completed (or it was notification-only).
+    :param on_fail: ``(lease, reason)`` on a failed post, write or notification, or a stuck
+        write.
+    :param on_written: ``(job, tag)`` after a completed write, for engines without
+        notifications (the session sends the tag over the control channel).
+    :param settle: ``(job, peer, region)`` once a job's write ended (its region and
+        counters go back).
+    :param waker: thread-safe "run a round now", given to engines that complete writes on
+        their own threads.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: TransferEngine,
+        rank: int,
+        tags: Codec[Any],
+        timeout_s: float,
+        clock: BusyClock,
+        counts: Counter[str],
+        timings: dict[str, float],
+        on_done: Callable[[Job], None],
+        on_fail: Callable[[Lease, str], None],
+        on_written: Callable[[Job, ChunkTag], None],
+        settle: Callable[[Job, Peer, int], None],
+        waker: Callable[[], None],
+    ) -> None:
+        self._waker = waker
+        self.engine = engine
+        self.rank = rank
+        self._tags = tags
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.counts = counts
+        self.timings = timings
+        self._on_done = on_done
+        self._on_fail = on_fail
+        self._on_written = on_written
+        self._settle = settle
+        self.inflight = InFlight(timeout_s)
+        self.progress_at = 0.0  # last write completion (or work arriving at an idle sender)
+        self._src_base = np.zeros(0, dtype=np.int64)
+        self._pack_base = 0
+        self._src_tables: dict[tuple[int, ...], np.ndarray] = {}
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The backend adapter."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: TransferEngine) -> None:
+        self._engine = engine
+        self.wakes = engine_wakes(engine, self._waker)
+        self._wakes_for = getattr(engine, "wakes", None)  # per write, when the engine says
+
+    def set_memory(self, src_base: np.ndarray, pack_base: int) -> None:
+        """int64 base address of every registered source entry, and the pack buffer's."""
+        self._src_base = src_base
+        self._pack_base = pack_base
+        self._src_tables.clear()
+
+    def tag(self, job: Job, plan: TransferPlan) -> ChunkTag:
+        """The completion tag of ``job``'s chunk (the destination's lease generation)."""
+        return ChunkTag(
+            generation=job.lease.dests[job.key].generation,
+            room=job.lease.room,
+            chunk_id=plan.chunk_id,
+            is_last=plan.is_last,
+            src_rank=self.rank,
+        )
+
+    def notify_only(self, job: Job, peer: Peer, tag: ChunkTag) -> None:
+        """A chunk with nothing to write for ``peer``: its tag alone."""
+        self.counts["notify_only"] += 1
+        if self._engine.notifications:
+            try:
+                self._engine.notify(peer.handle, self._tags.encode(tag))
+            except Exception as e:
+                self._on_fail(job.lease, f"notification of chunk {tag.chunk_id} failed: {e}")
+                return
+        else:
+            self._on_written(job, tag)
+        self._on_done(job)
+
+    def post(self, job: Job, peer: Peer, region: int, plan: TransferPlan, now: float) -> None:
+        """Post ``plan``'s runs to ``peer`` (reading pack region ``region``, -1: none)."""
+        lease = job.lease
+        tag = self.tag(job, plan)
+        t0 = time.perf_counter()
+        self.clock.write_started(t0)
+        try:
+            key = plan.pack_entries if plan.packed else ()
+            tab = self._src_tables.get(key)
+            if tab is None:  # one per packed entry set (a handful per sender)
+                tab = self._src_tables[key] = source_table(self._src_base, self._pack_base, key)
+            src, dst, ln = plan_addresses(plan, tab, peer.dst_table)
+            wire_tag = self._tags.encode(tag) if self._engine.notifications else b""
+            handle = self._engine.post(peer.handle, src, dst, ln, wire_tag)
+        except Exception as e:
+            self.counts["post_failed"] += 1
+            self._settle(job, peer, region)
+            self._on_fail(
+                lease,
+                f"post of chunk {plan.chunk_id} to dcp {job.dst_rank} failed: "
+                f"{type(e).__name__}: {e}",
+            )
+            return
+        self.timings["post_s"] += time.perf_counter() - t0
+        wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
+        self.inflight.add(job, peer, handle, region, int(ln.sum()), tag, now, not wakes)
+        self.counts["posts"] += 1
+        self.counts["runs"] += int(ln.shape[0])
+
+    def _why(self, handle: Any) -> str:
+        why = getattr(self._engine, "failure", None)
+        return (why(handle) if callable(why) else None) or ""
+
+    def reap(self, now: float) -> None:
+        """Ask the engine about every write in flight now (finished, failed, stuck)."""
+        done, stuck = self.inflight.poll(self._engine, now)
+        for w in stuck:  # its region and handle stay reserved until the engine answers
+            self.counts["writes_failing" if w.failing else "writes_stuck"] += 1
+            self._on_fail(w.job.lease, w.held_reason(self.timeout_s, self._why(w.handle)))
+        for w, st in done:
+            self._finish(w, st, now)
+
+    def _finish(self, x: Write, st: str, now: float) -> None:
+        job, lease = x.job, x.job.lease
+        self.progress_at = now
+        if st == XFER_DONE:
+            self.inflight.completed(x, now)
+        if x.stuck:
+            self.counts["writes_stuck_ended"] += 1
+        ok = st == XFER_DONE and not lease.failed
+        if ok:
+            self.timings["write_s"] += now - x.t_post
+            self.counts["bytes"] += x.nbytes
+        elif st != XFER_DONE:
+            self.counts["post_failed"] += 1
+            reason = f"write of chunk {x.tag.chunk_id} to dcp {job.dst_rank} failed (engine {st})"
+            detail = self._why(x.handle)
+            reason = f"{reason}: {detail}" if detail else reason
+            self._on_fail(lease, reason)
+        # the room's outcome first, then free the region: a drained notice must follow the
+        # last byte, and the completion must not wait for the release
+        if ok:
+            if not self._engine.notifications:
+                self._on_written(job, x.tag)
+            self._on_done(job)
+        self._settle(job, x.peer, x.region)
+        try:
+            self._engine.release(x.handle)
+        except Exception:
+            pass

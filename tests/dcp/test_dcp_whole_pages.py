@@ -1,0 +1,86 @@
+"""The direct plan of the commonest pair (same layout, equal page size, no DCP) takes a short
+path (:func:`pdplug_dcp.direct.whole_page_runs`, issue 24): it must give exactly the runs the
+general path gives, and leave every chunk it cannot take (and every error) to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdplug import KVLayout, PlanError
+from pdplug.types import PackRegion, SendChunk
+from pdplug_dcp.direct import whole_page_runs
+from pdplug_dcp.pairs import pair_of
+from pdplug_dcp.planner import make_dcp_planner, make_tp_planner
+
+
+def _general(planner, chunk, lay):  # a region on a pair without relayout: the general path
+    region = PackRegion(index=0, offset=0, nbytes=1 << 30, capacity_tokens=1 << 20)
+    return planner.plan(chunk, lay, lay, 0, region)
+
+
+@given(
+    page=st.sampled_from([1, 2, 16, 64]),
+    bpt=st.lists(st.sampled_from([2, 64, 576, 2048]), min_size=1, max_size=4),
+    prefix_pages=st.integers(0, 3),
+    offset_pages=st.integers(0, 3),
+    n=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+    tp=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_whole_page_runs_equal_the_general_plan(
+    page: int,
+    bpt: list[int],
+    prefix_pages: int,
+    offset_pages: int,
+    n: int,
+    seed: int,
+    tp: bool,
+) -> None:
+    lay = KVLayout(page_size=page, entry_bytes_per_token=tuple(bpt), dtype="uint8")
+    rng = np.random.default_rng(seed)
+    pages = -(-n // page)
+    chunk = SendChunk(
+        room=1,
+        src_pages=rng.permutation(4096)[:pages].astype(np.int64),
+        dst_pages=rng.permutation(4096)[: offset_pages + pages + 1].astype(np.int64),
+        decode_prefix_len=prefix_pages * page,
+        src_page_offset=offset_pages,
+        num_tokens=n,
+        chunk_id=0,
+        is_last=True,
+    )
+    planner = make_tp_planner() if tp else make_dcp_planner()
+    short = whole_page_runs(chunk, pair_of(lay, lay))
+    assert (short is not None) == (len(set(bpt)) == 1)  # one class of entries
+    fast, slow = planner.plan(chunk, lay, lay, 0), _general(planner, chunk, lay)
+    assert (fast.num_tokens, fast.packed, fast.is_last) == (slow.num_tokens, False, True)
+    for f in ("entry", "src_offset", "dst_offset", "length"):
+        assert np.array_equal(getattr(fast, f), getattr(slow, f)), f
+
+
+def test_what_the_short_path_does_not_take_goes_the_general_way() -> None:
+    lay = KVLayout(page_size=4, entry_bytes_per_token=(8,), dtype="uint8")
+    pair = pair_of(lay, lay)
+    base = dict(room=7, src_pages=np.arange(3), dst_pages=np.arange(3), decode_prefix_len=0,
+                src_page_offset=0, num_tokens=10, chunk_id=0, is_last=True)  # fmt: skip
+    for change in (
+        {"rel_start": 2},  # starts inside a page
+        {"decode_prefix_len": 2},  # an unaligned prefix: the general path names it
+        {"num_tokens": 0},
+        {"dst_pages": np.arange(2)},  # too few pages: the general path names them
+        {"src_pages": np.array([0, -1, 2])},
+    ):
+        assert whole_page_runs(SendChunk(**{**base, **change}), pair) is None, change
+    planner = make_dcp_planner()
+    with pytest.raises(PlanError, match="decode_prefix_len=2"):
+        planner.plan(SendChunk(**{**base, "decode_prefix_len": 2}), lay, lay, 0)
+    with pytest.raises(PlanError, match="too few destination pages"):
+        planner.plan(SendChunk(**{**base, "dst_pages": np.arange(2)}), lay, lay, 0)
+    with pytest.raises(PlanError, match="page id -1"):
+        planner.plan(SendChunk(**{**base, "src_pages": np.array([0, -1, 2])}), lay, lay, 0)
+    dcp = KVLayout(page_size=4, entry_bytes_per_token=(8,), dtype="uint8", dcp_size=2)
+    assert whole_page_runs(SendChunk(**base), pair_of(lay, dcp)) is None
