@@ -42,11 +42,13 @@ __all__ = [
     "CONNECTORS",
     "KillResult",
     "ParityResult",
+    "RunSpecs",
     "check_shape",
     "disagg_specs",
     "kill_decode_mid_run",
     "proxy_thread",
     "run_parity",
+    "run_specs",
     "warm_up",
 ]
 
@@ -202,6 +204,89 @@ def disagg_specs(
     return prefill, decode, proxy
 
 
+class RunSpecs(msgspec.Struct, frozen=True, kw_only=True):
+    """The engines one :func:`run_parity` starts, in launch order (:attr:`engines`).
+
+    :ivar single: the reference engine; ``prefill``/``decode``: the pair.
+    :ivar decode_fail: the second decode engine (``kv_load_failure_policy="fail"``) of the
+        fault phases, or None.
+    :ivar switch: the prefill's ``PDPLUG_TEST_FAIL_WRITES`` switch file (absolute), or None
+        when no phase fails or holds the prefill's writes.
+    :ivar proxy: the proxy's settings (:func:`disagg_specs`).
+    """
+
+    single: EngineSpec
+    prefill: EngineSpec
+    decode: EngineSpec
+    decode_fail: EngineSpec | None = None
+    switch: Path | None = None
+    proxy: dict[str, Any] = {}
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        """What is launched: built from the same fields the phases read, so the prefill that
+        runs is the one carrying the switch (it once was not: see :func:`run_specs`)."""
+        return [self.single, self.prefill, self.decode] + (
+            [self.decode_fail] if self.decode_fail is not None else []
+        )
+
+
+def run_specs(
+    connector: str,
+    model: str,
+    ports: Sequence[int],
+    workdir: str | Path,
+    *,
+    kill_decode: bool = False,
+    fault_prompts: int = 0,
+    restart: bool = False,
+    prefill_pp: int = 1,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    prefill_cores: str = "",
+) -> RunSpecs:
+    """The engine specs of a :func:`run_parity` run (see there for the parameters).
+
+    The prefill engine gets the test-only write switch (``PDPLUG_TEST_FAIL_WRITES`` naming
+    ``workdir/fail-writes``) when a phase fails its writes (``fault_prompts``) or holds them
+    while an engine is killed (``kill_decode`` or ``restart``, PdplugConnector). The launch
+    list is derived from the returned specs: ``run_parity`` once built it before adding the
+    switch and rebuilt it only for the fault phases, so a decode-kill run without them started
+    a prefill that never read the switch, and its kill caught rooms in flight only when a
+    50 ms poll happened to (a fast machine ended every room between two polls).
+
+    :param ports: at least 8 free ports (the pair's 4, the single engine, the proxy, the fail
+        decode and its proxy).
+    :raises ValueError: as :func:`disagg_specs`.
+    """
+    prefill, decode, proxy_opts = disagg_specs(
+        connector, model, ports[:4], prefill_pp=prefill_pp, prefill_tp=prefill_tp,
+        decode_tp=decode_tp, prefill_cores=prefill_cores,
+    )  # fmt: skip
+    single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
+    switch = None
+    # the switch also holds the prefill's writes while a kill phase kills an engine
+    if fault_prompts or ((kill_decode or restart) and connector == "pdplug"):
+        switch = (Path(workdir) / "fail-writes").resolve()
+        prefill = msgspec.structs.replace(prefill, env={**prefill.env, FAULT_ENV: str(switch)})
+    decode_fail = None
+    if fault_prompts:
+        kv = dict(decode.kv_transfer or {})
+        decode = msgspec.structs.replace(
+            decode, kv_transfer={**kv, "kv_load_failure_policy": "recompute"}
+        )
+        extra = {**kv["kv_connector_extra_config"], "instance": "decode-fail"}
+        decode_fail = msgspec.structs.replace(
+            decode, name="decode-fail", port=ports[6],
+            kv_transfer={**kv, "engine_id": "decode-fail", "kv_load_failure_policy": "fail",
+                         "kv_connector_extra_config": extra},
+        )  # fmt: skip
+    return RunSpecs(
+        single=single, prefill=prefill, decode=decode, decode_fail=decode_fail, switch=switch,
+        proxy=proxy_opts,
+    )  # fmt: skip
+
+
 @contextlib.contextmanager
 def proxy_thread(config: ProxyConfig, port: int, timeout_s: float = 30.0) -> Iterator[str]:
     """Run ``pdplug proxy`` in a thread of this process; yields its base URL.
@@ -282,7 +367,8 @@ def run_parity(
         detector sized to a loaded host, not a latency target.
     :param kill_decode: after the parity phase, run :func:`kill_decode_mid_run` on the
         prompts with every id shifted by one (not in any prefix cache), each request bounded by
-        ``kill_timeout_s``.
+        ``kill_timeout_s``; with ``pdplug``, the prefill's writes held from before the requests
+        until the kill (:func:`run_specs`).
     :param fault_prompts: ``pdplug`` only: after the parity phase (before the kill), run
         :func:`pdplug_vllm.phases.fault_phase` on the first ``fault_prompts`` prompts (ids
         shifted by two) with failing prefill writes, through the decode engine (started with
@@ -301,7 +387,7 @@ def run_parity(
     :param restart: ``pdplug`` only: after the fault phases (before the decode kill), SIGKILL
         the prefill engine while the prompts (ids shifted by four) run, start it again and send
         the prompts (ids shifted by three) through the same proxy and decode engine
-        (:func:`pdplug_vllm.phases.restart_prefill`).
+        (:func:`pdplug_vllm.phases.restart_prefill`; the prefill's writes held until its kill).
     :raises pdplug_engines.procs.EngineError: an engine did not start.
     :raises ValueError: bad prompts, a shape :func:`check_shape` refuses, or
         ``fault_prompts`` with another connector.
@@ -317,31 +403,13 @@ def run_parity(
     if restart and connector != "pdplug":
         raise ValueError("run_parity: restart needs connector 'pdplug'")
     ports = free_ports(8)
-    prefill, decode, proxy_opts = disagg_specs(
-        connector, model, ports[:4], prefill_pp=prefill_pp, prefill_tp=prefill_tp,
-        decode_tp=decode_tp, prefill_cores=prefill_cores,
+    specs = run_specs(
+        connector, model, ports, workdir, kill_decode=kill_decode, fault_prompts=fault_prompts,
+        restart=restart, prefill_pp=prefill_pp, prefill_tp=prefill_tp, decode_tp=decode_tp,
+        prefill_cores=prefill_cores,
     )  # fmt: skip
-    single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
-    engines = [single, prefill, decode]
-    switch = workdir / "fail-writes"
-    # the switch also holds the prefill's writes while the kill phase kills the decode
-    hold = kill_decode and connector == "pdplug"
-    if fault_prompts or hold:
-        prefill = msgspec.structs.replace(
-            prefill, env={**prefill.env, FAULT_ENV: str(switch.resolve())}
-        )
-    if fault_prompts:
-        kv = dict(decode.kv_transfer or {})
-        decode = msgspec.structs.replace(
-            decode, kv_transfer={**kv, "kv_load_failure_policy": "recompute"}
-        )
-        extra = {**kv["kv_connector_extra_config"], "instance": "decode-fail"}
-        decode_fail = msgspec.structs.replace(
-            decode, name="decode-fail", port=ports[6],
-            kv_transfer={**kv, "engine_id": "decode-fail", "kv_load_failure_policy": "fail",
-                         "kv_connector_extra_config": extra},
-        )  # fmt: skip
-        engines = [single, prefill, decode, decode_fail]
+    single, prefill, decode, proxy_opts = specs.single, specs.prefill, specs.decode, specs.proxy
+    engines, switch = specs.engines, specs.switch
     if prompts is None:
         prompts = token_prompts(requests, prompt_tokens, spec.vocab_size, seed=1)
     bad = [i for i, p in enumerate(prompts) if not p or max(p) >= spec.vocab_size]
@@ -384,9 +452,10 @@ def run_parity(
                     bootstrap=proxy_opts["bootstrap"], timeout_s=request_timeout_s,
                 )  # fmt: skip
             if fault_prompts:
+                assert switch is not None and specs.decode_fail is not None
                 faults = _fault_phases(
                     url, [[(t + 2) % spec.vocab_size for t in p] for p in prompts[:fault_prompts]],
-                    max_tokens, single.url, prefill.url, [decode, decode_fail], config,
+                    max_tokens, single.url, prefill.url, [decode, specs.decode_fail], config,
                     ports[7], switch, warm, timeout_s=request_timeout_s,
                 )  # fmt: skip
             if restart:
@@ -397,7 +466,7 @@ def run_parity(
                 restarted, p_engine = restart_prefill(
                     url, cut, again, ref_again, max_tokens, p_engine, d_engine,
                     start_timeout_s=start_timeout_s, timeout_s=request_timeout_s,
-                    hold_switch=switch if FAULT_ENV in prefill.env else None,
+                    hold_switch=switch,
                 )  # fmt: skip
                 stack.callback(p_engine.stop)
             if kill_decode:
@@ -408,7 +477,7 @@ def run_parity(
                 # 16 tokens a fast run had answered all of them before it)
                 kill = kill_decode_mid_run(
                     url, fresh, max(max_tokens, 512), p_engine, d_engine, timeout_s=kill_timeout_s,
-                    rooms=connector == "pdplug", hold_switch=switch if hold else None,
+                    rooms=connector == "pdplug", hold_switch=switch,
                 )  # fmt: skip
     parity = compare_tokens(ref, got, prompts)
     ttft = [r.ttft_s for r in got if isinstance(r, Completion)]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from pdplug.transfer.faults import HOLD
+from pdplug.transfer.faults import FAULT_ENV, HOLD
 from pdplug_engines.metrics import scrape
 from pdplug_engines.procs import Engine
 from pdplug_engines.tokens import Completion, RequestFailed
@@ -38,6 +38,7 @@ __all__ = [
     "ROOM_METRICS",
     "RestartResult",
     "fault_phase",
+    "hold_ranks",
     "kill_decode_mid_run",
     "restart_prefill",
     "wait_idle",
@@ -181,6 +182,10 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
         prefill engine has no pdplug room counters, another connector).
     :ivar prefill_idle: :func:`wait_idle` of the prefill engine afterwards (rooms checked):
         every block it held for the dead decode was released.
+    :ivar hold_ranks: prefill workers whose KV sender installed the write hold
+        (:func:`hold_ranks`; -1: no hold asked); ``prefill_workers``: the prefill engine's
+        workers (PP x TP). Under a hold that every worker installed no request can be answered
+        before the kill.
     """
 
     requests: int
@@ -191,6 +196,29 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     reasons: list[str]
     held_at_kill: int = -1
     prefill_idle: IdleResult | None = None
+    hold_ranks: int = -1
+    prefill_workers: int = 1
+
+
+def hold_ranks(log_path: str | Path, switch: str | Path) -> int:
+    """Worker processes of an engine whose KV sender installed the test-only write switch
+    ``switch``, read from the engine's log: each logs it once when it wraps its transfer
+    engine (:func:`pdplug.transfer.faults.inject_from_env`, a line naming
+    ``PDPLUG_TEST_FAIL_WRITES=<switch>:``). A hold that a worker never installed holds nothing
+    there: its rooms end as fast as the host runs them (0 when the engine was started
+    without the switch in its environment, or the log is missing).
+    """
+    mark = f"{FAULT_ENV}={Path(switch).resolve()}:"
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return 0
+    return sum(mark in line for line in text.splitlines())
+
+
+def _workers(engine: Engine) -> int:
+    # an EngineSpec's PP x TP (any other launch spec: one worker)
+    return int(getattr(engine.spec, "world_size", 1))
 
 
 def _kill_while_rooms_live(
@@ -271,7 +299,7 @@ def kill_decode_mid_run(
         every write (:data:`~pdplug.transfer.faults.HOLD`) from before the requests until just
         after the kill, so the kill lands while rooms are live however fast the host is (a fast
         CI machine had ended every room between two polls); then the held writes go to a dead
-        peer.
+        peer. The result says how many prefill workers installed it (``hold_ranks``).
     """
     import httpx
 
@@ -296,6 +324,8 @@ def kill_decode_mid_run(
         prefill_idle=(
             wait_idle(p_url, rooms=True, timeout_s=idle_timeout_s) if healthy and rooms else None
         ),
+        hold_ranks=-1 if hold_switch is None else hold_ranks(prefill.log_path, hold_switch),
+        prefill_workers=_workers(prefill),
     )
 
 
@@ -316,6 +346,8 @@ class RestartResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar first_s: the first fresh request's latency (the decode found the new instance); -1
         when it failed.
     :ivar decode_alive: the decode engine's process is the one started before the kill.
+    :ivar hold_ranks: workers of the killed prefill that installed the write hold
+        (:func:`hold_ranks`; -1: no hold asked); ``prefill_workers``: its workers (PP x TP).
     """
 
     inflight: int
@@ -330,6 +362,8 @@ class RestartResult(msgspec.Struct, frozen=True, kw_only=True):
     restart_s: float
     first_s: float
     decode_alive: bool
+    hold_ranks: int = -1
+    prefill_workers: int = 1
 
 
 def restart_prefill(
@@ -392,6 +426,8 @@ def restart_prefill(
             restart_s=round(t_ready - t_kill, 2),
             first_s=round(first, 2),
             decode_alive=decode.alive(),
+            hold_ranks=-1 if hold_switch is None else hold_ranks(prefill.log_path, hold_switch),
+            prefill_workers=_workers(prefill),
         ),
         new,
     )

@@ -57,6 +57,7 @@ def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tm
     # the new instance through the same decode engine (issue 23 scenario 5)
     r = res.restart
     assert r is not None and r.decode_alive, r
+    assert r.hold_ranks == r.prefill_workers >= 1, r  # the killed prefill held its writes
     assert r.held_at_kill > 0 and r.inflight_completed + r.inflight_failed == r.inflight == 16, r
     assert r.inflight_ended_s < 120.0 + 10.0, r
     assert r.decode_idle is not None and r.decode_idle.idle, r

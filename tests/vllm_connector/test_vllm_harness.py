@@ -1,0 +1,78 @@
+"""The vLLM parity harness without an engine: the engine specs a run launches and the check
+that a write hold reached every prefill worker.
+
+A decode-kill run without fault phases once launched a prefill spec built before the write
+switch was added to it (issue 22): no prefill worker read the switch, and the PP 2
+decode-kill test found no room held whenever the host ended every room between two polls.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")  # the harness imports pdplug proxy
+
+from pdplug.transfer.faults import FAULT_ENV, inject_from_env
+from pdplug_vllm.parity import run_specs
+from pdplug_vllm.phases import hold_ranks
+
+PORTS = list(range(41000, 41008))
+
+
+@pytest.mark.parametrize(
+    ("phases", "held"),
+    [
+        ({}, False),
+        ({"kill_decode": True}, True),
+        ({"restart": True}, True),
+        ({"fault_prompts": 6}, True),
+        ({"kill_decode": True, "fault_prompts": 6, "restart": True}, True),
+    ],
+)
+def test_the_prefill_launched_is_the_one_with_the_switch(
+    tmp_path: Path, phases: dict[str, Any], held: bool
+) -> None:
+    s = run_specs("pdplug", "/model", PORTS, tmp_path, prefill_pp=2, **phases)
+    launched = {e.name: e for e in s.engines}
+    switch = (tmp_path / "fail-writes").resolve()
+    # the phases read s.prefill / s.switch; the launch list is built from the same specs
+    assert launched["prefill"] == s.prefill
+    assert s.switch == (switch if held else None)
+    assert launched["prefill"].env.get(FAULT_ENV) == (str(switch) if held else None)
+    assert all(FAULT_ENV not in e.env for name, e in launched.items() if name != "prefill")
+    assert ("decode-fail" in launched) == bool(phases.get("fault_prompts"))
+    assert list(launched)[:3] == ["single", "prefill", "decode"]
+
+
+def test_nixl_kill_holds_nothing(tmp_path: Path) -> None:
+    s = run_specs("nixl", "/model", PORTS, tmp_path, kill_decode=True)
+    assert s.switch is None and all(FAULT_ENV not in e.env for e in s.engines)
+
+
+class _Engine:
+    name = "fake"
+    notifications = True
+
+
+class _Session:
+    engine: Any = _Engine()
+
+
+def test_hold_ranks_counts_the_workers_that_installed_this_switch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    switch = tmp_path / "fail-writes"
+    monkeypatch.setenv(FAULT_ENV, str(switch.resolve()))
+    with caplog.at_level(logging.WARNING, logger="pdplug.transfer.faults"):
+        assert inject_from_env(_Session())  # what each prefill worker logs
+    (line,) = [r.getMessage() for r in caplog.records]
+    log = tmp_path / "prefill.log"
+    other = line.replace(str(switch.resolve()), str(tmp_path / "other-switch"))
+    log.write_text(f"start\n(Worker_PP0) pdplug: {line}\n{other}\n(Worker_PP1) pdplug: {line}\n")
+    assert hold_ranks(log, switch) == 2
+    assert hold_ranks(log, tmp_path / "unrelated") == 0
+    assert hold_ranks(tmp_path / "missing.log", switch) == 0
