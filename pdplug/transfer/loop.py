@@ -100,6 +100,7 @@ class EngineLoop:
         #: held by whoever runs engine-side work (the loop thread's rounds, host fast paths)
         self.lock = threading.Lock()
         self._deferred: deque[Callable[[], None]] = deque()  # socket work of host threads
+        self._deferred_woken = False  # a wake for deferred work is on its way (one per round)
         self._parked = False  # the loop thread is (about to be) blocked in zmq_poll
         self._stop = threading.Event()
         self._stopping = False  # _stop.is_set(), read on the send path without a call
@@ -247,7 +248,9 @@ class EngineLoop:
             fn()
             return
         self._deferred.append(fn)
-        self._wake()
+        if not self._deferred_woken:  # a step's deferred sends cost one wake, not one each
+            self._deferred_woken = True
+            self._wake()
 
     def kick(self) -> None:
         """Wake the loop thread if it is parked in ``zmq_poll``: a host thread left writes in
@@ -339,6 +342,7 @@ class EngineLoop:
     def _round(self, events: list[tuple[Any, int]]) -> None:
         """One round's work (holding :attr:`lock`): deferred socket work, readable sockets,
         submitted closures, ``step``."""
+        self._deferred_woken = False  # before the flush: work deferred after it wakes again
         self._flush_deferred()
         for sock, _ in events:
             if sock is self._wake_rx:

@@ -185,11 +185,14 @@ class WritePoster:
             reason = f"{reason}: {detail}" if detail else reason
             self._on_fail(lease, reason)
         # the room's outcome first, then free the region: a drained notice must follow the
-        # last byte, and the completion must not wait for the release
+        # last byte, and the completion must not wait for the release. The room's Success
+        # before the tag goes to the control channel: that send (queued for the engine
+        # thread, which owns the socket) wakes the engine thread, which would compete with a
+        # host thread that is about to see the Success
         if ok:
+            self._on_done(job)
             if not self._engine.notifications:
                 self._on_written(job, x.tag)
-            self._on_done(job)
         self._settle(job, x.peer, x.region)
         try:
             self._engine.release(x.handle)
