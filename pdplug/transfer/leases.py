@@ -59,6 +59,9 @@ class SendLeases:
     :param inbox_ttl_s: ``bootstrap_timeout_s``: how long an early DestInfo or abort is kept.
     :param event: ``(kind, lease, **fields)`` observer hook of the session.
     :param counts: the session's counters.
+    :param after: runs a closure once the engine thread's round released the engine lock
+        (:meth:`~pdplug.transfer.loop.EngineLoop.after_round`): a room turns
+        ``WaitingForInput`` then, when the host it wakes can post at once.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class SendLeases:
         inbox_ttl_s: float,
         event: Callable[..., None],
         counts: Counter[str],
+        after: Callable[[Callable[[], None]], None] = lambda fn: fn(),
     ) -> None:
         self._rank = rank
         self._layout = layout
@@ -91,6 +95,7 @@ class SendLeases:
         self._ttl = inbox_ttl_s
         self._event = event
         self._counts = counts
+        self._after = after
         self.leases: dict[int, Lease] = {}
         self.draining: list[Lease] = []
         self.inbox: dict[int, dict[PeerKey, tuple[DestInfo, float]]] = {}
@@ -399,7 +404,8 @@ class SendLeases:
         if why:
             self.fail(lease, why)
             return
-        self._rooms.advance(lease.room, KVPoll.WaitingForInput, lease.generation)
+        room, gen = lease.room, lease.generation
+        self._after(lambda: self._rooms.advance(room, KVPoll.WaitingForInput, gen))
 
     def on_abort(self, peer: Peer, a: Abort, now: float) -> None:
         """A decode rank aborted (or asks again about) one room; always answered."""

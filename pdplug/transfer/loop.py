@@ -101,6 +101,7 @@ class EngineLoop:
         self.lock = threading.Lock()
         self._deferred: deque[Callable[[], None]] = deque()  # socket work of host threads
         self._deferred_woken = False  # a wake for deferred work is on its way (one per round)
+        self._after: list[Callable[[], None]] = []  # run once the round released the lock
         self._parked = False  # the loop thread is (about to be) blocked in zmq_poll
         self._stop = threading.Event()
         self._stopping = False  # _stop.is_set(), read on the send path without a call
@@ -252,6 +253,21 @@ class EngineLoop:
             self._deferred_woken = True
             self._wake()
 
+    def after_round(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the current round has released :attr:`lock` (at once when not
+        called from the loop thread): a change that wakes a host thread (a room it waits on
+        turning ``WaitingForInput``) is published when the host can take the lock, so the
+        host does not wake only to wait for the rest of the round."""
+        if threading.get_ident() == self._ident:
+            self._after.append(fn)
+        else:
+            fn()
+
+    def _run_after(self) -> None:
+        todo, self._after = self._after, []
+        for fn in todo:
+            self._call(fn)
+
     def kick(self) -> None:
         """Wake the loop thread if it is parked in ``zmq_poll``: a host thread left writes in
         flight that the loop must watch (if the host does not reap them itself first)."""
@@ -326,6 +342,8 @@ class EngineLoop:
                 self._parked = False
             with self.lock:
                 self._round(events)
+            if self._after:
+                self._run_after()
             now = time.monotonic()
             if not busy:
                 busy_since = 0.0

@@ -178,11 +178,8 @@ class KVSenderSession(RoomSession):
             inbox_ttl_s=config.bootstrap_timeout_s,
             event=self._event,
             counts=self.counts,
+            after=self._loop.after_round,
         )
-        # engine-thread tables, named for tools that inspect what a session holds
-        self._leases = self._table.leases
-        self._draining = self._table.draining
-        self._inbox = self._table.inbox
         self._handoff = Handoff(
             rooms=self.rooms,
             loop=self._loop,
@@ -440,10 +437,12 @@ class KVSenderSession(RoomSession):
     def _step(self, now: float) -> None:
         if self._down:
             return  # the engine is closed; the loop is about to stop
-        if self._pipe.has_work():
+        periodic, busy = now >= self._next_periodic, self._pipe.has_work()
+        if busy:
             self._pipe.step(now)  # before progress: a send just submitted posts without delay
-        self.engine.progress()
-        if now >= self._next_periodic:
+        if busy or periodic:  # idle, it expects nothing: short rounds leave the lock to hosts
+            self.engine.progress()
+        if periodic:
             self._next_periodic = now + 0.01
             if self._events:
                 self._flush_events()
