@@ -325,12 +325,12 @@ class EngineLoop:
     def _rounds(self) -> None:
         busy_since = 0.0
         while not self._stop.is_set():
-            busy = self._busy() or bool(self._todo) or bool(self._deferred)
+            busy = self._busy() or bool(self._todo or self._deferred or self._after)
             if not busy:
                 # parked first, then look again: a host that adds work after this sees
                 # _parked and wakes us (kick); work added before is seen here
                 self._parked = True
-                busy = self._busy() or bool(self._todo) or bool(self._deferred)
+                busy = self._busy() or bool(self._todo or self._deferred or self._after)
             try:
                 idle = self._idle() if callable(self._idle) else self._idle
                 events = self._poller.poll(0 if busy else max(1, int(idle * 1000)))

@@ -349,3 +349,39 @@ def test_sessions_sockets_use_the_wire_limit(backend: str) -> None:
         assert sock.getsockopt(zmq.LINGER) == 0
     finally:
         sender.close()
+
+
+def test_after_round_runs_once_the_round_released_the_engine_lock() -> None:
+    """Issue 24: a change that wakes a host (a room turning WaitingForInput) is published after
+    the engine thread's round released the engine lock, so the woken host posts at once; off
+    the loop thread it runs at once; and one queued outside a round still runs promptly."""
+    import threading
+
+    from pdplug.transfer.loop import EngineLoop
+
+    loop = EngineLoop("api-after", lambda now: None, lambda: False, idle_s=1.0)
+    loop.start()
+    try:
+        seen: list[tuple[str, bool, bool]] = []
+        done = threading.Event()
+
+        def later(what: str) -> None:
+            seen.append((what, loop.lock.locked(), loop.on_thread()))
+            if what == "nested":
+                done.set()
+
+        def in_round() -> None:
+            loop.after_round(lambda: later("round"))
+            seen.append(("in round", loop.lock.locked(), loop.on_thread()))
+            # queued from after_round work itself: runs after the next round, not after idle_s
+            loop.after_round(lambda: loop.after_round(lambda: later("nested")))
+
+        t0 = time.monotonic()
+        loop.call(in_round, 5.0)
+        assert done.wait(5.0) and time.monotonic() - t0 < 0.5, seen
+        assert seen[:2] == [("in round", True, True), ("round", False, True)], seen
+        assert seen[2] == ("nested", False, True), seen
+        loop.after_round(lambda: later("host"))  # not the loop thread: at once
+        assert seen[-1] == ("host", False, False)
+    finally:
+        loop.stop()
