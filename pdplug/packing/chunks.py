@@ -77,7 +77,7 @@ def segment_chunks(
     room: int,
     segment: Segment,
     src_pages: np.ndarray,
-    dests: Sequence[tuple[bytes, int]] | Sequence[tuple[np.ndarray, int]],
+    dests: Sequence[tuple[bytes | np.ndarray, int]],
     page_size: int,
 ) -> list[SendChunk]:
     """One :class:`SendChunk` per destination for one segment, as a KV sender builds them:
@@ -102,7 +102,7 @@ def segment_chunks(
         key = (id(pages) if arrays else pages, prefix)
         chunk = made.get(key)
         if chunk is None:
-            dst = pages if arrays else pages_from_bytes(pages)
+            dst = pages if isinstance(pages, np.ndarray) else pages_from_bytes(pages)
             chunk = made[key] = segment_to_chunk(
                 room, segment, src_pages, dst, prefix, page_size, checked=arrays
             )

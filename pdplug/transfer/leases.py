@@ -80,7 +80,7 @@ class SendLeases:
         inbox_ttl_s: float,
         event: Callable[..., None],
         counts: Counter[str],
-        after: Callable[[Callable[[], None]], None] = lambda fn: fn(),
+        after: Callable[[Callable[[], object]], object] = lambda fn: fn(),
     ) -> None:
         self._rank = rank
         self._layout = layout

@@ -101,7 +101,7 @@ class EngineLoop:
         self.lock = threading.Lock()
         self._deferred: deque[Callable[[], None]] = deque()  # socket work of host threads
         self._deferred_woken = False  # a wake for deferred work is on its way (one per round)
-        self._after: list[Callable[[], None]] = []  # run once the round released the lock
+        self._after: list[Callable[[], object]] = []  # run once the round released the lock
         self._parked = False  # the loop thread is (about to be) blocked in zmq_poll
         self._stop = threading.Event()
         self._stopping = False  # _stop.is_set(), read on the send path without a call
@@ -253,7 +253,7 @@ class EngineLoop:
             self._deferred_woken = True
             self._wake()
 
-    def after_round(self, fn: Callable[[], None]) -> None:
+    def after_round(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` once the current round has released :attr:`lock` (at once when not
         called from the loop thread): a change that wakes a host thread (a room it waits on
         turning ``WaitingForInput``) is published when the host can take the lock, so the
@@ -401,7 +401,7 @@ class EngineLoop:
             return False
         return True
 
-    def _call(self, fn: Callable[[], None]) -> None:
+    def _call(self, fn: Callable[[], object]) -> None:
         """``fn()`` run as a round runs its work (:meth:`_guard` without an argument)."""
         try:
             fn()
