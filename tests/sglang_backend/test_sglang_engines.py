@@ -136,6 +136,8 @@ def _chunks(log: Path) -> list[int]:
     return [int(m[1]) for m in map(pat.search, log.read_text().splitlines()) if m]
 
 
+# long: out of CI's sglang env for time (112 s there, which took 714 s of its 720 with it)
+@pytest.mark.long
 @pytest.mark.mooncake
 def test_pp2_dynamic_chunk_sizes_follow_the_pdplug_scheduler(tmp_path: Path) -> None:
     """--enable-dynamic-chunking at PP 2: after SGLang's profile, each next chunk's size
