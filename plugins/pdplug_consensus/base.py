@@ -67,6 +67,7 @@ class RankConsensus:
             name=self.impl,
             **kw,
         )
+        self._link.start()
 
     # ------------------------------------------------------------------ host API
 

@@ -148,9 +148,14 @@ class Link:
             self._ctx.destroy(linger=0)
             raise
         self._wake_lock = threading.Lock()
+        # started by start(): the callbacks may reach the owner through the attribute it is
+        # about to assign this link to (a leader's first tick raced that assignment)
         self._thread = threading.Thread(
             target=self._run, name=f"pdplug-{name}-r{rank}", daemon=True
         )
+
+    def start(self) -> None:
+        """Start the I/O thread (once, after the owner holds this link)."""
         self._thread.start()
 
     # ------------------------------------------------------------------ host thread side
@@ -203,6 +208,9 @@ class Link:
                 self._wake_tx.send(b"", zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        if self._thread.ident is None:  # never started: its sockets are closed here
+            self._ctx.destroy(linger=0)
+            return
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # never hang a host on close
             log.warning("consensus link r%d: I/O thread did not stop; destroying", self.rank)
