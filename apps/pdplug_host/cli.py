@@ -365,10 +365,13 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
         ignored = [f"--{k.replace('_', '-')}" for k in kw if k not in sg_used
                    and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]  # fmt: skip
         if ignored:
+            # the engines pick pdplug's parts from the environment, as any SGLang deployment
+            sender = (" (pdplug's KV sender in the SGLang engines: PDPLUG_KV_SENDER=mooncake or "
+                      "nixl)") if "--kv-sender" in ignored else ""  # fmt: skip
             _fail(
                 f"--engine sglang does not use {', '.join(ignored)} (it runs one prefill and one "
                 "decode SGLang engine; it uses --requests, --trace, --scale, --max-output, "
-                "--prefill-pp, --log-dir, --json)"
+                f"--prefill-pp, --log-dir, --json){sender}"
             )
         if ctx.get_parameter_source("prefill_pp") != ParameterSource.COMMANDLINE:
             kw["prefill_pp"] = 1

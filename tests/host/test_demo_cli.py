@@ -312,6 +312,17 @@ def test_tp_options_are_refused_by_the_engines_without_tp(engine: str) -> None:
     assert f"--engine {engine} does not use --decode-tp" in res.output, res.output
 
 
+def test_sglang_refuses_kv_sender_and_names_the_environment_variable() -> None:
+    from click.testing import CliRunner
+
+    from pdplug_host.cli import demo
+
+    res = CliRunner().invoke(demo, ["--engine", "sglang", "--kv-sender", "mooncake"])
+    assert res.exit_code == 1, res.output
+    assert "does not use --kv-sender" in res.output, res.output
+    assert "PDPLUG_KV_SENDER=mooncake" in res.output, res.output
+
+
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_run() -> None:
     """A folder that exists but a file the kernel refuses (/proc): refused up front, never
     after minutes of replay (found by a fresh-user check)."""
