@@ -16,8 +16,13 @@ from pdplug_vllm.netns_pair import run_netns_pair
 
 # long: out of CI's vllm env for time (96 s there; the two-host transfer itself is tested in
 # tests/cluster, which py311-all runs)
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.netns, pytest.mark.long]
-pytestmark.append(pytest.mark.timeout(900))
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.long,
+    pytest.mark.timeout(900),
+]
 
 
 def test_a_pair_on_two_hosts_is_token_identical_and_moves_its_kv_over_the_link(tmp_path) -> None:
