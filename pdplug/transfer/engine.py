@@ -50,6 +50,10 @@ class TransferEngine(Protocol):
     :ivar notifications: True when a write can carry a completion tag that the target reads
         after the data landed (NIXL). False: the session sends the tag over the control
         channel once :meth:`check` reports ``"DONE"`` (Mooncake).
+
+    Optional (not part of the protocol): ``info_extra() -> dict[str, str]``, fields the rank
+    publishes in its ``PeerInfo.extra`` for the peers' engines (read in :meth:`connect`; NIXL:
+    its registered regions, for descriptor lists prepared once per peer).
     """
 
     name: str

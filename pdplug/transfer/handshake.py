@@ -55,7 +55,9 @@ def rank_info(
     """What a rank tells its peers about itself once its KV is registered: its layout, role
     and instance, the engine's connection blob and agent name, where each entry starts
     (``entry_base``: addresses), its control ``endpoint`` (prefill) and its pack buffer
-    ``(address, bytes)``."""
+    ``(address, bytes)``. ``extra`` also carries what the engine's optional ``info_extra()``
+    returns (backend fields its peers' engines read at :meth:`TransferEngine.connect`)."""
+    own = getattr(engine, "info_extra", None)
     return PeerInfo(
         instance=config.instance,
         role=config.role,
@@ -66,7 +68,11 @@ def rank_info(
         entry_base=tuple(int(b) for b in entry_base),
         pack_base=pack[0],
         pack_nbytes=pack[1],
-        extra={"agent_name": engine.agent_name(), **(extra or {})},
+        extra={
+            "agent_name": engine.agent_name(),
+            **(own() if callable(own) else {}),
+            **(extra or {}),
+        },
     )
 
 

@@ -8,9 +8,16 @@ notification message that the target reads with ``get_new_notifs`` after the dat
 again unchanged (per-token sends, a retransmitted prefix, a benchmark loop) is prepared once
 with ``prep_xfer_dlist`` and re-posted with ``make_prepped_xfer``, which skips the per-post
 descriptor set-up that dominates small descriptors; every other pattern goes through
-``initialize_xfer`` (for large descriptors between two processes, prepared lists measured
-slower in ``pdplug bench transfer``).
-The agent is used from the session's engine thread only.
+``initialize_xfer``.
+
+Whole pages (:mod:`pdplug_nixl.pages`). A rank publishes its registered regions in
+``PeerInfo.extra["nixl_regions"]`` (:meth:`NixlEngine.info_extra`). On :meth:`NixlEngine.connect`
+the sender prepares, once, a compressed (strided) descriptor list of every page of every
+region on both sides, and a write whose runs all start on page boundaries (partial last pages
+included: a list per distinct tail size, prepared the first time that size is written, with
+exactly the tail's bytes) is posted as ``make_prepped_xfer`` with page indices computed in a
+few array operations; everything else (packed gathers, DCP relayouts) keeps the general path.
+The agent is used by one thread at a time (the holder of the session's engine lock).
 
 Clean exits. The NIXL 1.5.1 wheel bundles its own ``libnl-route-3``; UCX's EFA transport, which
 it loads when the first agent starts, links the *system* copy (through the system
@@ -38,8 +45,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pdplug import KVConfig, TransferError
+from pdplug import KVConfig, KVLayout, TransferError
 from pdplug.types import PeerInfo
+from pdplug_nixl.pages import UnitSpace, format_regions, page_indices, page_unit, parse_regions
 
 __all__ = ["NixlEngine", "import_nixl", "load_system_libnl", "NIXL_MODULES"]
 
@@ -49,6 +57,13 @@ NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 #: a descriptor list is prepared for re-posting only from this many descriptors on: below it
 #: the per-post set-up it saves is smaller than the hashing that finds a repeated list
 _PREP_MIN_DESCS = 16
+
+#: at most this many prepared list pairs per peer for partial last pages (one per distinct set
+#: of tail sizes; never released before the peer is: a request may still use one)
+_PAGE_LISTS_MAX = 256
+
+#: the ``PeerInfo.extra`` key of a rank's registered regions (:func:`format_regions`)
+REGIONS_KEY = "nixl_regions"
 
 _LIBNL: list[Any] = []  # the system libnl-route, once loaded (kept so it stays loaded)
 
@@ -95,13 +110,21 @@ def import_nixl() -> Any:
     raise ImportError("NIXL is not installed (pip install 'pdplug[nixl]'): " + "; ".join(errors))
 
 
+def _page_bytes(layout: KVLayout) -> list[int]:
+    return [layout.page_size * b for b in layout.entry_bytes_per_token]
+
+
 class _Peer(msgspec.Struct, kw_only=True):
     """A loaded remote agent; ``refs``: handles :meth:`NixlEngine.connect` gave out for it
-    (a re-handshake of the same decode rank loads the same agent again)."""
+    (a re-handshake of the same decode rank loads the same agent again); ``space``: its
+    registered regions in page units (``None``: no whole-page lists for it); ``lists``: its
+    prepared remote lists by tail sizes."""
 
     name: str
     refs: int = 0
     seen: Counter[bytes] = msgspec.field(default_factory=Counter)
+    space: UnitSpace | None = None
+    lists: dict[tuple[int, ...], Any] = msgspec.field(default_factory=dict)
 
 
 class NixlEngine:
@@ -113,7 +136,9 @@ class NixlEngine:
         progress through its polls), ``prep_cache`` (prepared descriptor-list pairs kept,
         default 32; 0 disables preparing), ``prep_max_desc_bytes`` (prepare only lists whose
         mean descriptor is at most this many bytes, default 4096), ``max_notifs``
-        (notifications buffered between two polls, default 65,536; more are lost and counted).
+        (notifications buffered between two polls, default 65,536; more are lost and counted),
+        ``page_lists`` (``"0"``: no whole-page lists, every write through ``initialize_xfer``;
+        default on).
     :raises ImportError: NIXL missing.
     :raises TransferError: the agent or backend could not be created.
     """
@@ -152,6 +177,11 @@ class NixlEngine:
         self._prep_bytes = int(extra.get("prep_max_desc_bytes", "4096"))
         self._notifs: list[tuple[str, bytes]] = []
         self._max_notifs = int(extra.get("max_notifs", "65536"))
+        self._pages_on = extra.get("page_lists", "1") != "0"
+        self._layout = lay
+        self._regions: list[tuple[int, int]] = []
+        self._spaces: dict[int, UnitSpace] = {}  # by unit
+        self._local_lists: dict[tuple[int, tuple[int, ...]], Any] = {}  # (unit, tails)
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ TransferEngine
@@ -166,6 +196,13 @@ class NixlEngine:
             self._reg.append(self._agent.register_memory(descs))
         except Exception as e:
             raise TransferError(f"nixl: register_memory({self._mem}) failed: {e}") from e
+        self._regions.extend((int(a), int(n)) for a, n in regions)
+        self._spaces.clear()  # local lists already prepared stay valid: regions only grow
+
+    def info_extra(self) -> dict[str, str]:
+        """What a peer's engine reads from this rank's ``PeerInfo.extra``: its registered
+        regions (``{"nixl_regions": "addr:nbytes,…"}``, decimal bytes), for whole-page lists."""
+        return {REGIONS_KEY: format_regions(self._regions)}
 
     def agent(self) -> bytes:
         """This agent's metadata (after :meth:`register`)."""
@@ -189,7 +226,58 @@ class NixlEngine:
         if p is None:
             p = self._peers[name] = _Peer(name=name)
         p.refs += 1
+        if p.space is None and self._pages_on:
+            self._page_lists(p, peer)
         return p
+
+    def _page_lists(self, p: _Peer, info: PeerInfo) -> None:
+        """Prepare the whole-page lists of both sides for peer ``p`` (nothing when the peer did
+        not publish its regions, or a list is refused: its writes keep the general path)."""
+        text = info.extra.get(REGIONS_KEY, "")
+        unit = page_unit(_page_bytes(self._layout) + _page_bytes(info.layout))
+        if not text or unit <= 0 or not self._regions:
+            return
+        try:
+            space = UnitSpace(parse_regions(text), unit)
+            self._local_space(unit)
+            p.space = space
+            if self._lists(p, ()) is None:
+                p.space = None
+        except Exception:
+            p.space = None
+            self.counts["page_lists_refused"] += 1
+
+    def _local_space(self, unit: int) -> UnitSpace:
+        sp = self._spaces.get(unit)
+        if sp is None:
+            sp = self._spaces[unit] = UnitSpace(self._regions, unit)
+        return sp
+
+    def _lists(self, p: _Peer, tails: tuple[int, ...]) -> tuple[Any, Any] | None:
+        """The (local, remote) prepared lists of peer ``p`` for partial tails ``tails``;
+        ``None`` past :data:`_PAGE_LISTS_MAX` of them.
+
+        :raises Exception: NIXL refused a list (a region the agent does not know).
+        """
+        space = p.space
+        assert space is not None
+        unit = space.unit
+        rh = p.lists.get(tails)
+        lh = self._local_lists.get((unit, tails))
+        if rh is not None and lh is not None:
+            return lh, rh
+        if len(p.lists) >= _PAGE_LISTS_MAX:
+            return None
+        kinds = (unit, *tails)
+        if lh is None:
+            rows = self._local_space(unit).rows(kinds, self._dev)
+            lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
+            self._local_lists[(unit, tails)] = lh
+        rh = p.lists[tails] = self._agent.prep_xfer_dlist(
+            p.name, space.rows(kinds, self._dev), self._mem
+        )
+        self.counts["page_lists"] += 1
+        return lh, rh
 
     def disconnect(self, peer: Any) -> None:
         """Drop one reference to a peer; the remote agent (and its prepared lists) is removed
@@ -201,6 +289,9 @@ class NixlEngine:
         if peer.refs > 0:
             return
         del self._peers[peer.name]
+        for rh in peer.lists.values():
+            self._release_dlist(rh)
+        peer.lists.clear()
         for key in [k for k in self._prep if k.startswith(peer.name.encode() + b"\0")]:
             _l, r, _i = self._prep.pop(key)
             self._release_dlist(r)
@@ -217,6 +308,10 @@ class NixlEngine:
         :raises TransferError: NIXL refused the request (e.g. ``NIXL_ERR_NOT_FOUND``: an
             address outside the peer's registered memory) or the post returned ``ERR``.
         """
+        if peer.space is not None:
+            handle = self._post_pages(peer, src, dst, length, tag)
+            if handle is not None:
+                return handle
         n = int(length.shape[0])
         rows = np.empty((2, n, 3), dtype=np.uint64)  # local and remote (address, bytes, device)
         rows[0, :, 0] = src
@@ -237,6 +332,40 @@ class NixlEngine:
                     tag,
                 )
                 self.counts["initialize_xfer"] += 1
+            state = self._agent.transfer(handle)
+        except Exception as e:
+            raise TransferError(
+                f"nixl: WRITE to {peer.name} refused: {type(e).__name__}: {e}"
+            ) from e
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise TransferError(f"nixl: WRITE to {peer.name} failed at post (state ERR)")
+        return handle
+
+    def _post_pages(
+        self, peer: _Peer, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
+    ) -> Any:
+        """Post a write whose runs are whole units (and partial tails) on both sides from the
+        prepared page lists; ``None`` when it does not map (the caller posts it generally).
+
+        :raises TransferError: NIXL refused the request or the post returned ``ERR``.
+        """
+        space = peer.space
+        assert space is not None
+        got = page_indices(self._local_space(space.unit), space, src, dst, length)
+        if got is None:
+            return None
+        li, ri, tails = got
+        try:
+            pair = self._lists(peer, tails)
+        except Exception:  # a tail list NIXL refused: this write goes the general way
+            self.counts["page_lists_refused"] += 1
+            return None
+        if pair is None:
+            return None
+        try:
+            handle = self._agent.make_prepped_xfer("WRITE", pair[0], li, pair[1], ri, tag)
+            self.counts["page_xfer"] += 1
             state = self._agent.transfer(handle)
         except Exception as e:
             raise TransferError(
@@ -335,6 +464,13 @@ class NixlEngine:
             self._release_dlist(lh)
             self._release_dlist(rh)
         self._prep.clear()
+        for p in self._peers.values():
+            for rh in p.lists.values():
+                self._release_dlist(rh)
+            p.lists.clear()
+        for lh in self._local_lists.values():
+            self._release_dlist(lh)
+        self._local_lists.clear()
         for name in list(self._peers):
             try:
                 self._agent.remove_remote_agent(name)
