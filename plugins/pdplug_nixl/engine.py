@@ -47,7 +47,14 @@ import numpy as np
 
 from pdplug import KVConfig, KVLayout, TransferError
 from pdplug.types import PeerInfo
-from pdplug_nixl.pages import UnitSpace, format_regions, page_indices, page_unit, parse_regions
+from pdplug_nixl.pages import (
+    PairSpace,
+    UnitSpace,
+    format_regions,
+    page_indices,
+    page_unit,
+    parse_regions,
+)
 
 __all__ = ["NixlEngine", "import_nixl", "load_system_libnl", "NIXL_MODULES"]
 
@@ -123,7 +130,7 @@ class _Peer(msgspec.Struct, kw_only=True):
     name: str
     refs: int = 0
     seen: Counter[bytes] = msgspec.field(default_factory=Counter)
-    space: UnitSpace | None = None
+    space: PairSpace | None = None
     lists: dict[tuple[int, ...], Any] = msgspec.field(default_factory=dict)
 
 
@@ -181,7 +188,8 @@ class NixlEngine:
         self._layout = lay
         self._regions: list[tuple[int, int]] = []
         self._spaces: dict[int, UnitSpace] = {}  # by unit
-        self._local_lists: dict[tuple[int, tuple[int, ...]], Any] = {}  # (unit, tails)
+        # by (local space, tails): a peer's indices are into the local space of its connect
+        self._local_lists: dict[tuple[UnitSpace, tuple[int, ...]], Any] = {}
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ TransferEngine
@@ -197,7 +205,7 @@ class NixlEngine:
         except Exception as e:
             raise TransferError(f"nixl: register_memory({self._mem}) failed: {e}") from e
         self._regions.extend((int(a), int(n)) for a, n in regions)
-        self._spaces.clear()  # local lists already prepared stay valid: regions only grow
+        self._spaces.clear()  # peers keep the space of their connect, with its lists
 
     def info_extra(self) -> dict[str, str]:
         """What a peer's engine reads from this rank's ``PeerInfo.extra``: its registered
@@ -238,9 +246,7 @@ class NixlEngine:
         if not text or unit <= 0 or not self._regions:
             return
         try:
-            space = UnitSpace(parse_regions(text), unit)
-            self._local_space(unit)
-            p.space = space
+            p.space = PairSpace(self._local_space(unit), UnitSpace(parse_regions(text), unit))
             if self._lists(p, ()) is None:
                 p.space = None
         except Exception:
@@ -261,20 +267,19 @@ class NixlEngine:
         """
         space = p.space
         assert space is not None
-        unit = space.unit
         rh = p.lists.get(tails)
-        lh = self._local_lists.get((unit, tails))
+        lh = self._local_lists.get((space.local, tails))
         if rh is not None and lh is not None:
             return lh, rh
         if len(p.lists) >= _PAGE_LISTS_MAX:
             return None
-        kinds = (unit, *tails)
+        kinds = (space.unit, *tails)
         if lh is None:
-            rows = self._local_space(unit).rows(kinds, self._dev)
+            rows = space.local.rows(kinds, self._dev)
             lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
-            self._local_lists[(unit, tails)] = lh
+            self._local_lists[(space.local, tails)] = lh
         rh = p.lists[tails] = self._agent.prep_xfer_dlist(
-            p.name, space.rows(kinds, self._dev), self._mem
+            p.name, space.remote.rows(kinds, self._dev), self._mem
         )
         self.counts["page_lists"] += 1
         return lh, rh
@@ -352,7 +357,7 @@ class NixlEngine:
         """
         space = peer.space
         assert space is not None
-        got = page_indices(self._local_space(space.unit), space, src, dst, length)
+        got = page_indices(space, src, dst, length)
         if got is None:
             return None
         li, ri, tails = got

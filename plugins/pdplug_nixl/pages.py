@@ -15,7 +15,8 @@ region: kind 0 is a whole unit, a kind ``t < unit`` is the first ``t`` bytes of 
 partial last page: the exact bytes, nothing past them). Descriptor ``(j, r, u)`` has index
 ``j * total + first[r] + u``.
 
-A run maps (:func:`page_indices`) when on both sides it starts on a unit boundary inside a
+A run maps (:func:`page_indices`; both sides looked up at once in a :class:`PairSpace`) when on
+both sides it starts on a unit boundary inside a
 registered region and ends inside that region: ``length // unit`` whole units, then, when
 ``length % unit`` is not 0, one descriptor of that kind. A write whose every run maps becomes
 one request over one list pair; one that does not (a packed gather, a DCP relayout, runs not on
@@ -29,7 +30,19 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["UnitSpace", "page_indices", "page_unit", "parse_regions", "format_regions"]
+__all__ = [
+    "UnitSpace",
+    "PairSpace",
+    "page_indices",
+    "page_unit",
+    "parse_regions",
+    "format_regions",
+]
+
+#: remote addresses are looked up shifted by this (both sides in one sorted table)
+SIDE = 1 << 56
+#: below every region: a run found there fails the check
+_FLOOR = -(1 << 62)
 
 
 def page_unit(page_bytes: Iterable[int]) -> int:
@@ -94,64 +107,78 @@ class UnitSpace:
         out[:, :, 4] = self.count
         return out.reshape(-1, 5)
 
-    def locate(self, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """``(region, unit)`` int64 ``[R]`` of runs at ``addr`` of ``length`` bytes, or ``None``
-        when a run does not start on a unit boundary inside a region or its units do not all
-        lie in that region's list."""
-        if self.total == 0:
-            return None
-        r = np.searchsorted(self.start, addr, side="right") - 1
-        if r.min() < 0:
-            return None
-        off = addr - self.start[r]
-        u, rem = np.divmod(off, self.unit)
-        # units the run touches: whole ones plus a partial last one
-        span = u + (length + (self.unit - 1)) // self.unit
-        if rem.any() or (span > self.count[r]).any():
-            return None
-        return r, u
+
+class PairSpace:
+    """Both sides of a peer pair in one lookup table: the local regions, then the remote ones
+    with addresses shifted by :data:`SIDE` (so one ``searchsorted`` places a write's sources
+    and destinations together).
+
+    :param local/remote: the two sides' :class:`UnitSpace` (same unit).
+    :raises ValueError: the units differ, or a region lies at or above :data:`SIDE`.
+    """
+
+    def __init__(self, local: UnitSpace, remote: UnitSpace) -> None:
+        if local.unit != remote.unit:
+            raise ValueError(f"PairSpace: units differ ({local.unit} != {remote.unit})")
+        for sp in (local, remote):
+            if sp.end.shape[0] and int(sp.end.max()) >= SIDE:
+                raise ValueError(f"PairSpace: a region ends at or above {SIDE:#x}")
+        self.local, self.remote, self.unit = local, remote, local.unit
+        # index r of searchsorted(start, x, "right") is the region at or below x, shifted by one
+        # (slot 0: below every region, no units)
+        self.start = np.concatenate([local.start, remote.start + SIDE])
+        self.tstart = np.concatenate([[_FLOOR], self.start])
+        self.tcount = np.concatenate([[0], local.count, remote.count])
+        self.tfirst = np.concatenate([[0], local.first, remote.first])
 
 
 def page_indices(
-    local: UnitSpace, remote: UnitSpace, src: np.ndarray, dst: np.ndarray, length: np.ndarray
+    pair: PairSpace, src: np.ndarray, dst: np.ndarray, length: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]] | None:
     """Indices of a write's runs in the local and remote lists prepared for ``kinds``, and the
     partial kinds those lists need (``kinds = (unit, *partial)``); ``None`` when a run does not
     map (then the write keeps ``initialize_xfer``).
 
-    :param local/remote: the two sides' spaces (same :attr:`UnitSpace.unit`).
+    :param pair: the two sides' regions (:class:`PairSpace`).
     :param src/dst/length: int64 ``[R]`` absolute run addresses and bytes (> 0).
     :returns: ``(local_idx, remote_idx, partial)``: int64 ``[D]`` indices, one per whole unit
         and per partial tail, in run order; ``partial``: the sorted distinct tail sizes (bytes).
-    :raises ValueError: the two spaces' units differ.
     """
-    unit = local.unit
-    if remote.unit != unit:
-        raise ValueError(f"page_indices: units differ ({unit} != {remote.unit})")
-    if length.shape[0] == 0:
+    n = length.shape[0]
+    if n == 0:
         return None
-    lo = local.locate(src, length)
-    ro = remote.locate(dst, length) if lo is not None else None
-    if lo is None or ro is None:
-        return None
-    (lr, lu), (rr, ru) = lo, ro
-    lbase = local.first[lr] + lu
-    rbase = remote.first[rr] + ru
-    if (length == unit).all():  # the commonest write: whole pages of one unit each
-        return lbase, rbase, ()
+    unit = pair.unit
+    x = np.concatenate((src, dst))
+    x[n:] += SIDE
+    r = pair.start.searchsorted(x, "right")
+    u, rem = np.divmod(x - pair.tstart[r], unit)
     whole, tail = np.divmod(length, unit)
-    has_tail = tail > 0
-    partial = tuple(int(t) for t in np.unique(tail[has_tail]))
-    kind = np.zeros(length.shape[0], dtype=np.int64)
+    per_run = whole + (tail > 0)  # descriptors of each run
+    slack = pair.tcount[r] - u
+    slack[:n] -= per_run
+    slack[n:] -= per_run
+    # every run on a unit boundary (rem 0) with all its units in its region (slack >= 0)
+    if int(np.minimum(slack, -rem).min()) < 0:
+        return None
+    idx = pair.tfirst[r] + u
+    li, ri = idx[:n], idx[n:]
+    tails = set(tail.tolist())
+    tails.discard(0)
+    partial = tuple(sorted(tails))
+    if not partial and int(whole.max()) == 1:  # the commonest write: one unit per run
+        return li, ri, ()
+    kind = np.zeros(n, dtype=np.int64)
     if partial:
-        kind[has_tail] = np.searchsorted(np.asarray(partial, dtype=np.int64), tail[has_tail]) + 1
-    per_run = whole + has_tail
-    run = np.repeat(np.arange(length.shape[0]), per_run)
+        has = tail > 0
+        kind[has] = np.searchsorted(np.asarray(partial, dtype=np.int64), tail[has]) + 1
+    if int(per_run.max()) == 1:  # each run one whole unit or one partial tail
+        return li + kind * pair.local.total, ri + kind * pair.remote.total, partial
+    run = np.repeat(np.arange(n), per_run)
     pos = np.arange(run.shape[0]) - np.repeat(np.cumsum(per_run) - per_run, per_run)
     # the tail is the last descriptor of its run: kind > 0 there, 0 for the whole units
     k = np.where(pos < whole[run], 0, kind[run])
     return (
-        k * local.total + lbase[run] + pos,
-        k * remote.total + rbase[run] + pos,
+        k * pair.local.total + li[run] + pos,
+        k * pair.remote.total + ri[run] + pos,
         partial,
     )

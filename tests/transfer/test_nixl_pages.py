@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from pdplug import KVConfig, KVLayout
 from pdplug.testing import require
-from pdplug_nixl.pages import UnitSpace, format_regions, page_indices, page_unit, parse_regions
+from pdplug_nixl.pages import (
+    PairSpace,
+    UnitSpace,
+    format_regions,
+    page_indices,
+    page_unit,
+    parse_regions,
+)
 
 UNIT = 64
 
@@ -40,7 +47,7 @@ def _bytes(descs: list[tuple[int, int]]) -> np.ndarray:
 
 
 @st.composite
-def _writes(draw: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]], np.ndarray, ...]:
+def _writes(draw: Any) -> Any:
     """Two sides' regions (in units) and a write of runs between them: whole pages, merged
     runs, partial tails, and sometimes a run off a unit boundary."""
 
@@ -77,7 +84,7 @@ def _writes(draw: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]], np
 def test_page_indices_name_exactly_the_runs_bytes(case: Any) -> None:
     loc, rem, src, dst, ln = case
     lsp, rsp = UnitSpace(loc, UNIT), UnitSpace(rem, UNIT)
-    got = page_indices(lsp, rsp, src, dst, ln)
+    got = page_indices(PairSpace(lsp, rsp), src, dst, ln)
 
     def maps(regions: list[tuple[int, int]], a: int, n: int) -> bool:
         base, size = max((r for r in regions if r[0] <= a), key=lambda r: r[0])
@@ -116,10 +123,15 @@ def test_unit_regions_and_refusals() -> None:
     a, b = UnitSpace([(0, 4 * UNIT)], UNIT), UnitSpace([(0, 4 * UNIT)], 2 * UNIT)
     one = np.array([0], dtype=np.int64)
     with pytest.raises(ValueError, match="units differ"):
-        page_indices(a, b, one, one, np.array([UNIT], dtype=np.int64))
-    below = np.array([-UNIT], dtype=np.int64)  # below every region
-    assert page_indices(a, a, below, one, np.array([UNIT], dtype=np.int64)) is None
-    assert page_indices(a, a, one, one, np.zeros(0, dtype=np.int64)) is None
+        PairSpace(a, b)
+    with pytest.raises(ValueError, match="at or above"):
+        PairSpace(a, UnitSpace([(1 << 56, UNIT)], UNIT))
+    pair, u1 = PairSpace(a, a), np.array([UNIT], dtype=np.int64)
+    below = np.array([-UNIT], dtype=np.int64)  # below every region, on either side
+    assert page_indices(pair, below, one, u1) is None
+    assert page_indices(pair, one, below, u1) is None
+    assert page_indices(pair, one, one, np.zeros(0, dtype=np.int64)) is None
+    assert page_indices(pair, one, one, 5 * u1) is None  # past the region's last unit
 
 
 # ------------------------------------------------------------------ the engine, over NIXL
