@@ -16,7 +16,8 @@ Every way a room ends reaches the decode side within one round trip:
   flight to that decode rank (not started yet, unknown, already drained) — by a drained failure
   notice at once. An abort that comes before ``start`` is remembered, so ``start`` fails the
   room at once instead of waiting for ``bootstrap_timeout_s``;
-* a DestInfo for a room that already failed here is refused at once with the room's reason;
+* a DestInfo for a room that already failed here is refused at once with the room's reason,
+  also after the host cleared the room (:class:`~pdplug.transfer.inbox.RoomInbox`);
 * two decode instances claiming one room are both told: the room fails if nothing was sent
   yet, else the later claimant is refused; one request's KV never goes to another's pages;
 * a segment that ends past, or a last segment that ends short of, the ``num_tokens`` the
@@ -35,6 +36,7 @@ from pdplug.packing import segment_chunks, send_capacity_tokens
 from pdplug.protocols import PackPlanner
 from pdplug.rooms import Rooms
 from pdplug.transfer.engine import TransferEngine
+from pdplug.transfer.inbox import RoomInbox
 from pdplug.transfer.messages import Abort, Done
 from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import SendPipeline
@@ -43,8 +45,6 @@ from pdplug.types import ChunkTag, DestInfo, KVLayout, KVPoll, PackRegion, Segme
 from pdplug.wire import Codec
 
 __all__ = ["SendLeases"]
-
-_MAX_INBOX = 65536  # rooms held for a later start(); a flood beyond this is dropped
 
 
 class SendLeases:
@@ -92,14 +92,12 @@ class SendLeases:
         self._codec = codec
         self._tags = tags
         self._regions = regions
-        self._ttl = inbox_ttl_s
         self._event = event
         self._counts = counts
         self._after = after
         self.leases: dict[int, Lease] = {}
         self.draining: list[Lease] = []
-        self.inbox: dict[int, dict[PeerKey, tuple[DestInfo, float]]] = {}
-        self.aborted: dict[int, dict[PeerKey, tuple[int, str, float]]] = {}
+        self.box = RoomInbox(inbox_ttl_s)
 
     # ------------------------------------------------------------------ host calls
     def start(self, room: int, gen: int, now: float) -> None:
@@ -114,8 +112,9 @@ class SendLeases:
             self._event("transfer_failed", lease, reason=why)
             return
         self.leases[room] = lease
-        early = sorted(self.inbox.pop(room, {}).items())
-        tomb = self.aborted.pop(room, None)
+        self.box.failed.pop(room, None)  # a new lease of the room: its DestInfos are for it
+        early = sorted(self.box.dests.pop(room, {}).items())
+        tomb = self.box.aborts.pop(room, None)
         if tomb:
             key, (_g, why, _t) = min(tomb.items())
             self._counts["aborted_before_start"] += 1
@@ -209,6 +208,9 @@ class SendLeases:
         if not done:
             self.fail(lease, f"cleared on prefill rank {self._rank} before completion")
         del self.leases[room]
+        if lease.failed:
+            why = lease.reason or "failed on the prefill rank"
+            self.box.remember_failed(room, why, frozenset(lease.dests))
         lease.cleared = True
         self._pipe.purge(lease)
         if lease.inflight:
@@ -335,21 +337,15 @@ class SendLeases:
             self.draining[:] = [ls for ls in self.draining if ls.inflight]
 
     def expire_inbox(self, now: float) -> None:
-        """Forget early DestInfos and aborts older than ``bootstrap_timeout_s``."""
-        for table, counter in ((self.inbox, "dest_expired"), (self.aborted, "abort_expired")):
-            for room in [
-                r for r, box in table.items() if all(now - v[-1] > self._ttl for v in box.values())
-            ]:
-                del table[room]
-                self._counts[counter] += 1
+        """Forget what :class:`~pdplug.transfer.inbox.RoomInbox` holds past its time."""
+        self.box.expire(now, self._counts)
 
     def gauges(self) -> dict[str, int]:
         """What the table holds now."""
         return {
             "leases": len(self.leases),
             "draining": len(self.draining),
-            "inbox": len(self.inbox),
-            "early_aborts": len(self.aborted),
+            **self.box.gauges(),
         }
 
     # ------------------------------------------------------------------ control messages
@@ -362,14 +358,23 @@ class SendLeases:
             self._codec.drop("malformed")
             return
         lease = self.leases.get(d.room)
+        if lease is None and d.room in self.box.failed:
+            why, _t, told = self.box.failed[d.room]
+            if peer.key in told:  # a repeat: it was told at the failure (writes may drain)
+                self._codec.drop("other")
+                return
+            # it failed here and the host cleared it: the decode rank learns it now
+            self._counts["dest_after_failure"] += 1
+            self._refuse(peer, d, why)
+            return
         if lease is None:
-            tomb = self.aborted.get(d.room, {})
+            tomb = self.box.aborts.get(d.room, {})
             if peer.key in tomb and tomb[peer.key][0] < d.generation:
                 del tomb[peer.key]  # a newer lease of that decode rank
-            if d.room not in self.inbox and len(self.inbox) >= _MAX_INBOX:
+            if self.box.full(d.room):
                 self._codec.drop("other")  # a flood of DestInfos nobody starts
                 return
-            self.inbox.setdefault(d.room, {})[peer.key] = (d, now)
+            self.box.dests.setdefault(d.room, {})[peer.key] = (d, now)
             self._counts["dest_early"] += 1
             return
         if lease.failed:  # the decode rank learns it now, not after its own timeout
@@ -391,7 +396,7 @@ class SendLeases:
             if cur.generation == d.generation:
                 self._codec.drop("other")  # duplicate
             else:  # a recycled room on decode: keep it for this room's next lease
-                self.inbox.setdefault(d.room, {})[peer.key] = (d, now)
+                self.box.dests.setdefault(d.room, {})[peer.key] = (d, now)
                 self._counts["dest_next_lease"] += 1
             return
         lease.instance = d.decode_instance
@@ -432,13 +437,13 @@ class SendLeases:
                 if ls.inflight == 0:
                     self._refuse(peer, d, ls.reason)
                 return
-        box = self.inbox.get(a.room)
+        box = self.box.dests.get(a.room)
         if box is not None and key in box and box[key][0].generation == a.generation:
             del box[key]
             if not box:
-                del self.inbox[a.room]
+                del self.box.dests[a.room]
         if lease is None:  # remembered, so a later start() fails at once
-            self.aborted.setdefault(a.room, {})[key] = (a.generation, a.reason, now)
+            self.box.aborts.setdefault(a.room, {})[key] = (a.generation, a.reason, now)
         self._counts["abort_confirmed"] += 1
         tag = ChunkTag(
             generation=a.generation,

@@ -47,6 +47,7 @@ _MODULES = [
             "gather",
             "handoff",
             "handshake",
+            "inbox",
             "leases",
             "loop",
             "messages",

@@ -271,6 +271,9 @@ class PushWorker:
                 status = self._status(room)
                 if status in _TERMINAL and self._drained(room):
                     out.finished_sending.add(st.req_id)
+                    if status == KVPoll.Failed:
+                        log.warning("pdplug: room %d of %s failed: %s", room, st.req_id,
+                                    self._reason(room))  # fmt: skip
                     self._counts["rooms_ok" if status == KVPoll.Success else "rooms_failed"] += 1
                     self._finished.discard(st.req_id)
                     self._forget(room)
