@@ -127,9 +127,14 @@ class PairSpace:
         # index r of searchsorted(start, x, "right") is the region at or below x, shifted by one
         # (slot 0: below every region, no units)
         self.start = np.concatenate([local.start, remote.start + SIDE])
-        self.tstart = np.concatenate([[_FLOOR], self.start])
-        self.tcount = np.concatenate([[0], local.count, remote.count])
-        self.tfirst = np.concatenate([[0], local.first, remote.first])
+        # rows (start, count, first) of every region, gathered for a write's runs at once
+        self.table = np.stack(
+            [
+                np.concatenate([[_FLOOR], self.start]),
+                np.concatenate([[0], local.count, remote.count]),
+                np.concatenate([[0], local.first, remote.first]),
+            ]
+        )
 
 
 def page_indices(
@@ -150,23 +155,27 @@ def page_indices(
     unit = pair.unit
     x = np.concatenate((src, dst))
     x[n:] += SIDE
-    r = pair.start.searchsorted(x, "right")
-    u, rem = np.divmod(x - pair.tstart[r], unit)
+    t = pair.table[:, pair.start.searchsorted(x, "right")]  # (start, count, first) per run
+    u, rem = np.divmod(x - t[0], unit)
+    if (length == unit).all():  # the commonest write: one whole unit per run
+        # on a unit boundary (rem 0), and that unit inside its region (u < count)
+        if int(np.minimum(t[1] - u, 1 - rem).min()) < 1:
+            return None
+        idx = t[2] + u
+        return idx[:n], idx[n:], ()
     whole, tail = np.divmod(length, unit)
     per_run = whole + (tail > 0)  # descriptors of each run
-    slack = pair.tcount[r] - u
+    slack = t[1] - u
     slack[:n] -= per_run
     slack[n:] -= per_run
     # every run on a unit boundary (rem 0) with all its units in its region (slack >= 0)
     if int(np.minimum(slack, -rem).min()) < 0:
         return None
-    idx = pair.tfirst[r] + u
+    idx = t[2] + u
     li, ri = idx[:n], idx[n:]
     tails = set(tail.tolist())
     tails.discard(0)
     partial = tuple(sorted(tails))
-    if not partial and int(whole.max()) == 1:  # the commonest write: one unit per run
-        return li, ri, ()
     kind = np.zeros(n, dtype=np.int64)
     if partial:
         has = tail > 0
