@@ -10,13 +10,18 @@ with ``prep_xfer_dlist`` and re-posted with ``make_prepped_xfer``, which skips t
 descriptor set-up that dominates small descriptors; every other pattern goes through
 ``initialize_xfer``.
 
-Whole pages (:mod:`pdplug_nixl.pages`). A rank publishes its registered regions in
-``PeerInfo.extra["nixl_regions"]`` (:meth:`NixlEngine.info_extra`). On :meth:`NixlEngine.connect`
-the sender prepares, once, a compressed (strided) descriptor list of every page of every
-region on both sides, and a write whose runs all start on page boundaries (partial last pages
-included: a list per distinct tail size, prepared the first time that size is written, with
-exactly the tail's bytes) is posted as ``make_prepped_xfer`` with page indices computed in a
-few array operations; everything else (packed gathers, DCP relayouts) keeps the general path.
+Whole pages (:mod:`pdplug_nixl.pages`; off unless ``KVConfig.extra["page_lists"] == "1"``). A
+rank publishes its registered regions in ``PeerInfo.extra["nixl_regions"]``
+(:meth:`NixlEngine.info_extra`). With the option on, :meth:`NixlEngine.connect` prepares, once,
+a compressed (strided) descriptor list of every page of every region on both sides, and a
+write whose runs all start on page boundaries (partial last pages included: a list per distinct
+tail size, prepared the first time that size is written, with exactly the tail's bytes) is
+posted as ``make_prepped_xfer`` with page indices computed in array operations; everything else
+(packed gathers, DCP relayouts) keeps the general path. It is off by default because it
+measured slower in place (``pdplug bench transfer``, 2026-12-03, 2-vCPU VM, UCX over shared
+memory): ``make_prepped_xfer`` took 10-42 us against ``initialize_xfer``'s 7-54 us plus two
+``get_xfer_descs`` (3-23 us each) at 64 KiB-16 MiB, while computing the page indices took
+42-87 us in place (10-15 us in a tight loop).
 The agent is used by one thread at a time (the holder of the session's engine lock).
 
 Clean exits. The NIXL 1.5.1 wheel bundles its own ``libnl-route-3``; UCX's EFA transport, which
@@ -144,8 +149,8 @@ class NixlEngine:
         default 32; 0 disables preparing), ``prep_max_desc_bytes`` (prepare only lists whose
         mean descriptor is at most this many bytes, default 4096), ``max_notifs``
         (notifications buffered between two polls, default 65,536; more are lost and counted),
-        ``page_lists`` (``"0"``: no whole-page lists, every write through ``initialize_xfer``;
-        default on).
+        ``page_lists`` (``"1"``: whole-page writes from descriptor lists prepared once per peer,
+        see the module docstring; default ``"0"``: every write through ``initialize_xfer``).
     :raises ImportError: NIXL missing.
     :raises TransferError: the agent or backend could not be created.
     """
@@ -184,7 +189,7 @@ class NixlEngine:
         self._prep_bytes = int(extra.get("prep_max_desc_bytes", "4096"))
         self._notifs: list[tuple[str, bytes]] = []
         self._max_notifs = int(extra.get("max_notifs", "65536"))
-        self._pages_on = extra.get("page_lists", "1") != "0"
+        self._pages_on = extra.get("page_lists", "0") == "1"
         self._layout = lay
         self._regions: list[tuple[int, int]] = []
         self._spaces: dict[int, UnitSpace] = {}  # by unit

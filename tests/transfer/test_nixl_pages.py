@@ -161,11 +161,12 @@ def _run(a: Any, b: Any, peer: Any, src: np.ndarray, dst: np.ndarray, ln: np.nda
 
 class _Pair:
     """A prefill engine over two entries of ``PAGES`` pages and a decode engine over the
-    same, connected with the decode's published regions (``pages``) or without."""
+    same, which publishes its regions; ``pages``: page lists on, else the default (off: the
+    general path)."""
 
     def __init__(self, pages: bool) -> None:
         require("nixl")
-        self.a, lay = _engine("prefill")
+        self.a, lay = _engine("prefill", **({"page_lists": "1"} if pages else {}))
         self.b, _ = _engine("decode")
         g = torch.Generator().manual_seed(1)
         self.src = [torch.randint(1, 256, (PAGES * PAGE * n,), generator=g, dtype=torch.uint8)
@@ -175,7 +176,7 @@ class _Pair:
         self.b.register([(t.data_ptr(), t.numel()) for t in self.dst])
         from pdplug.types import PeerInfo
 
-        extra = self.b.info_extra() if pages else {}
+        extra = self.b.info_extra()  # published either way: the default ignores them
         self.peer = self.a.connect(
             PeerInfo(instance="d", role="decode", layout=lay, agent=self.b.agent(), extra=extra)
         )
