@@ -9,6 +9,12 @@ reserves ``gpu_memory_utilization`` of the NUMA node and refuses to start when o
 processes use memory), ``--block-size`` a multiple of 32 (CPU attention's kernel block),
 ``--enforce-eager`` (no compile step), ``--skip-tokenizer-init`` (token-id prompts), and one
 OpenMP core per engine (``VLLM_CPU_OMP_THREADS_BIND``) so two engines do not share a core.
+
+A TP 1, PP 1 engine runs vLLM's uni executor (the worker inside the engine-core process), the
+topology vLLM gives a single-GPU engine: vllm-cpu switches to its multiprocessing executor
+unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which costs one more process importing vLLM
+(on this 2-core machine 61 s to the first healthy answer against 25 s). Its core is then set
+with ``taskset`` on the whole engine (the OpenMP binding applies to ``mp`` workers only).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         warm-up forward, which ``--enforce-eager`` skips (the first request then fails with an
         ``AssertionError`` in ``sync_and_gather_intermediate_tensors``), so a PP engine runs
         torch.compile's ``eager`` backend instead of ``--enforce-eager``.
+    :ivar uni_executor: a TP 1, PP 1 engine runs vLLM's uni executor (module docstring);
+        False keeps vllm-cpu's multiprocessing executor. Ignored for PP or TP > 1.
     :ivar tensor_parallel_size: TP ranks (one worker process each, ``mp`` executor). With
         ``pipeline_parallel_size`` the engine has ``PP x TP`` workers; give ``cpu_cores`` one
         entry per worker (``"0|1"``, vLLM's rank order: PP-major, then TP).
@@ -66,6 +74,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     args: tuple[str, ...] = ()
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    uni_executor: bool = True
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -85,6 +94,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
+    def uni(self) -> bool:
+        """Whether the engine runs vLLM's uni executor (:attr:`uni_executor`, TP 1, PP 1)."""
+        return self.uni_executor and self.world_size == 1
+
+    @property
     def url(self) -> str:
         """Base URL of the engine's OpenAI-compatible server."""
         return f"http://{self.host}:{self.port}"
@@ -96,8 +110,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         command stops at start-up (it asks for the version of a distribution named ``vllm``,
         and the installed one is ``vllm-cpu``).
         """
+        pin = ["taskset", "-c", self.cpu_cores] if self.uni and self.cpu_cores else []
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", self.host, "--port", str(self.port),
             "--dtype", self.dtype,
             "--block-size", str(self.block_size),
@@ -125,12 +140,14 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The engine's environment: ``base`` with vLLM's logging level (INFO unless set), a
-        600 s engine-core start-up bound (unless set), the OpenMP core binding of
-        ``cpu_cores`` and then :attr:`env`."""
+        600 s engine-core start-up bound (unless set), the uni executor's switch or the OpenMP
+        core binding of ``cpu_cores``, and then :attr:`env`."""
         env = dict(base)
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env["VLLM_ENGINE_READY_TIMEOUT_S"] = env.get("VLLM_ENGINE_READY_TIMEOUT_S", "600")
-        if self.cpu_cores:
+        if self.uni:
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        elif self.cpu_cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
         env.update(self.env)
         return env

@@ -79,6 +79,9 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar prefill_pp/prefill_tp/decode_tp: the engines' shape (the single engine is TP 1).
     :ivar bad_params: malformed ``kv_transfer_params`` sent straight to both engines, when run.
     :ivar restart: the prefill engine killed and started again, when run.
+    :ivar extra: one result per extra prefill engine of the run (``extra_prefills`` of
+        :func:`run_parity`), each pushing other prompts to the same decode engine; its own
+        ``kill``/``faults``/``restart``/``bad_params``/``extra`` are empty.
     """
 
     connector: str
@@ -107,6 +110,7 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
     decode_tp: int = 1
     bad_params: BadParamsResult | None = None
     restart: RestartResult | None = None
+    extra: list[ParityResult] = []
 
     @property
     def shape(self) -> str:
@@ -123,8 +127,14 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def ok(self) -> bool:
-        """Every request answered and token-identical, and the bytes check holds."""
-        return not self.failed and self.identical == self.requests and self.bytes_ok
+        """Every request answered and token-identical, and the bytes check holds (for the
+        extra prefill engines' pairs too)."""
+        return (
+            not self.failed
+            and self.identical == self.requests
+            and self.bytes_ok
+            and all(x.ok for x in self.extra)
+        )
 
 
 #: vLLM ``--middleware`` of pdplug's engines (:mod:`pdplug.adapters.vllm.guard`)
@@ -147,6 +157,8 @@ def disagg_specs(
     prefill_tp: int = 1,
     decode_tp: int = 1,
     prefill_cores: str = "",
+    prefill_instance: str = "prefill-0",
+    bootstrap_timeout_s: float = 30.0,
 ) -> tuple[EngineSpec, EngineSpec, dict[str, Any]]:
     """Prefill and decode engine specs for ``connector`` plus the proxy's settings.
 
@@ -156,6 +168,9 @@ def disagg_specs(
     :param decode_tp: the decode engine's TP ranks (every worker on the decode engine's core).
     :param prefill_cores: the prefill workers' core lists instead (``"0|1"``: stage 1 on the
         decode engine's core).
+    :param prefill_instance: the prefill's instance name and engine id (PdplugConnector).
+    :param bootstrap_timeout_s: both engines' ``bootstrap_timeout_s`` (PdplugConnector;
+        seconds): how long a decode waits on a prefill's rendezvous.
     :raises ValueError: an unknown connector, or a shape the tiny model cannot take
         (:func:`check_shape`).
     """
@@ -181,15 +196,17 @@ def disagg_specs(
     else:
         bootstrap = f"tcp://127.0.0.1:{p_side}"
         p_kv = kv_transfer_config(
-            name, "kv_producer", engine_id="prefill-0",
-            extra={"instance": "prefill-0", "bootstrap_port": p_side, "bootstrap_timeout_s": 30},
+            name, "kv_producer", engine_id=prefill_instance,
+            extra={"instance": prefill_instance, "bootstrap_port": p_side,
+                   "bootstrap_timeout_s": bootstrap_timeout_s},
         )  # fmt: skip
         d_kv = kv_transfer_config(
             name, "kv_consumer", engine_id="decode-0",
-            extra={"instance": "decode-0", "bootstrap_timeout_s": 30},
+            extra={"instance": "decode-0", "bootstrap_timeout_s": bootstrap_timeout_s},
         )  # fmt: skip
         p_env, d_env = {}, {}
-        proxy.update(prefill_instance="prefill-0", bootstrap=bootstrap, decode_instance="decode-0")
+        proxy.update(prefill_instance=prefill_instance, bootstrap=bootstrap,
+                     decode_instance="decode-0")  # fmt: skip
     # every prefill worker on the prefill core: a PP stage sharing the decode engine's core was
     # declared silent by the decode (transfer_timeout_s) and every room failed (docs section 7)
     p_cores = prefill_cores or "|".join([cores[0]] * (prefill_pp * prefill_tp))
@@ -213,6 +230,8 @@ class RunSpecs(msgspec.Struct, frozen=True, kw_only=True):
     :ivar switch: the prefill's ``PDPLUG_TEST_FAIL_WRITES`` switch file (absolute), or None
         when no phase fails or holds the prefill's writes.
     :ivar proxy: the proxy's settings (:func:`disagg_specs`).
+    :ivar extra: the extra prefill engines pushing to ``decode``, each with its proxy's
+        settings (``prefill-1``, ``prefill-2`` ...).
     """
 
     single: EngineSpec
@@ -221,13 +240,16 @@ class RunSpecs(msgspec.Struct, frozen=True, kw_only=True):
     decode_fail: EngineSpec | None = None
     switch: Path | None = None
     proxy: dict[str, Any] = {}
+    extra: list[tuple[EngineSpec, dict[str, Any]]] = []
 
     @property
     def engines(self) -> list[EngineSpec]:
         """What is launched: built from the same fields the phases read, so the prefill that
         runs is the one carrying the switch (it once was not: see :func:`run_specs`)."""
-        return [self.single, self.prefill, self.decode] + (
-            [self.decode_fail] if self.decode_fail is not None else []
+        return (
+            [self.single, self.prefill, self.decode]
+            + ([self.decode_fail] if self.decode_fail is not None else [])
+            + [p for p, _ in self.extra]
         )
 
 
@@ -244,6 +266,8 @@ def run_specs(
     prefill_tp: int = 1,
     decode_tp: int = 1,
     prefill_cores: str = "",
+    extra_prefills: Sequence[tuple[int, int]] = (),
+    bootstrap_timeout_s: float = 30.0,
 ) -> RunSpecs:
     """The engine specs of a :func:`run_parity` run (see there for the parameters).
 
@@ -255,14 +279,35 @@ def run_specs(
     a prefill that never read the switch, and its kill caught rooms in flight only when a
     50 ms poll happened to (a fast machine ended every room between two polls).
 
-    :param ports: at least 8 free ports (the pair's 4, the single engine, the proxy, the fail
-        decode and its proxy).
-    :raises ValueError: as :func:`disagg_specs`.
+    The second decode of the fault phases is TP 1 whatever ``decode_tp`` is (its phase is
+    about the failure policy, and each TP rank is one more process to start). Each extra
+    prefill engine (``extra_prefills``: ``(pp, tp)`` pairs, PdplugConnector only) is
+    ``prefill-<i>`` with its own HTTP and rendezvous ports, every worker on the prefill core.
+
+    :param ports: at least ``8 + 3 * len(extra_prefills)`` free ports (the pair's 4, the
+        single engine, the proxy, the fail decode and its proxy, then each extra prefill's
+        HTTP, rendezvous and proxy ports).
+    :raises ValueError: as :func:`disagg_specs`; ``extra_prefills`` with another connector.
     """
+    if extra_prefills and connector != "pdplug":
+        raise ValueError(f"run_specs: extra_prefills={list(extra_prefills)} needs connector "
+                         "'pdplug'")  # fmt: skip
+    if len(ports) < 8 + 3 * len(extra_prefills):
+        raise ValueError(f"run_specs: {len(ports)} ports, need {8 + 3 * len(extra_prefills)}")
     prefill, decode, proxy_opts = disagg_specs(
         connector, model, ports[:4], prefill_pp=prefill_pp, prefill_tp=prefill_tp,
         decode_tp=decode_tp, prefill_cores=prefill_cores,
+        bootstrap_timeout_s=bootstrap_timeout_s,
     )  # fmt: skip
+    extras = []
+    for i, (pp, tp) in enumerate(extra_prefills, 1):
+        http, side = ports[8 + 3 * (i - 1)], ports[9 + 3 * (i - 1)]
+        xp, _, xopts = disagg_specs(
+            connector, model, [http, ports[1], side, ports[3]], prefill_pp=pp, prefill_tp=tp,
+            decode_tp=decode_tp, prefill_instance=f"prefill-{i}",
+            bootstrap_timeout_s=bootstrap_timeout_s,
+        )  # fmt: skip
+        extras.append((msgspec.structs.replace(xp, name=f"prefill-{i}"), xopts))
     single = EngineSpec(name="single", model=model, port=ports[4], cpu_cores="0")
     switch = None
     # the switch also holds the prefill's writes while a kill phase kills an engine
@@ -277,13 +322,14 @@ def run_specs(
         )
         extra = {**kv["kv_connector_extra_config"], "instance": "decode-fail"}
         decode_fail = msgspec.structs.replace(
-            decode, name="decode-fail", port=ports[6],
+            decode, name="decode-fail", port=ports[6], tensor_parallel_size=1,
+            cpu_cores=decode.cpu_cores.split("|")[0],
             kv_transfer={**kv, "engine_id": "decode-fail", "kv_load_failure_policy": "fail",
                          "kv_connector_extra_config": extra},
         )  # fmt: skip
     return RunSpecs(
         single=single, prefill=prefill, decode=decode, decode_fail=decode_fail, switch=switch,
-        proxy=proxy_opts,
+        proxy=proxy_opts, extra=extras,
     )  # fmt: skip
 
 
@@ -356,6 +402,8 @@ def run_parity(
     prefill_cores: str = "",
     warm_timeout_s: float | None = None,
     restart: bool = False,
+    extra_prefills: Sequence[tuple[int, int]] = (),
+    bootstrap_timeout_s: float = 30.0,
 ) -> ParityResult:
     """Start the three engines, run the workload on both paths, stop everything.
 
@@ -388,6 +436,14 @@ def run_parity(
         the prefill engine while the prompts (ids shifted by four) run, start it again and send
         the prompts (ids shifted by three) through the same proxy and decode engine
         (:func:`pdplug_vllm.phases.restart_prefill`; the prefill's writes held until its kill).
+    :param extra_prefills: ``pdplug`` only: more prefill engines, as ``(pp, tp)`` shapes,
+        started with the others and pushing to the same decode engine, each through its own
+        proxy right after the parity phase, on the prompts with every id shifted by 5, 6 ...
+        (the decode's prefix cache holds the parity set); one :attr:`ParityResult.extra`
+        each. A decode serving several prefill instances is the cluster's usual case, and one
+        decode start (a minute on 2 cores) serves every prefill shape.
+    :param bootstrap_timeout_s: the engines' ``bootstrap_timeout_s`` (PdplugConnector): how
+        long the ``bad_params`` probes naming a prefill nobody runs wait.
     :raises pdplug_engines.procs.EngineError: an engine did not start.
     :raises ValueError: bad prompts, a shape :func:`check_shape` refuses, or
         ``fault_prompts`` with another connector.
@@ -402,11 +458,12 @@ def run_parity(
         raise ValueError("run_parity: bad_params needs connector 'pdplug'")
     if restart and connector != "pdplug":
         raise ValueError("run_parity: restart needs connector 'pdplug'")
-    ports = free_ports(8)
+    ports = free_ports(8 + 3 * len(extra_prefills))
     specs = run_specs(
         connector, model, ports, workdir, kill_decode=kill_decode, fault_prompts=fault_prompts,
         restart=restart, prefill_pp=prefill_pp, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        prefill_cores=prefill_cores,
+        prefill_cores=prefill_cores, extra_prefills=extra_prefills,
+        bootstrap_timeout_s=bootstrap_timeout_s,
     )  # fmt: skip
     single, prefill, decode, proxy_opts = specs.single, specs.prefill, specs.decode, specs.proxy
     engines, switch = specs.engines, specs.switch
@@ -420,6 +477,7 @@ def run_parity(
     kill: KillResult | None = None
     restarted: RestartResult | None = None
     faults: list[FaultResult] = []
+    extra: list[ParityResult] = []
     with (
         contextlib.ExitStack() as stack,
         running(engines, workdir / f"logs-{connector}", start_timeout_s) as (
@@ -445,6 +503,13 @@ def run_parity(
             disagg_run_s = time.monotonic() - t2
             metric, side = BYTES_METRIC[connector]
             kv_bytes = settled((prefill if side == "prefill" else decode).url, metric)
+            for i, (xp, xopts) in enumerate(specs.extra, 1):
+                extra.append(_extra_pair(
+                    connector, xp, decode, xopts, config, ports[7 + 3 * i], prompts,
+                    [(t + 4 + i) % spec.vocab_size for t in warm], single.url, spec,
+                    shift=4 + i, max_tokens=max_tokens, concurrency=concurrency,
+                    timeout_s=request_timeout_s, warm_timeout_s=warm_timeout_s or start_timeout_s,
+                ))  # fmt: skip
             probed = None
             if bad_params:
                 probed = probe_bad_params(
@@ -512,6 +577,74 @@ def run_parity(
         decode_tp=decode_tp,
         bad_params=probed,
         restart=restarted,
+        extra=extra,
+    )
+
+
+def _extra_pair(
+    connector: str,
+    prefill: EngineSpec,
+    decode: EngineSpec,
+    proxy_opts: dict[str, Any],
+    config: ProxyConfig,
+    port: int,
+    prompts: Sequence[Sequence[int]],
+    warm: list[int],
+    single_url: str,
+    spec: TinyLlama,
+    *,
+    shift: int,
+    max_tokens: int,
+    concurrency: int,
+    timeout_s: float,
+    warm_timeout_s: float,
+) -> ParityResult:
+    # another prefill instance pushing to the same decode, behind its own proxy (its own room
+    # allocator: rooms are unique per decode), on prompts the decode has not cached
+    shifted = [[(t + shift) % spec.vocab_size for t in p] for p in prompts]
+    t0 = time.monotonic()
+    ref = complete_all(single_url, shifted, max_tokens, concurrency=concurrency,
+                       timeout_s=timeout_s)  # fmt: skip
+    single_run_s = time.monotonic() - t0
+    cfg = msgspec.structs.replace(
+        config, prefill_url=prefill.url, prefill_instance=proxy_opts["prefill_instance"],
+        bootstrap=proxy_opts["bootstrap"], allocator_id=config.allocator_id + 16 + shift,
+    )  # fmt: skip
+    with proxy_thread(cfg, port) as url:
+        warm_up(url, warm, max_tokens, timeout_s=warm_timeout_s)
+        t1 = time.monotonic()
+        got = complete_all(url, shifted, max_tokens, concurrency=concurrency, timeout_s=timeout_s)
+        run_s = time.monotonic() - t1
+        metric, _side = BYTES_METRIC[connector]
+        kv_bytes = settled(prefill.url, metric)
+    parity = compare_tokens(ref, got, shifted)
+    ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
+    ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
+    bs = prefill.block_size
+    lo, hi, unit = kv_bytes_bounds([warm, *shifted], spec, bs, bs)
+    return ParityResult(
+        connector=connector,
+        requests=len(shifted),
+        prompt_tokens=max(len(p) for p in shifted),
+        max_tokens=max_tokens,
+        identical=parity.identical,
+        failed=parity.failed,
+        differ=parity.differ,
+        start_s=0.0,
+        wall_s=time.monotonic() - t0,
+        single_run_s=single_run_s,
+        disagg_run_s=run_s,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        single_ttft_p50_s=percentile(ref_ttft, 50),
+        throughput_rps=len(ttft) / run_s if run_s else 0.0,
+        kv_bytes=kv_bytes,
+        kv_bytes_min=lo,
+        kv_bytes_max=hi,
+        kv_bytes_unit=unit,
+        prefill_pp=prefill.pipeline_parallel_size,
+        prefill_tp=prefill.tensor_parallel_size,
+        decode_tp=decode.tensor_parallel_size,
     )
 
 

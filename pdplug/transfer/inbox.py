@@ -1,19 +1,23 @@
 """What reaches a prefill rank for a room outside its lease: early and late messages.
 
 Early DestInfos and aborts, late DestInfos of failed rooms. A decode rank's DestInfo or abort
-may come before the prefill host starts the room: each waits here for ``bootstrap_timeout_s``
-and is adopted by the room's lease. A room that failed here and that the host cleared at once
-(the vLLM worker reports a failed room and forgets it in the same step) is remembered for two
-``bootstrap_timeout_s``, with its reason and the decode ranks it already told: a DestInfo for
-it that comes later (a prefill rank that gave up in ``Bootstrapping`` while its process was
-busy, e.g. a vLLM TP 2 engine's first forward on CPU, about 10 s) is refused at once instead
-of waiting in the inbox while the decode waits ``waiting_timeout_s`` for bytes that never come.
+may come before the prefill host starts the room (a request queued on the prefill engine; a
+vLLM TP 2 engine's first forward on CPU, about 10 s): each waits here for the time the decode
+waits for it (``max(bootstrap_timeout_s, waiting_timeout_s)``) and is adopted by the room's
+lease. An early DestInfo whose room did not start by then is refused, so the decode rank fails
+the room now, naming why (it was once dropped silently after ``bootstrap_timeout_s``: the room
+started later, failed in ``Bootstrapping`` and the decode waited ``waiting_timeout_s`` for
+bytes no rank would send). A room that failed here and that the host cleared at once (the vLLM
+worker reports a failed room and forgets it in the same step) is remembered as long, with its
+reason and the decode ranks it already told: a DestInfo for it that comes later is refused at
+once.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 from pdplug.transfer.records import PeerKey
 from pdplug.types import DestInfo
@@ -26,8 +30,8 @@ MAX_ROOMS = 65536  # rooms held per table; a flood beyond this is dropped (oldes
 class RoomInbox:
     """The three tables of one prefill rank (engine-thread state).
 
-    :param ttl_s: ``bootstrap_timeout_s`` (seconds): how long an early DestInfo or abort is
-        kept; a cleared failed room is kept twice as long.
+    :param ttl_s: how long an early DestInfo or abort, or a cleared failed room, is kept
+        (seconds; the sender gives ``max(bootstrap_timeout_s, waiting_timeout_s)``).
     :ivar dests: room -> decode rank -> (early DestInfo, arrival monotonic time).
     :ivar aborts: room -> decode rank -> (generation, reason, arrival time) of early aborts.
     :ivar failed: room -> (reason, clear time, decode ranks told at the failure).
@@ -49,17 +53,24 @@ class RoomInbox:
             del self.failed[next(iter(self.failed))]
         self.failed[room] = (reason, time.monotonic(), told)
 
-    def expire(self, now: float, counts: Counter[str]) -> None:
-        """Forget early DestInfos and aborts older than :attr:`ttl_s` (counted
-        ``dest_expired`` / ``abort_expired``) and failed rooms cleared over 2 x ago."""
-        for room in [r for r, (_w, t, _k) in self.failed.items() if now - t > 2 * self.ttl_s]:
+    def expire(self, now: float, counts: Counter[str]) -> list[tuple[PeerKey, DestInfo]]:
+        """Forget early DestInfos and aborts and cleared failed rooms older than
+        :attr:`ttl_s` (counted ``dest_expired`` / ``abort_expired``); returns the expired
+        DestInfos with their decode rank (the caller refuses each)."""
+        for room in [r for r, (_w, t, _k) in self.failed.items() if now - t > self.ttl_s]:
             del self.failed[room]
-        for table, counter in ((self.dests, "dest_expired"), (self.aborts, "abort_expired")):
-            for room in [
-                r for r, box in table.items() if all(now - v[-1] > self.ttl_s for v in box.values())
-            ]:
-                del table[room]
-                counts[counter] += 1
+        expired: list[tuple[PeerKey, DestInfo]] = []
+        for room in self._old(self.dests, now):
+            expired.extend((key, d) for key, (d, _t) in self.dests.pop(room).items())
+            counts["dest_expired"] += 1
+        for room in self._old(self.aborts, now):
+            del self.aborts[room]
+            counts["abort_expired"] += 1
+        return expired
+
+    def _old(self, table: dict[int, dict[PeerKey, Any]], now: float) -> list[int]:
+        ttl = self.ttl_s
+        return [r for r, box in table.items() if all(now - v[-1] > ttl for v in box.values())]
 
     def gauges(self) -> dict[str, int]:
         """Rooms each table holds."""

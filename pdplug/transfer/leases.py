@@ -1,7 +1,7 @@
 """The prefill side's rooms on the engine thread: leases, intake, aborts and failure notices.
 
 A room started by the host becomes a :class:`~pdplug.transfer.records.Lease`. DestInfos that
-arrive before ``start`` wait in an inbox for ``bootstrap_timeout_s``. The lease turns
+arrive before ``start`` wait in a :class:`~pdplug.transfer.inbox.RoomInbox`. The lease turns
 ``WaitingForInput`` once every decode rank this prefill rank feeds sent its DestInfo: every DCP
 rank of every decode TP rank the head routing gives it (:func:`pdplug.heads.fed_ranks`); each
 segment becomes one job per destination for the :class:`~pdplug.transfer.pipeline.SendPipeline`,
@@ -17,7 +17,8 @@ Every way a room ends reaches the decode side within one round trip:
   notice at once. An abort that comes before ``start`` is remembered, so ``start`` fails the
   room at once instead of waiting for ``bootstrap_timeout_s``;
 * a DestInfo for a room that already failed here is refused at once with the room's reason,
-  also after the host cleared the room (:class:`~pdplug.transfer.inbox.RoomInbox`);
+  also after the host cleared the room; one whose room did not start while the decode waits
+  is refused then (:class:`~pdplug.transfer.inbox.RoomInbox`);
 * two decode instances claiming one room are both told: the room fails if nothing was sent
   yet, else the later claimant is refused; one request's KV never goes to another's pages;
 * a segment that ends past, or a last segment that ends short of, the ``num_tokens`` the
@@ -56,7 +57,8 @@ class SendLeases:
     :param engine: returns the current engine; ``tags``: the engine-notification codec.
     :param codec: the control codec (counts semantic drops).
     :param regions: returns the pack regions (set at ``register_kv``).
-    :param inbox_ttl_s: ``bootstrap_timeout_s``: how long an early DestInfo or abort is kept.
+    :param inbox_ttl_s: how long an early DestInfo or abort is kept (seconds): as long as the
+        decode waits for the room, ``max(bootstrap_timeout_s, waiting_timeout_s)``.
     :param event: ``(kind, lease, **fields)`` observer hook of the session.
     :param counts: the session's counters.
     :param after: runs a closure once the engine thread's round released the engine lock
@@ -337,16 +339,16 @@ class SendLeases:
             self.draining[:] = [ls for ls in self.draining if ls.inflight]
 
     def expire_inbox(self, now: float) -> None:
-        """Forget what :class:`~pdplug.transfer.inbox.RoomInbox` holds past its time."""
-        self.box.expire(now, self._counts)
+        """Forget what :class:`~pdplug.transfer.inbox.RoomInbox` holds past its time; refuse
+        each expired early DestInfo (its decode rank fails the room now, nothing was sent)."""
+        for key, d in self.box.expire(now, self._counts):
+            if (peer := self._peers.by_position(key)) is not None and peer.alive:
+                ttl, rank = self.box.ttl_s, self._rank
+                self._refuse(peer, d, f"prefill rank {rank} did not start it in {ttl:g} s")
 
     def gauges(self) -> dict[str, int]:
         """What the table holds now."""
-        return {
-            "leases": len(self.leases),
-            "draining": len(self.draining),
-            **self.box.gauges(),
-        }
+        return {"leases": len(self.leases), "draining": len(self.draining), **self.box.gauges()}
 
     # ------------------------------------------------------------------ control messages
     def on_dest(self, peer: Peer, d: DestInfo, now: float) -> None:

@@ -175,7 +175,8 @@ class KVSenderSession(RoomSession):
             codec=self._codec,
             tags=self._tags,
             regions=lambda: self._regions,
-            inbox_ttl_s=config.bootstrap_timeout_s,
+            # an early DestInfo waits as long as its decode rank waits for the room
+            inbox_ttl_s=max(config.bootstrap_timeout_s, config.waiting_timeout_s),
             event=self._event,
             counts=self.counts,
             after=self._loop.after_round,

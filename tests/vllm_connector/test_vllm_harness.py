@@ -76,3 +76,29 @@ def test_hold_ranks_counts_the_workers_that_installed_this_switch(
     assert hold_ranks(log, switch) == 2
     assert hold_ranks(log, tmp_path / "unrelated") == 0
     assert hold_ranks(tmp_path / "missing.log", switch) == 0
+
+
+def test_extra_prefills_push_to_the_one_decode_and_the_fail_decode_is_tp1(tmp_path: Path) -> None:
+    ports = list(range(41000, 41014))
+    s = run_specs("pdplug", "/model", ports, tmp_path, decode_tp=2, fault_prompts=6,
+                  extra_prefills=[(1, 2), (2, 1)], bootstrap_timeout_s=10)  # fmt: skip
+    names = [e.name for e in s.engines]
+    assert names == ["single", "prefill", "decode", "decode-fail", "prefill-1", "prefill-2"]
+    assert s.decode.tensor_parallel_size == 2 and s.decode.cpu_cores == "1|1"
+    assert s.decode_fail is not None and s.decode_fail.tensor_parallel_size == 1
+    assert s.decode_fail.cpu_cores == "1"
+    (p1, _), (p2, _) = s.extra
+    assert (p1.tensor_parallel_size, p2.pipeline_parallel_size) == (2, 2)
+    for i, (p, o) in enumerate(s.extra, 1):
+        doc = p.kv_transfer or {}
+        extra = doc["kv_connector_extra_config"]
+        assert doc["engine_id"] == extra["instance"] == o["prefill_instance"] == f"prefill-{i}"
+        assert o["bootstrap"] == f"tcp://127.0.0.1:{extra['bootstrap_port']}"
+        assert extra["bootstrap_timeout_s"] == 10 and FAULT_ENV not in p.env
+    # every engine on its own port, every rendezvous on its own
+    http = [e.port for e in s.engines]
+    assert len(set(http)) == len(http)
+    with pytest.raises(ValueError, match="ports"):
+        run_specs("pdplug", "/model", PORTS, tmp_path, extra_prefills=[(1, 2)])
+    with pytest.raises(ValueError, match="extra_prefills"):
+        run_specs("nixl", "/model", ports, tmp_path, extra_prefills=[(1, 2)])

