@@ -36,6 +36,8 @@ def run_sglang_demo(
     :raises pdplug_engines.procs.EngineError: an engine did not start.
     """
     reqs = load_trace(trace, limit=requests or 16, scale=scale)
+    if not reqs:
+        raise ValueError(f"--trace {trace}: the trace has no requests")
     prompts = [prompt_tokens(r, TINY.vocab_size).tolist() for r in reqs]
     sender = os.environ.get("PDPLUG_KV_SENDER", "") or "nixl"
     label = f"pdplug-{sender}" if sender in ("nixl", "mooncake") else "pdplug-nixl"

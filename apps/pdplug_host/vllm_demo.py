@@ -39,10 +39,13 @@ def run_vllm_demo(
 
     :raises pdplug_engines.procs.EngineError: an engine did not start.
     :raises pdplug_host.trace.TraceFormatError: the trace cannot be read as either format.
+    :raises ValueError: the trace has no requests.
     :raises ValueError: a shape :func:`pdplug_vllm.parity.check_shape` refuses.
     """
     spec = TinyLlama()
     reqs = load_trace(trace, limit=requests or 16, scale=scale)
+    if not reqs:
+        raise ValueError(f"--trace {trace}: the trace has no requests")
     prompts = [prompt_tokens(r, spec.vocab_size).tolist() for r in reqs]
 
     def run(workdir: str) -> ParityResult:

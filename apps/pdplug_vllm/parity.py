@@ -469,6 +469,8 @@ def run_parity(
     engines, switch = specs.engines, specs.switch
     if prompts is None:
         prompts = token_prompts(requests, prompt_tokens, spec.vocab_size, seed=1)
+    if not prompts:
+        raise ValueError("run_parity: prompts is empty (a trace with no requests?)")
     bad = [i for i, p in enumerate(prompts) if not p or max(p) >= spec.vocab_size]
     if bad:
         raise ValueError(f"run_parity: prompts {bad[:5]} are empty or hold ids >= "

@@ -102,3 +102,16 @@ def test_extra_prefills_push_to_the_one_decode_and_the_fail_decode_is_tp1(tmp_pa
         run_specs("pdplug", "/model", PORTS, tmp_path, extra_prefills=[(1, 2)])
     with pytest.raises(ValueError, match="extra_prefills"):
         run_specs("nixl", "/model", ports, tmp_path, extra_prefills=[(1, 2)])
+
+
+def test_an_empty_trace_is_refused_before_any_engine_starts(tmp_path: Path) -> None:
+    from pdplug_host.vllm_demo import run_vllm_demo
+    from pdplug_vllm.parity import run_parity
+
+    empty = tmp_path / "empty.trace"
+    for text in ("", "[]", "\n\n"):
+        empty.write_text(text)
+        with pytest.raises(ValueError, match=r"--trace .*empty.trace: the trace has no requests"):
+            run_vllm_demo(None, 32, 8, trace=str(empty))
+    with pytest.raises(ValueError, match="prompts is empty"):
+        run_parity("pdplug", tmp_path, prompts=[])
