@@ -23,7 +23,13 @@ from pdplug.transfer.faults import FAULT_ENV
 from pdplug_engines.metrics import settled
 from pdplug_engines.procs import EngineError, running
 from pdplug_engines.tiny_model import TinyLlama, build_tiny_llama, token_prompts
-from pdplug_engines.tokens import Completion, compare_tokens, kv_bytes_bounds, percentile
+from pdplug_engines.tokens import (
+    Completion,
+    RequestFailed,
+    compare_tokens,
+    kv_bytes_bounds,
+    percentile,
+)
 from pdplug_vllm.bad_params import BadParamsResult, probe_bad_params
 from pdplug_vllm.client import complete_all
 from pdplug_vllm.engines import EngineSpec, kv_transfer_config
@@ -546,16 +552,43 @@ def run_parity(
                     url, fresh, max(max_tokens, 512), p_engine, d_engine, timeout_s=kill_timeout_s,
                     rooms=connector == "pdplug", hold_switch=switch,
                 )  # fmt: skip
+    return _result(
+        connector, prompts, ref, got, warm, spec, prefill, decode, t0=t0, start_s=start_s,
+        single_run_s=single_run_s, run_s=disagg_run_s, max_tokens=max_tokens,
+        kv_bytes=kv_bytes, kill=kill, faults=faults, bad_params=probed, restart=restarted,
+        extra=extra,
+    )  # fmt: skip
+
+
+def _result(
+    connector: str,
+    prompts: Sequence[Sequence[int]],
+    ref: Sequence[Completion | RequestFailed],
+    got: Sequence[Completion | RequestFailed],
+    warm: Sequence[int],
+    spec: TinyLlama,
+    prefill: EngineSpec,
+    decode: EngineSpec,
+    *,
+    t0: float,
+    start_s: float,
+    single_run_s: float,
+    run_s: float,
+    max_tokens: int,
+    kv_bytes: int,
+    **phases: Any,
+) -> ParityResult:
+    """One pair's :class:`ParityResult`: tokens compared, TTFTs, and the bytes the prompts
+    need (both connectors move whole blocks: vLLM CPU attention's K slab is tiled per block)."""
     parity = compare_tokens(ref, got, prompts)
     ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
     ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
     bs = prefill.block_size
-    # both connectors move whole blocks (vLLM CPU attention's K slab is tiled per block)
-    lo, hi, unit = kv_bytes_bounds([warm, *prompts], spec, bs, bs)
+    lo, hi, unit = kv_bytes_bounds([list(warm), *prompts], spec, bs, bs)
     return ParityResult(
         connector=connector,
-        requests=requests,
-        prompt_tokens=prompt_tokens,
+        requests=len(prompts),
+        prompt_tokens=max(len(p) for p in prompts),
         max_tokens=max_tokens,
         identical=parity.identical,
         failed=parity.failed,
@@ -563,23 +596,19 @@ def run_parity(
         start_s=start_s,
         wall_s=time.monotonic() - t0,
         single_run_s=single_run_s,
-        disagg_run_s=disagg_run_s,
+        disagg_run_s=run_s,
         ttft_p50_s=percentile(ttft, 50),
         ttft_p99_s=percentile(ttft, 99),
         single_ttft_p50_s=percentile(ref_ttft, 50),
-        throughput_rps=len(ttft) / disagg_run_s if disagg_run_s else 0.0,
+        throughput_rps=len(ttft) / run_s if run_s else 0.0,
         kv_bytes=kv_bytes,
         kv_bytes_min=lo,
         kv_bytes_max=hi,
         kv_bytes_unit=unit,
-        kill=kill,
-        faults=faults,
-        prefill_pp=prefill_pp,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        bad_params=probed,
-        restart=restarted,
-        extra=extra,
+        prefill_pp=prefill.pipeline_parallel_size,
+        prefill_tp=prefill.tensor_parallel_size,
+        decode_tp=decode.tensor_parallel_size,
+        **phases,
     )
 
 
@@ -619,35 +648,10 @@ def _extra_pair(
         run_s = time.monotonic() - t1
         metric, _side = BYTES_METRIC[connector]
         kv_bytes = settled(prefill.url, metric)
-    parity = compare_tokens(ref, got, shifted)
-    ttft = [r.ttft_s for r in got if isinstance(r, Completion)]
-    ref_ttft = [r.ttft_s for r in ref if isinstance(r, Completion)]
-    bs = prefill.block_size
-    lo, hi, unit = kv_bytes_bounds([warm, *shifted], spec, bs, bs)
-    return ParityResult(
-        connector=connector,
-        requests=len(shifted),
-        prompt_tokens=max(len(p) for p in shifted),
-        max_tokens=max_tokens,
-        identical=parity.identical,
-        failed=parity.failed,
-        differ=parity.differ,
-        start_s=0.0,
-        wall_s=time.monotonic() - t0,
-        single_run_s=single_run_s,
-        disagg_run_s=run_s,
-        ttft_p50_s=percentile(ttft, 50),
-        ttft_p99_s=percentile(ttft, 99),
-        single_ttft_p50_s=percentile(ref_ttft, 50),
-        throughput_rps=len(ttft) / run_s if run_s else 0.0,
-        kv_bytes=kv_bytes,
-        kv_bytes_min=lo,
-        kv_bytes_max=hi,
-        kv_bytes_unit=unit,
-        prefill_pp=prefill.pipeline_parallel_size,
-        prefill_tp=prefill.tensor_parallel_size,
-        decode_tp=decode.tensor_parallel_size,
-    )
+    return _result(
+        connector, shifted, ref, got, warm, spec, prefill, decode, t0=t0, start_s=0.0,
+        single_run_s=single_run_s, run_s=run_s, max_tokens=max_tokens, kv_bytes=kv_bytes,
+    )  # fmt: skip
 
 
 def _fault_phases(

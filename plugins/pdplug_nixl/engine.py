@@ -63,6 +63,11 @@ from pdplug_nixl.pages import (
 
 __all__ = ["NixlEngine", "import_nixl", "load_system_libnl", "NIXL_MODULES"]
 
+
+def _refused(peer: Any, e: Exception) -> TransferError:
+    return TransferError(f"nixl: WRITE to {peer.name} refused: {type(e).__name__}: {e}")
+
+
 #: NIXL's Python API modules: the ``nixl`` meta package, then the CUDA 12 and CUDA 13 wheels
 NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
@@ -342,15 +347,9 @@ class NixlEngine:
                     tag,
                 )
                 self.counts["initialize_xfer"] += 1
-            state = self._agent.transfer(handle)
         except Exception as e:
-            raise TransferError(
-                f"nixl: WRITE to {peer.name} refused: {type(e).__name__}: {e}"
-            ) from e
-        if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise TransferError(f"nixl: WRITE to {peer.name} failed at post (state ERR)")
-        return handle
+            raise _refused(peer, e) from e
+        return self._start(peer, handle)
 
     def _post_pages(
         self, peer: _Peer, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
@@ -376,11 +375,16 @@ class NixlEngine:
         try:
             handle = self._agent.make_prepped_xfer("WRITE", pair[0], li, pair[1], ri, tag)
             self.counts["page_xfer"] += 1
+        except Exception as e:
+            raise _refused(peer, e) from e
+        return self._start(peer, handle)
+
+    def _start(self, peer: _Peer, handle: Any) -> Any:
+        """Start a built request; raise when NIXL refuses it, release it when it says ``ERR``."""
+        try:
             state = self._agent.transfer(handle)
         except Exception as e:
-            raise TransferError(
-                f"nixl: WRITE to {peer.name} refused: {type(e).__name__}: {e}"
-            ) from e
+            raise _refused(peer, e) from e
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise TransferError(f"nixl: WRITE to {peer.name} failed at post (state ERR)")

@@ -12,7 +12,9 @@ on 127.0.0.1; the decode's waiting timeout is 30 s, far above each bound here.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,78 +27,74 @@ pytestmark = [pytest.mark.timeout(120)]
 FAILED, OK = KVPoll.Failed, KVPoll.Success
 
 
-@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
-def test_a_destinfo_after_the_room_failed_and_was_cleared_fails_the_decode_at_once(
-    backend: str,
-) -> None:
+@contextlib.contextmanager
+def _pair(backend: str, **prefill_kw: float) -> Iterator[tuple[Prefill, Decode]]:
+    """One prefill rank (bootstrap timeout 1 s) and one decode rank (waiting timeout 30 s)."""
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine")
     with rendezvous() as srv:
         pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=1.0)
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=1.0, **prefill_kw)
         dec = Decode(pm, backend, srv.endpoint, dcp=1, bootstrap_timeout_s=1.0,
                      waiting_timeout_s=30.0)  # fmt: skip
         try:
-            snd, rc = pre.senders[0], dec.recvs[0]
-            room = 7
-            snd.start(room)
-            # no DestInfo within the prefill's bootstrap timeout: the room fails there ...
-            assert wait_all([snd], room, 10) == [FAILED]
-            assert "Bootstrapping" in (snd.failure_reason(room) or ""), snd.failure_reason(room)
-            snd.clear(room)  # ... and the host forgets it at once, as the vLLM worker does
-            pages = np.arange(0, 4, dtype=np.int64)
-            t0 = time.monotonic()
-            rc.expect(room, pages, num_tokens=4 * P, instance="prefill-0")
-            assert wait_all([rc], room, 5) == [FAILED], rc.failure_reason(room)
-            assert time.monotonic() - t0 < 5
-            assert "Bootstrapping" in (rc.failure_reason(room) or ""), rc.failure_reason(room)
-            assert rc.drained(room)
-            assert snd.stats()["dest_after_failure"] == 1
-            rc.clear(room)
-            # the same room started again on both sides is a new lease: its DestInfo is adopted
-            snd.start(room)
-            rc.expect(room, pages, num_tokens=4 * P, instance="prefill-0")
-            send_room(pre, room, np.arange(20, 24, dtype=np.int64))
-            assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
-            want = expected(pre, dec, 4 * P, 0, np.arange(20, 24, dtype=np.int64), [pages])
-            assert exact(dec, want, [pages])
+            yield pre, dec
         finally:
             pre.close()
             dec.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_destinfo_after_the_room_failed_and_was_cleared_fails_the_decode_at_once(
+    backend: str,
+) -> None:
+    with _pair(backend) as (pre, dec):
+        snd, rc = pre.senders[0], dec.recvs[0]
+        room = 7
+        snd.start(room)
+        # no DestInfo within the prefill's bootstrap timeout: the room fails there ...
+        assert wait_all([snd], room, 10) == [FAILED]
+        assert "Bootstrapping" in (snd.failure_reason(room) or ""), snd.failure_reason(room)
+        snd.clear(room)  # ... and the host forgets it at once, as the vLLM worker does
+        pages = np.arange(0, 4, dtype=np.int64)
+        t0 = time.monotonic()
+        rc.expect(room, pages, num_tokens=4 * P, instance="prefill-0")
+        assert wait_all([rc], room, 5) == [FAILED], rc.failure_reason(room)
+        assert time.monotonic() - t0 < 5
+        assert "Bootstrapping" in (rc.failure_reason(room) or ""), rc.failure_reason(room)
+        assert rc.drained(room)
+        assert snd.stats()["dest_after_failure"] == 1
+        rc.clear(room)
+        # the same room started again on both sides is a new lease: its DestInfo is adopted
+        snd.start(room)
+        rc.expect(room, pages, num_tokens=4 * P, instance="prefill-0")
+        send_room(pre, room, np.arange(20, 24, dtype=np.int64))
+        assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
+        want = expected(pre, dec, 4 * P, 0, np.arange(20, 24, dtype=np.int64), [pages])
+        assert exact(dec, want, [pages])
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_an_early_destinfo_waits_past_the_bootstrap_timeout_and_is_refused_if_never_started(
     backend: str,
 ) -> None:
-    if backend == "mooncake":
-        pytest.importorskip("mooncake.engine")
-    with rendezvous() as srv:
-        pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=1.0,
-                      waiting_timeout_s=5.0)  # fmt: skip
-        dec = Decode(pm, backend, srv.endpoint, dcp=1, bootstrap_timeout_s=1.0,
-                     waiting_timeout_s=30.0)  # fmt: skip
-        try:
-            snd, rc = pre.senders[0], dec.recvs[0]
-            pages = np.arange(0, 4, dtype=np.int64)
-            # the prefill engine starts the room 2.5 s after the decode's DestInfo came
-            rc.expect(9, pages, num_tokens=4 * P, instance="prefill-0")
-            time.sleep(2.5)
-            snd.start(9)
-            send_room(pre, 9, np.arange(20, 24, dtype=np.int64))
-            assert wait_all([snd, rc], 9, 10) == [OK, OK], snd.failure_reason(9)
-            want = expected(pre, dec, 4 * P, 0, np.arange(20, 24, dtype=np.int64), [pages])
-            assert exact(dec, want, [pages])
-            # a room the prefill never starts: the decode learns it when the DestInfo expires
-            # (5 s, the prefill's waiting timeout), not after its own 30 s
-            t0 = time.monotonic()
-            rc.expect(10, pages, num_tokens=4 * P, instance="prefill-0")
-            assert wait_all([rc], 10, 15) == [FAILED]
-            assert 4 < time.monotonic() - t0 < 12
-            why = rc.failure_reason(10) or ""
-            assert "did not start it in 5 s" in why, why
-            assert rc.drained(10) and snd.stats()["dest_expired"] == 1
-        finally:
-            pre.close()
-            dec.close()
+    with _pair(backend, waiting_timeout_s=5.0) as (pre, dec):
+        snd, rc = pre.senders[0], dec.recvs[0]
+        pages = np.arange(0, 4, dtype=np.int64)
+        # the prefill engine starts the room 2.5 s after the decode's DestInfo came
+        rc.expect(9, pages, num_tokens=4 * P, instance="prefill-0")
+        time.sleep(2.5)
+        snd.start(9)
+        send_room(pre, 9, np.arange(20, 24, dtype=np.int64))
+        assert wait_all([snd, rc], 9, 10) == [OK, OK], snd.failure_reason(9)
+        want = expected(pre, dec, 4 * P, 0, np.arange(20, 24, dtype=np.int64), [pages])
+        assert exact(dec, want, [pages])
+        # a room the prefill never starts: the decode learns it when the DestInfo expires
+        # (5 s, the prefill's waiting timeout), not after its own 30 s
+        t0 = time.monotonic()
+        rc.expect(10, pages, num_tokens=4 * P, instance="prefill-0")
+        assert wait_all([rc], 10, 15) == [FAILED]
+        assert 4 < time.monotonic() - t0 < 12
+        why = rc.failure_reason(10) or ""
+        assert "did not start it in 5 s" in why, why
+        assert rc.drained(10) and snd.stats()["dest_expired"] == 1
