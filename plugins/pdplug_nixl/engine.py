@@ -17,11 +17,9 @@ a compressed (strided) descriptor list of every page of every region on both sid
 write whose runs all start on page boundaries (partial last pages included: a list per distinct
 tail size, prepared the first time that size is written, with exactly the tail's bytes) is
 posted as ``make_prepped_xfer`` with page indices computed in array operations; everything else
-(packed gathers, DCP relayouts) keeps the general path. It is off by default because it
-measured slower in place (``pdplug bench transfer``, 2026-12-03, 2-vCPU VM, UCX over shared
-memory): ``make_prepped_xfer`` took 10-42 us against ``initialize_xfer``'s 7-54 us plus two
-``get_xfer_descs`` (3-23 us each) at 64 KiB-16 MiB, while computing the page indices took
-42-87 us in place (10-15 us in a tight loop).
+(packed gathers, DCP relayouts) keeps the general path. It is off by default: in
+``pdplug bench transfer`` computing the page indices cost more than ``make_prepped_xfer`` saves
+over ``initialize_xfer`` (README, "Fixed cost per send", has the measurement).
 The agent is used by one thread at a time (the holder of the session's engine lock).
 
 Clean exits. The NIXL 1.5.1 wheel bundles its own ``libnl-route-3``; UCX's EFA transport, which
