@@ -9,8 +9,10 @@ the room now, naming why (it was once dropped silently after ``bootstrap_timeout
 started later, failed in ``Bootstrapping`` and the decode waited ``waiting_timeout_s`` for
 bytes no rank would send). A room that failed here and that the host cleared at once (the vLLM
 worker reports a failed room and forgets it in the same step) is remembered as long, with its
-reason and the decode ranks it already told: a DestInfo for it that comes later is refused at
-once.
+reason and, per decode rank, the newest lease generation that rank has been told failed: a
+DestInfo of that lease or an older one that comes later is refused at once (or dropped, when the
+rank was told already); one of a newer lease is for the room's next lease here (a recycled
+room id whose DestInfo outran the prefill's next ``start``) and waits like any early DestInfo.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from pdplug.transfer.records import PeerKey
+from pdplug.transfer.records import Lease, PeerKey
 from pdplug.types import DestInfo
 
 __all__ = ["RoomInbox"]
@@ -34,23 +36,25 @@ class RoomInbox:
         (seconds; the sender gives ``max(bootstrap_timeout_s, waiting_timeout_s)``).
     :ivar dests: room -> decode rank -> (early DestInfo, arrival monotonic time).
     :ivar aborts: room -> decode rank -> (generation, reason, arrival time) of early aborts.
-    :ivar failed: room -> (reason, clear time, decode ranks told at the failure).
+    :ivar failed: room -> (reason, clear time, decode rank -> newest generation told).
     """
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.dests: dict[int, dict[PeerKey, tuple[DestInfo, float]]] = {}
         self.aborts: dict[int, dict[PeerKey, tuple[int, str, float]]] = {}
-        self.failed: dict[int, tuple[str, float, frozenset[PeerKey]]] = {}
+        self.failed: dict[int, tuple[str, float, dict[PeerKey, int]]] = {}
 
     def full(self, room: int) -> bool:
         """A DestInfo for a room not held yet would pass :data:`MAX_ROOMS`."""
         return room not in self.dests and len(self.dests) >= MAX_ROOMS
 
-    def remember_failed(self, room: int, reason: str, told: frozenset[PeerKey]) -> None:
-        """``room`` failed here and its host cleared it; ``told``: ranks already told."""
+    def remember_failed(self, room: int, reason: str, lease: Lease) -> None:
+        """``room`` failed here and its host cleared ``lease``; the ranks whose DestInfo it had
+        were told at the failure (their generations are kept)."""
         if room not in self.failed and len(self.failed) >= MAX_ROOMS:
             del self.failed[next(iter(self.failed))]
+        told = {key: d.generation for key, d in lease.dests.items()}
         self.failed[room] = (reason, time.monotonic(), told)
 
     def expire(self, now: float, counts: Counter[str]) -> list[tuple[PeerKey, DestInfo]]:

@@ -211,8 +211,7 @@ class SendLeases:
             self.fail(lease, f"cleared on prefill rank {self._rank} before completion")
         del self.leases[room]
         if lease.failed:
-            why = lease.reason or "failed on the prefill rank"
-            self.box.remember_failed(room, why, frozenset(lease.dests))
+            self.box.remember_failed(room, lease.reason or "failed on the prefill rank", lease)
         lease.cleared = True
         self._pipe.purge(lease)
         if lease.inflight:
@@ -362,13 +361,15 @@ class SendLeases:
         lease = self.leases.get(d.room)
         if lease is None and d.room in self.box.failed:
             why, _t, told = self.box.failed[d.room]
-            if peer.key in told:  # a repeat: it was told at the failure (writes may drain)
+            seen = told.get(peer.key)
+            if seen is None:  # it failed here and the host cleared it: the rank learns it now
+                told[peer.key] = d.generation
+                self._counts["dest_after_failure"] += 1
+                self._refuse(peer, d, why)
+                return
+            if d.generation <= seen:  # a repeat (a newer lease: early for the next one here)
                 self._codec.drop("other")
                 return
-            # it failed here and the host cleared it: the decode rank learns it now
-            self._counts["dest_after_failure"] += 1
-            self._refuse(peer, d, why)
-            return
         if lease is None:
             tomb = self.box.aborts.get(d.room, {})
             if peer.key in tomb and tomb[peer.key][0] < d.generation:
