@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -232,11 +232,13 @@ def _kill_while_rooms_live(
     rooms: bool,
     kill_after_s: float = 1.0,
     hold_switch: str | Path | None = None,
+    after_kill: Callable[[], None] | None = None,
 ) -> tuple[list[Completion | RequestFailed], int, float]:
     """Send ``prompts`` through the proxy at ``url`` (all at once) and SIGKILL ``victim``'s
     process group once the prefill engine at ``p_url`` holds rooms of them (``rooms``; polled,
     at most 30 s) or ``kill_after_s`` later; ``hold_switch`` holds the prefill's writes from
-    before the requests until just after the kill (:func:`kill_decode_mid_run`).
+    before the requests until just after the kill (:func:`kill_decode_mid_run`);
+    ``after_kill`` runs then, while the requests are still ending.
 
     :returns: the answers (every request ended, or the list is short), the rooms the prefill
         held at the kill (-1 without ``rooms``), seconds from the kill until the last ended.
@@ -270,6 +272,8 @@ def _kill_while_rooms_live(
         if hold_switch is not None:
             Path(hold_switch).unlink(missing_ok=True)
     killed = time.monotonic()
+    if after_kill is not None:
+        after_kill()
     t.join(timeout_s + 10.0)
     return (box[0] if box else []), held, time.monotonic() - killed
 
@@ -366,6 +370,18 @@ class RestartResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_workers: int = 1
 
 
+def _wait_group_gone(pgid: int, *, timeout_s: float) -> None:
+    """Until no process of group ``pgid`` is left (its ports free again), at most
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
 def restart_prefill(
     url: str,
     inflight: Sequence[Sequence[int]],
@@ -381,31 +397,44 @@ def restart_prefill(
 ) -> tuple[RestartResult, Engine]:
     """Send ``inflight`` through the proxy at ``url`` and SIGKILL the prefill engine's process
     group while it holds rooms of them (``hold_switch``: as :func:`kill_decode_mid_run`); every
-    one must end within ``timeout_s`` and the decode engine must free every block. Then start
-    the same prefill spec again (same ports: the same rendezvous address and instance name) and
-    send ``prompts`` one at a time once it is ready: each must be answered with ``ref``'s tokens
+    one must end within ``timeout_s`` and the decode engine must free every block. The same
+    prefill spec starts again as soon as the killed processes are gone (same ports: the same
+    rendezvous address and instance name), as a supervisor restarts it, so it comes up while
+    the decode still waits for the dead instance's rooms; ``prompts`` are sent one at a time
+    once those ended and it is ready: each must be answered with ``ref``'s tokens
     (the single engine's), with no decode restarted.
 
     :returns: the result and the new prefill engine (the caller stops it).
     :raises pdplug_engines.procs.EngineError: the new prefill did not start.
     """
-    from pdplug_engines.procs import launch
+    from pdplug_engines.procs import EngineError, launch
     from pdplug_engines.tokens import compare_tokens
 
-    res, held, ended_s = _kill_while_rooms_live(
-        url, inflight, max_tokens, prefill.spec.url, prefill, timeout_s=timeout_s, rooms=True,
-        hold_switch=hold_switch,
-    )  # fmt: skip
-    t_kill = time.monotonic() - ended_s
-    prefill.proc.wait(timeout=30.0)
-    done = len(res) == len(inflight)
-    idle = wait_idle(decode.spec.url, timeout_s=90.0) if done and decode.alive() else None
     spec = msgspec.structs.replace(prefill.spec, name=f"{prefill.spec.name}-restarted")  # type: ignore[type-var]
-    new = launch(spec, prefill.log_path.parent)
+    started: list[Engine] = []
+
+    def start_again() -> None:
+        # as a supervisor does: the new processes start as soon as the old ones are gone,
+        # while the decode still waits out the dead instance's rooms (KVConfig.transfer_timeout_s)
+        prefill.proc.wait(timeout=30.0)
+        _wait_group_gone(prefill.proc.pid, timeout_s=30.0)
+        started.append(launch(spec, prefill.log_path.parent))
+
     try:
+        res, held, ended_s = _kill_while_rooms_live(
+            url, inflight, max_tokens, prefill.spec.url, prefill, timeout_s=timeout_s,
+            rooms=True, hold_switch=hold_switch, after_kill=start_again,
+        )  # fmt: skip
+        t_kill = time.monotonic() - ended_s
+        done = len(res) == len(inflight)
+        idle = wait_idle(decode.spec.url, timeout_s=90.0) if done and decode.alive() else None
+        if not started:
+            raise EngineError(f"{spec.name}: not started again after the kill")
+        new = started[0]
         new.wait_ready(start_timeout_s)
-    except Exception:
-        new.stop()
+    except BaseException:
+        for e in started:
+            e.stop()
         raise
     t_ready = time.monotonic()
     # one at a time: the first request is the first room bound for the new instance
