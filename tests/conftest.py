@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Generator
 from types import ModuleType
 
@@ -35,6 +36,18 @@ from pdplug.testing.netns import NETNS, netns_available, require_netns
 #: optional modules a test can be marked with: the backends plus torch
 OPTIONAL = (*BACKEND_MODULES, "torch")
 TORCH_MISSING = "No module named 'torch'"
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (``timeout``, CI cancelling a job) unwinds like Ctrl-C: the engines, workers and
+    namespaces a test started are stopped by its ``finally`` blocks; the default action killed
+    pytest alone and left each engine's process group running."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
