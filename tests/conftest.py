@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Generator
 from types import ModuleType
 
@@ -38,16 +37,15 @@ OPTIONAL = (*BACKEND_MODULES, "torch")
 TORCH_MISSING = "No module named 'torch'"
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """SIGTERM (``timeout``, CI cancelling a job) unwinds like Ctrl-C: the engines, workers and
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session: pytest.Session) -> Generator[None, object, object]:
+    """SIGTERM (``timeout``, a cancelled CI job) unwinds like Ctrl-C: the engines, workers and
     namespaces a test started are stopped by its ``finally`` blocks; the default action killed
     pytest alone and left each engine's process group running."""
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
+    from pdplug_engines.procs import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():
+        return (yield)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -124,6 +124,23 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def wait_gone(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no process of the engine's group is left (its ports are free again),
+        at most ``timeout_s`` seconds.
+
+        :returns: whether the group is gone.
+        """
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout_s)  # reaped: a zombie leader still counts in the group
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.05)
+        return False
+
 
 def launch(spec: LaunchSpec, log_dir: str | Path) -> Engine:
     """Start ``spec`` in a new process group, logging to ``<log_dir>/<name>.log``.

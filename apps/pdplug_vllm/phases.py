@@ -370,18 +370,6 @@ class RestartResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_workers: int = 1
 
 
-def _wait_group_gone(pgid: int, *, timeout_s: float) -> None:
-    """Until no process of group ``pgid`` is left (its ports free again), at most
-    ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-
-
 def restart_prefill(
     url: str,
     inflight: Sequence[Sequence[int]],
@@ -416,8 +404,8 @@ def restart_prefill(
     def start_again() -> None:
         # as a supervisor does: the new processes start as soon as the old ones are gone,
         # while the decode still waits out the dead instance's rooms (KVConfig.transfer_timeout_s)
-        prefill.proc.wait(timeout=30.0)
-        _wait_group_gone(prefill.proc.pid, timeout_s=30.0)
+        if not prefill.wait_gone(30.0):
+            raise EngineError(f"{prefill.spec.name}: processes left 30 s after the kill")
         started.append(launch(spec, prefill.log_path.parent))
 
     try:
