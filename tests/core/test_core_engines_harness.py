@@ -76,6 +76,19 @@ def test_an_engine_starts_answers_health_and_stops_with_its_children(tmp_path) -
     assert not _alive(child), "the server's child outlived the stop"
 
 
+def test_wait_gone_waits_for_the_whole_group_after_a_kill(tmp_path) -> None:
+    (port,) = free_ports(1)
+    with running([Spec("srv", port)], tmp_path, timeout_s=30.0) as (e,):
+        child = int(e.log_path.read_text().split()[1])
+        assert not e.wait_gone(0.3)  # alive: the group stays
+        e.kill()
+        assert e.wait_gone(10.0)
+        assert not _alive(child) and not e.alive()
+        # the port is free again: a new server can take it at once (a restart on the same ports)
+        with running([Spec("srv-again", port)], tmp_path, timeout_s=30.0) as (again,):
+            assert again.alive()
+
+
 def test_an_engine_that_exits_before_ready_is_named_with_its_log(tmp_path) -> None:
     (port,) = free_ports(1)
     e = launch(Spec("boom", port, code="print('no model here'); raise SystemExit(3)"), tmp_path)
