@@ -29,13 +29,15 @@ FAILED, OK = KVPoll.Failed, KVPoll.Success
 
 @contextlib.contextmanager
 def _pair(backend: str, **prefill_kw: float) -> Iterator[tuple[Prefill, Decode]]:
-    """One prefill rank (bootstrap timeout 1 s) and one decode rank (waiting timeout 30 s)."""
+    """One prefill rank (bootstrap timeout 1 s: its rooms fail fast) and one decode rank
+    (waiting timeout 30 s; bootstrap timeout 10 s, the bound of its handshake, which took more
+    than 1 s on a loaded CI machine)."""
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine")
     with rendezvous() as srv:
         pm = PluginManager()
         pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=1.0, **prefill_kw)
-        dec = Decode(pm, backend, srv.endpoint, dcp=1, bootstrap_timeout_s=1.0,
+        dec = Decode(pm, backend, srv.endpoint, dcp=1, bootstrap_timeout_s=10.0,
                      waiting_timeout_s=30.0)  # fmt: skip
         try:
             yield pre, dec
