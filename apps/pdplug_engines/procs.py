@@ -20,7 +20,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["EngineError", "LaunchSpec", "Engine", "launch", "running", "sigterm_as_interrupt"]
+__all__ = [
+    "EngineError",
+    "LaunchSpec",
+    "Engine",
+    "launch",
+    "running",
+    "stop_all",
+    "sigterm_as_interrupt",
+]
 
 
 class EngineError(RuntimeError):
@@ -100,14 +108,19 @@ class Engine:
             f"{self.log_tail()}"
         )
 
+    def terminate(self) -> None:
+        """SIGTERM the process group without waiting (the start of :meth:`stop`)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self, grace_s: float = 20.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; idempotent.
 
         :returns: the exit status of the server process.
         """
         if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -172,14 +185,40 @@ def running(
     """
     engines: list[Engine] = []
     try:
-        engines = [launch(s, log_dir) for s in specs]
+        for s in specs:  # each one kept as it starts: an interrupt between two launches too
+            engines.append(launch(s, log_dir))
         deadline = time.monotonic() + timeout_s
         for e in engines:
             e.wait_ready(max(1.0, deadline - time.monotonic()))
         yield engines
     finally:
-        for e in engines:
-            e.stop()
+        stop_all(engines)
+
+
+def stop_all(engines: Sequence[Engine], grace_s: float = 20.0) -> None:
+    """Stop every engine: SIGTERM all groups at once, then wait for each (SIGKILL after
+    ``grace_s`` seconds from the start), so they drain in parallel and an interrupt while
+    waiting (a second Ctrl-C) still leaves every one signalled, and still stops the rest.
+
+    :raises BaseException: the first exception (an interrupt) raised while stopping, once
+        every engine was stopped.
+    """
+    first: BaseException | None = None
+    for e in engines:
+        try:
+            e.terminate()
+        except BaseException as exc:  # stop the rest, then raise it
+            first = first or exc
+    deadline = time.monotonic() + grace_s
+    for e in engines:
+        for _ in range(3):  # interrupted while waiting: this one again (it SIGKILLs sooner)
+            try:
+                e.stop(max(0.0, deadline - time.monotonic()))
+                break
+            except BaseException as exc:  # stop the rest, then raise it
+                first = first or exc
+    if first is not None:
+        raise first
 
 
 @contextlib.contextmanager
@@ -194,7 +233,13 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
         return
 
+    fired = False
+
     def _terminated(signum: int, frame: object) -> None:
+        nonlocal fired
+        if fired:  # the first one is unwinding (stopping engines): let it finish
+            return
+        fired = True
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, _terminated)

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from pdplug_engines.procs import Engine, EngineError
+from pdplug_engines.procs import Engine, EngineError, stop_all
 from pdplug_engines.tiny_model import TinyLlama, build_tiny_llama, token_prompts
 from pdplug_engines.tokens import Completion, compare_tokens, kv_bytes_bounds, percentile
 from pdplug_vllm.engines import EngineSpec, kv_transfer_config
@@ -150,8 +150,7 @@ def run_netns_pair(
                     f"{drv.stderr[-3000:]}\n{tails}"
                 )
         finally:
-            for e in engines:
-                e.stop()
+            stop_all(engines)
     got = msgspec.json.decode(out.read_bytes())
     return NetnsPairResult(
         requests=got["requests"], identical=got["identical"],

@@ -395,7 +395,7 @@ def restart_prefill(
     :returns: the result and the new prefill engine (the caller stops it).
     :raises pdplug_engines.procs.EngineError: the new prefill did not start.
     """
-    from pdplug_engines.procs import EngineError, launch
+    from pdplug_engines.procs import EngineError, launch, stop_all
     from pdplug_engines.tokens import compare_tokens
 
     spec = msgspec.structs.replace(prefill.spec, name=f"{prefill.spec.name}-restarted")  # type: ignore[type-var]
@@ -421,8 +421,7 @@ def restart_prefill(
         new = started[0]
         new.wait_ready(start_timeout_s)
     except BaseException:
-        for e in started:
-            e.stop()
+        stop_all(started)
         raise
     t_ready = time.monotonic()
     # one at a time: the first request is the first room bound for the new instance

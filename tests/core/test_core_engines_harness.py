@@ -118,3 +118,60 @@ def test_kv_bytes_bounds_count_shared_full_blocks_once() -> None:
     lo, hi, unit = kv_bytes_bounds([a, b], spec, 32, 32)
     assert unit == 32 * per_token
     assert hi == (96 + 96) * per_token and lo == (96 + 32) * per_token
+
+
+# a server that shuts down slowly on SIGTERM (as vLLM's api_server drains), so a second signal
+# to the harness lands while it is still stopping the first engine
+SLOW_STOP = SERVER.replace(
+    "class H(",
+    "import signal, threading\n"
+    "signal.signal(signal.SIGTERM, lambda *a: threading.Timer(2.0, os._exit, (0,)).start())\n"
+    "class H(",
+)
+HARNESS = """
+import json, sys, time
+sys.path[:0] = json.loads(sys.argv[3])
+from test_core_engines_harness import SLOW_STOP, Spec
+from pdplug_engines.procs import running, sigterm_as_interrupt
+ports = json.loads(sys.argv[2])
+specs = [Spec(f"srv{i}", p, SLOW_STOP) for i, p in enumerate(ports)]
+with sigterm_as_interrupt():
+    with running(specs, sys.argv[1], 60.0) as es:
+        print(json.dumps([e.proc.pid for e in es]), flush=True)
+        time.sleep(600)
+"""
+
+
+def test_a_second_sigterm_while_stopping_still_stops_every_engine(tmp_path) -> None:
+    """A harness interrupted again while it stops its engines (``timeout`` and a CI runner
+    both signal it; the first engine takes seconds to drain) still stops all of them."""
+    import json
+    import signal
+    import subprocess
+
+    ports = free_ports(3)
+    path = [os.path.dirname(os.path.abspath(__file__)), *sys.path]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(tmp_path), json.dumps(ports), json.dumps(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("["), f"the engines never came up: {proc.stderr.read()[-2000:]}"
+        leaders = json.loads(line)
+        children = [int((tmp_path / f"srv{i}.log").read_text().split()[1]) for i in range(3)]
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the harness is now waiting for srv0 to drain
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 10.0
+        while any(_alive(p) for p in leaders + children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in leaders + children if _alive(p)]
+        for p in left:  # do not leak them into the rest of the run
+            os.kill(p, signal.SIGKILL)
+        assert not left, f"processes left after the harness stopped: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
