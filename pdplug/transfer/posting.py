@@ -31,6 +31,8 @@ from pdplug.wire import Codec
 
 __all__ = ["WritePoster"]
 
+_SUM = np.add.reduce  # ndarray.sum's Python wrapper costs more than a short array's sum
+
 
 class WritePoster:
     """Posts and reaps one sender's writes (engine-lock holder only).
@@ -150,7 +152,7 @@ class WritePoster:
             return
         self.timings["post_s"] += time.perf_counter() - t0
         wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
-        self.inflight.add(job, peer, handle, region, int(ln.sum()), tag, now, not wakes)
+        self.inflight.add(job, peer, handle, region, int(_SUM(ln)), tag, now, not wakes)
         self.counts["posts"] += 1
         self.counts["runs"] += int(ln.shape[0])
 

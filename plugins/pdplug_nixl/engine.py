@@ -191,6 +191,10 @@ class NixlEngine:
         self._prep_max = int(extra.get("prep_cache", "32"))
         self._prep_bytes = int(extra.get("prep_max_desc_bytes", "4096"))
         self._notifs: list[tuple[str, bytes]] = []
+        # handles whose post already completed (UCX copied inside postXferReq): no status call
+        self._done_at_post: set[Any] = set()
+        # handles of ended writes, released off the send path (next post, progress or close)
+        self._ended: list[Any] = []
         self._max_notifs = int(extra.get("max_notifs", "65536"))
         self._pages_on = extra.get("page_lists", "0") == "1"
         self._layout = lay
@@ -386,6 +390,10 @@ class NixlEngine:
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise TransferError(f"nixl: WRITE to {peer.name} failed at post (state ERR)")
+        if state == "DONE":
+            self._done_at_post.add(handle)
+        if self._ended:
+            self._release_ended()
         return handle
 
     def _prepped(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> Any:
@@ -427,6 +435,8 @@ class NixlEngine:
 
     def check(self, xfer: Any) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"`` (an exception from NIXL counts as ``"ERR"``)."""
+        if xfer in self._done_at_post:
+            return "DONE"
         try:
             return str(self._agent.check_xfer_state(xfer))
         except Exception:
@@ -437,8 +447,21 @@ class NixlEngine:
         return False
 
     def release(self, xfer: Any) -> None:
-        """Release a transfer handle."""
-        self._agent.release_xfer_handle(xfer)
+        """Release a transfer handle whose write ended: at the next post or progress round,
+        not on the thread reaping it (a host's ``poll()`` waits for nothing it does not need);
+        at once when the engine is closing."""
+        self._done_at_post.discard(xfer)
+        self._ended.append(xfer)
+        if len(self._ended) >= 64:
+            self._release_ended()
+
+    def _release_ended(self) -> None:
+        ended, self._ended = self._ended, []
+        for h in ended:
+            try:
+                self._agent.release_xfer_handle(h)
+            except Exception:
+                pass
 
     def notify(self, peer: Any, tag: bytes) -> None:
         """Send ``tag`` without data."""
@@ -450,6 +473,8 @@ class NixlEngine:
         and counted as ``notifs_lost``, reported in the session's ``stats()``); nothing after
         :meth:`close`."""
         if self._agent is not None:
+            if self._ended:
+                self._release_ended()
             self._take(self._agent.get_new_notifs())
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
@@ -472,6 +497,8 @@ class NixlEngine:
         idempotent (the session released its transfer handles before)."""
         if self._agent is None:
             return
+        self._release_ended()
+        self._done_at_post.clear()
         for _k, (lh, rh, _i) in list(self._prep.items()):
             self._release_dlist(lh)
             self._release_dlist(rh)

@@ -240,3 +240,40 @@ def test_page_lists_land_the_same_bytes_as_the_general_path(
         want[e][d * pb : d * pb + n - off] = pairs[0].src[e][s * pb + off : s * pb + n]
     for got in outs:
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.nixl
+def test_ended_handles_are_released_off_the_send_path_and_at_close() -> None:
+    """``release`` of an ended write defers NIXL's release to the next post or progress round
+    (the host that reaped it waits for nothing more); every handle is released by then, and
+    ``close`` releases what is left; a write that ended inside its post reads ``DONE`` with no
+    status call."""
+    pair = _Pair(False)
+    try:
+        a = pair.a
+        base = [t.data_ptr() for t in pair.src], [t.data_ptr() for t in pair.dst]
+        one = (np.array([base[0][0]], dtype=np.int64), np.array([base[1][0]], dtype=np.int64),
+               np.array([PAGE * BPT[0]], dtype=np.int64))  # fmt: skip
+        handles = []
+        for _ in range(2):
+            h = a.post(pair.peer, *one, b"t")
+            t_end = time.monotonic() + 10
+            while a.check(h) == "PROC" and time.monotonic() < t_end:
+                pair.b.poll_notifications()
+            assert a.check(h) == "DONE"
+            a.release(h)
+            handles.append(h)
+        # the first was released by the second post; the second waits for a round
+        assert handles[0]._released and not handles[1]._released
+        a.progress()
+        assert handles[1]._released
+        h = a.post(pair.peer, *one, b"t")
+        t_end = time.monotonic() + 10
+        while a.check(h) == "PROC" and time.monotonic() < t_end:
+            pair.b.poll_notifications()
+        a.release(h)
+        assert not h._released
+        a.close()
+        assert h._released
+    finally:
+        pair.close()
