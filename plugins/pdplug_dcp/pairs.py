@@ -74,6 +74,8 @@ class EntryClass(msgspec.Struct, frozen=True):
     _shape_bytes: list[int] = []
     #: the last destination-offset and token-offset arrays built (see ``packed.rank_block``)
     _reuse: dict[str, Any] = {}
+    #: read-only entry and length runs of whole-page plans by (pages, tokens on the last page)
+    _whole: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def ncols(self) -> int:
@@ -97,6 +99,26 @@ class EntryClass(msgspec.Struct, frozen=True):
             if len(self._offs) >= 64:
                 self._offs.clear()
             self._offs[key] = out
+        return out
+
+    def whole_page_runs(self, pages: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only int64 ``[E * pages]`` entry ids and run lengths (bytes) of a whole-page
+        plan of ``pages`` pages whose last page holds ``tail`` tokens, entry-major, each run
+        one page of ``d_page`` tokens (cached: a sender's sends repeat a few sizes, and these
+        two arrays do not depend on the page ids)."""
+        key = (pages, tail)
+        out = self._whole.get(key)
+        if out is None:
+            length = np.full(pages, self.d_page * self.w, dtype=np.int64)
+            length[-1] = tail * self.w
+            e = self.entries.shape[0]
+            out = (
+                _ro(self.entries.repeat(pages)),
+                _ro(np.concatenate((length,) * e) if e > 1 else length),
+            )
+            if len(self._whole) >= 64:
+                self._whole.clear()
+            self._whole[key] = out
         return out
 
     def remember_shape(self, key: tuple[int, ...], shape: Any, nbytes: int) -> None:

@@ -195,6 +195,13 @@ class NixlEngine:
         self._done_at_post: set[Any] = set()
         # handles of ended writes, released off the send path (next post, progress or close)
         self._ended: list[Any] = []
+        # uint64 descriptor rows by run count, reused: a post fills them and NIXL copies them
+        self._rows: dict[int, np.ndarray] = {}
+        bind = getattr(api, "nixlBind", None)
+        self._mem_kind = getattr(self._agent, "nixl_mems", {}).get(self._mem)
+        self._xfer_dlist = (
+            getattr(bind, "nixlXferDList", None) if self._mem_kind is not None else None
+        )
         self._max_notifs = int(extra.get("max_notifs", "65536"))
         self._pages_on = extra.get("page_lists", "0") == "1"
         self._layout = lay
@@ -330,11 +337,14 @@ class NixlEngine:
             if handle is not None:
                 return handle
         n = int(length.shape[0])
-        rows = np.empty((2, n, 3), dtype=np.uint64)  # local and remote (address, bytes, device)
+        rows = self._rows.get(n)
+        if rows is None:  # local and remote (address, bytes, device); device set once
+            if len(self._rows) >= 64:
+                self._rows.clear()
+            rows = self._rows[n] = np.full((2, n, 3), self._dev, dtype=np.uint64)
         rows[0, :, 0] = src
         rows[1, :, 0] = dst
         rows[:, :, 1] = length
-        rows[:, :, 2] = self._dev
         local, remote = rows
         try:
             # preparing pays off for many small descriptors only (see the module docstring)
@@ -342,16 +352,20 @@ class NixlEngine:
             handle = self._prepped(peer, local, remote, tag) if small else None
             if handle is None:
                 handle = self._agent.initialize_xfer(
-                    "WRITE",
-                    self._agent.get_xfer_descs(local, self._mem),
-                    self._agent.get_xfer_descs(remote, self._mem),
-                    peer.name,
-                    tag,
+                    "WRITE", self._dlist(local), self._dlist(remote), peer.name, tag
                 )
                 self.counts["initialize_xfer"] += 1
         except Exception as e:
             raise _refused(peer, e) from e
         return self._start(peer, handle)
+
+    def _dlist(self, rows: np.ndarray) -> Any:
+        """NIXL's transfer descriptor list of ``[n, 3]`` uint64 rows (it copies them: the
+        caller reuses its array). Built with NIXL's own ``nixlXferDList`` when the API module
+        exposes it: ``get_xfer_descs`` accepts many input kinds and tells them apart first."""
+        if self._xfer_dlist is not None:
+            return self._xfer_dlist(self._mem_kind, rows)
+        return self._agent.get_xfer_descs(rows, self._mem)
 
     def _post_pages(
         self, peer: _Peer, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
@@ -409,12 +423,8 @@ class NixlEngine:
                     peer.seen.clear()
                 return None
             del peer.seen[key]
-            lh = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", self._agent.get_xfer_descs(local, self._mem)
-            )
-            rh = self._agent.prep_xfer_dlist(
-                peer.name, self._agent.get_xfer_descs(remote, self._mem)
-            )
+            lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._dlist(local))
+            rh = self._agent.prep_xfer_dlist(peer.name, self._dlist(remote))
             hit = (lh, rh, np.arange(local.shape[0], dtype=np.int64))
             self._prep[key] = hit
             while len(self._prep) > self._prep_max:

@@ -84,3 +84,28 @@ def test_what_the_short_path_does_not_take_goes_the_general_way() -> None:
         planner.plan(SendChunk(**{**base, "src_pages": np.array([0, -1, 2])}), lay, lay, 0)
     dcp = KVLayout(page_size=4, entry_bytes_per_token=(8,), dtype="uint8", dcp_size=2)
     assert whole_page_runs(SendChunk(**base), pair_of(lay, dcp)) is None
+
+
+def test_a_planner_reuses_size_arrays_read_only_and_plans_each_send_from_its_own_pages() -> None:
+    """Entry ids and lengths depend on the send's size alone and are cached read-only on the
+    pair (issue 24: fewer array operations per send); the offsets come from each send's pages,
+    so a later send of the same size with other pages still gets its own runs."""
+    lay = KVLayout(page_size=4, entry_bytes_per_token=(8, 8, 8), dtype="uint8")
+    planner = make_dcp_planner()
+    rng = np.random.default_rng(5)
+    plans = []
+    for _ in range(3):
+        chunk = SendChunk(room=3, src_pages=rng.permutation(64)[:3].astype(np.int64),
+                          dst_pages=rng.permutation(64)[:3].astype(np.int64),
+                          decode_prefix_len=0, src_page_offset=0, num_tokens=10, chunk_id=0,
+                          is_last=True)  # fmt: skip
+        plan = planner.plan(chunk, lay, lay, 0)
+        slow = _general(planner, chunk, lay)
+        for f in ("entry", "src_offset", "dst_offset", "length"):
+            assert np.array_equal(getattr(plan, f), getattr(slow, f)), f
+        plans.append(plan)
+    assert plans[0].entry is plans[2].entry and plans[0].length is plans[2].length
+    assert not np.array_equal(plans[0].src_offset, plans[1].src_offset)
+    for a in (plans[0].entry, plans[0].length):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 1
