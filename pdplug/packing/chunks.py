@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from pdplug.packing.pages import page_array
-from pdplug.types import Segment, SendChunk
+from pdplug.types import Segment, SendChunk, pages_from_bytes
 
 __all__ = ["segment_to_chunk", "segment_chunks"]
 
@@ -93,8 +93,6 @@ def segment_chunks(
     :param page_size: source page size (tokens).
     :raises ValueError: as :func:`segment_to_chunk`; page bytes not a multiple of 8.
     """
-    from pdplug.types import pages_from_bytes
-
     made: dict[Any, SendChunk] = {}
     out = []
     for pages, prefix in dests:
