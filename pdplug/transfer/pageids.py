@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from pdplug.packing.pages import SHORT_IDS
+
 __all__ = ["page_ids"]
 
 _INT64 = np.dtype(np.int64)
@@ -35,8 +37,16 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     """
     if type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1:
         arr = value.copy()  # the usual case (a host's int64 page list): one reduction
-        if not arr.shape[0] or int(_MAX(arr.view(np.uint64))) < num_pages:
+        n = arr.shape[0]
+        if n > SHORT_IDS:
+            if int(_MAX(arr.view(np.uint64))) < num_pages:
+                return arr
+        elif not n:
             return arr
+        else:
+            ids = arr.tolist()
+            if min(ids) >= 0 and max(ids) < num_pages:
+                return arr
         value = arr
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword

@@ -168,7 +168,9 @@ def whole_page_runs(chunk: SendChunk, pair: Pair) -> tuple[np.ndarray, ...] | No
         return None
     cls = pair.main[0]
     ps = pair.src_page
-    if not (ps == pair.dst_page == cls.d_page and cls.ncols == 1 and cls.w == cls.s_ts == cls.d_ts):
+    if not (
+        ps == pair.dst_page == cls.d_page and len(cls.cols_t) == 1 and cls.w == cls.s_ts == cls.d_ts
+    ):
         return None
     n, prefix = chunk.num_tokens, chunk.decode_prefix_len
     if chunk.rel_start != -1 or prefix % ps or chunk.src_page_offset < 0 or n <= 0:
@@ -184,7 +186,7 @@ def whole_page_runs(chunk: SendChunk, pair: Pair) -> tuple[np.ndarray, ...] | No
         return None
     src = src[:pages] * cls.s_ps
     dst = dst[q0 : q0 + pages] * cls.d_ps
-    s0, d0 = int(cls.s_cols[0]), int(cls.d_cols[0])
+    s0, d0 = cls.cols_t[0], int(cls.d_cols[0])
     if s0:
         src += s0
     if d0:

@@ -100,3 +100,26 @@ def test_planner_page_arrays_are_1d_integers_named_exactly(value: object, named:
         segment_to_chunk(4, seg, value, np.arange(2), 0, 4)
     with pytest.raises(ValueError, match=r"room 4: dst_pages"):
         segment_to_chunk(4, seg, np.arange(2), value, 0, 4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 200])
+@pytest.mark.parametrize("where", [0, -1])
+def test_int64_arrays_short_and_long_are_range_checked_alike(n: int, where: int) -> None:
+    """The send path's own int64 arrays take a short check (builtin ``min``/``max`` up to
+    ``SHORT_IDS`` ids, one reduction beyond): each length refuses an id outside the range
+    wherever it sits, and passes a valid list unchanged."""
+    from pdplug.packing.pages import MAX_PAGE_ID
+
+    ok = np.arange(n, dtype=np.int64) % 16
+    assert _ids(ok).tolist() == ok.tolist()
+    assert page_array(ok, "src_pages", 4) is ok
+    for bad, limit in ((-1, 16), (16, 16), (-(2**63), 16), (2**63 - 1, 16)):
+        arr = ok.copy()
+        arr[where] = bad
+        with pytest.raises(ValueError, match=f"has page {bad}, outside \\[0, {limit}\\)"):
+            _ids(arr)
+    for bad in (-1, MAX_PAGE_ID, 2**63 - 1):
+        arr = ok.copy()
+        arr[where] = bad
+        with pytest.raises(PlanError, match=f"holds page id {bad}, outside"):
+            page_array(arr, "src_pages", 4)
