@@ -48,7 +48,7 @@ from pdplug.transfer.pageids import page_ids
 from pdplug.transfer.refind import Finder
 from pdplug.transfer.session import RoomSession
 from pdplug.transfer.sources import PrefillSources
-from pdplug.types import DestInfo, KVPoll, PdplugEvent, PeerInfo, pages_to_bytes
+from pdplug.types import DestInfo, KVPoll, PeerInfo, pages_to_bytes
 from pdplug.wire import rank_identity
 
 __all__ = ["KVReceiverSession"]
@@ -85,7 +85,7 @@ class KVReceiverSession(RoomSession):
         self.engine = engine
         self.compat: Compat = compat or layout_compat
         self._emit = emit
-        self._events: list[PdplugEvent] = []
+        self._events: list[tuple[str, int, dict[str, Any]]] = []
         self.rooms = Rooms.from_config(config)
         self.counts: Counter[str] = Counter()
         self._closed = False

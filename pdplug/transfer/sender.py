@@ -48,7 +48,7 @@ from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import Lease, SendPipeline
 from pdplug.transfer.regions import make_pack_buffer
 from pdplug.transfer.session import RoomSession
-from pdplug.types import DestInfo, KVPoll, PackRegion, PdplugEvent, PeerInfo, Segment
+from pdplug.types import DestInfo, KVPoll, PackRegion, PeerInfo, Segment
 from pdplug.wire import Inbound, rank_identity, require_key
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class KVSenderSession(RoomSession):
         self._engine = engine
         self.compat: Compat = compat or layout_compat
         self._emit = emit
-        self._events: list[PdplugEvent] = []
+        self._events: list[tuple[str, int, dict[str, Any]]] = []
         self.rank = bootstrap.rank_of(config.layout)
         self.rooms = Rooms.from_config(config)
         self.max_inflight = max_inflight

@@ -61,7 +61,7 @@ class RoomSession:
     counts: Counter[str]
     _loop: EngineLoop
     _emit: Callable[[PdplugEvent], None] | None
-    _events: list[PdplugEvent]
+    _events: list[tuple[str, int, dict[str, Any]]]  # (kind, room, fields), built at flush
     _closed: bool
 
     def poll(self, room: int) -> KVPoll:
@@ -189,15 +189,14 @@ class RoomSession:
         completion path."""
         if self._emit is None:
             return
-        self._events.append(
-            PdplugEvent(kind=kind, source=self.engine.name, room=room, fields=fields)
-        )
+        self._events.append((kind, room, fields))  # the event is built at the flush
 
     def _flush_events(self) -> None:
         events, self._events = self._events, []
-        for ev in events:
+        source = self.engine.name
+        for kind, room, fields in events:
             try:
                 assert self._emit is not None
-                self._emit(ev)
+                self._emit(PdplugEvent(kind=kind, source=source, room=room, fields=fields))
             except Exception:  # an observer must never break the data path
                 log.exception("%s: event observer failed", self._loop.name)

@@ -184,19 +184,21 @@ def whole_page_runs(chunk: SendChunk, pair: Pair) -> tuple[np.ndarray, ...] | No
         return None
     if src.shape[0] < pages or dst.shape[0] < q0 + pages:
         return None
-    src = src[:pages] * cls.s_ps
-    dst = dst[q0 : q0 + pages] * cls.d_ps
+    e = cls.entries.shape[0]
+    if e == 0:
+        return _EMPTY, _EMPTY, _EMPTY, _EMPTY
+    # entry ids, lengths and the per-run page index depend on the size alone (cached): a send
+    # pays for its offsets only, one gather per side when several entries repeat them
+    entry, length, pick = cls.whole_page_runs(pages, n - (pages - 1) * ps)
+    if pick is None:
+        src = src[:pages] * cls.s_ps
+        dst = dst[q0 : q0 + pages] * cls.d_ps
+    else:
+        src = src[pick] * cls.s_ps
+        dst = dst[q0 : q0 + pages][pick] * cls.d_ps
     s0, d0 = cls.cols_t[0], int(cls.d_cols[0])
     if s0:
         src += s0
     if d0:
         dst += d0
-    # entry ids and lengths depend on the size alone: cached, so a send pays for its offsets
-    e = cls.entries.shape[0]
-    if e == 0:
-        return _EMPTY, _EMPTY, _EMPTY, _EMPTY
-    entry, length = cls.whole_page_runs(pages, n - (pages - 1) * ps)
-    if e > 1:
-        src = np.concatenate((src,) * e)
-        dst = np.concatenate((dst,) * e)
     return entry, src, dst, length

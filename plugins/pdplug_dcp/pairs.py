@@ -75,7 +75,7 @@ class EntryClass(msgspec.Struct, frozen=True):
     #: the last destination-offset and token-offset arrays built (see ``packed.rank_block``)
     _reuse: dict[str, Any] = {}
     #: read-only entry and length runs of whole-page plans by (pages, tokens on the last page)
-    _whole: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    _whole: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
 
     @property
     def ncols(self) -> int:
@@ -101,11 +101,15 @@ class EntryClass(msgspec.Struct, frozen=True):
             self._offs[key] = out
         return out
 
-    def whole_page_runs(self, pages: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
-        """Read-only int64 ``[E * pages]`` entry ids and run lengths (bytes) of a whole-page
-        plan of ``pages`` pages whose last page holds ``tail`` tokens, entry-major, each run
-        one page of ``d_page`` tokens (cached: a sender's sends repeat a few sizes, and these
-        two arrays do not depend on the page ids)."""
+    def whole_page_runs(
+        self, pages: int, tail: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """What a whole-page plan of ``pages`` pages, its last holding ``tail`` tokens, takes
+        from its size alone (cached read-only: a sender's sends repeat a few sizes): int64
+        ``[E * pages]`` entry ids and run lengths (bytes), entry-major, each run one page of
+        ``d_page`` tokens; and with several entries the int64 ``[E * pages]`` page index of
+        each run (``tile(arange(pages), E)``: one gather gives every entry's page offsets),
+        ``None`` with one entry."""
         key = (pages, tail)
         out = self._whole.get(key)
         if out is None:
@@ -115,6 +119,7 @@ class EntryClass(msgspec.Struct, frozen=True):
             out = (
                 _ro(self.entries.repeat(pages)),
                 _ro(np.concatenate((length,) * e) if e > 1 else length),
+                _ro(np.tile(np.arange(pages, dtype=np.int64), e)) if e > 1 else None,
             )
             if len(self._whole) >= 64:
                 self._whole.clear()
