@@ -46,6 +46,7 @@ reference never drops on a thread in the middle of other work.
 from __future__ import annotations
 
 import atexit
+import bisect
 import queue
 import re
 import threading
@@ -127,6 +128,35 @@ def coalesce_runs(
     csum = np.concatenate(([0], np.cumsum(length)))
     ends = np.concatenate((starts[1:], [m]))
     return src[starts], dst[starts], csum[ends] - csum[starts]
+
+
+#: writes of at most this many runs are merged over Python lists (:func:`coalesce_short`):
+#: the dozen numpy calls of :func:`coalesce_runs` cost more than comparing a few runs
+SHORT_RUNS = 16
+
+
+def coalesce_short(
+    src: list[int], dst: list[int], length: list[int], starts: list[int] | None = None
+) -> tuple[list[int], list[int], list[int]]:
+    """:func:`coalesce_runs` of a short write (at most :data:`SHORT_RUNS` runs; a 64 KiB send
+    is a few) over Python lists, with the same result: runs that continue each other on both
+    sides merge unless they lie in different registered regions (``starts``: the sorted region
+    starts, ``None`` with one region).
+
+    :param src/dst/length: ``[R]`` addresses and byte lengths, ``R >= 1``.
+    """
+    out_s, out_d, out_n = [src[0]], [dst[0]], [length[0]]
+    region = bisect.bisect_right(starts, src[0]) if starts else 0
+    for a, b, n in zip(src[1:], dst[1:], length[1:]):
+        here = bisect.bisect_right(starts, a) if starts else 0
+        if here == region and a == out_s[-1] + out_n[-1] and b == out_d[-1] + out_n[-1]:
+            out_n[-1] += n
+        else:
+            out_s.append(a)
+            out_d.append(b)
+            out_n.append(n)
+        region = here
+    return out_s, out_d, out_n
 
 
 class _Worker:
@@ -254,6 +284,7 @@ class MooncakeEngine:
         self._failures: dict[int, str] = {}  # id(write future) -> why it failed
         self._regions: list[tuple[int, int]] = []
         self._starts = np.zeros(0, dtype=np.int64)  # sorted region starts (coalesce_runs)
+        self._starts_l: list[int] = []  # the same as a list (coalesce_short)
         self._waker: Callable[[], None] | None = None
         self._closed = False
         self.counts: Counter[str] = Counter()
@@ -270,6 +301,7 @@ class MooncakeEngine:
             raise TransferError(f"mooncake: batch_register_memory of {len(addrs)} regions -> {rc}")
         self._regions.extend(regions)
         self._starts = np.array(sorted(a for a, _ in self._regions), dtype=np.int64)
+        self._starts_l = self._starts.tolist()
 
     def agent(self) -> bytes:
         """This engine's session id ``host:rpc_port``."""
@@ -327,14 +359,21 @@ class MooncakeEngine:
         (:func:`coalesce_runs`)."""
         if self._closed:
             raise TransferError(f"mooncake: engine {self._session} is closed; write not posted")
-        if self._starts.shape[0] > 1 and length.shape[0] > 1:
-            where = np.searchsorted(self._starts, src, side="right")
-            src, dst, length = coalesce_runs(src, dst, length, where)
-        elif length.shape[0] > 1:
-            src, dst, length = coalesce_runs(src, dst, length)
-        n = length.tolist()
+        nruns = length.shape[0]
+        if nruns <= SHORT_RUNS:
+            s, d, n = src.tolist(), dst.tolist(), length.tolist()
+            if nruns > 1:
+                s, d, n = coalesce_short(
+                    s, d, n, self._starts_l if len(self._starts_l) > 1 else None
+                )
+        else:
+            if self._starts.shape[0] > 1:
+                where = np.searchsorted(self._starts, src, side="right")
+                src, dst, length = coalesce_runs(src, dst, length, where)
+            else:
+                src, dst, length = coalesce_runs(src, dst, length)
+            s, d, n = src.tolist(), dst.tolist(), length.tolist()
         self.counts["descriptors"] += len(n)
-        s, d = src.tolist(), dst.tolist()
         # a write behind the worker's stays behind it: the peer's writes land in post order
         if peer.verified and len(n) <= self._async_runs and not peer.worker.queued:
             runs = peer.asyncs[-1] if peer.asyncs else None

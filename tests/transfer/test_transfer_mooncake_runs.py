@@ -49,6 +49,41 @@ def test_coalesced_runs_copy_the_same_bytes(steps: list[tuple[bool, bool, int]])
         assert not np.any((ma[1:] == ma[:-1] + mc[:-1]) & (mb[1:] == mb[:-1] + mc[:-1]))
 
 
+@given(
+    st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(1, 64)), min_size=1, max_size=16),
+    st.lists(st.integers(0, 1200), min_size=0, max_size=4),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_short_write_merges_over_lists_exactly_as_over_arrays(
+    steps: list[tuple[bool, bool, int]], cuts: list[int]
+) -> None:
+    """A short write (up to ``SHORT_RUNS`` runs: the send path's usual 64 KiB write) is merged
+    over Python lists (issue 24: a dozen numpy calls cost more than a few comparisons); the
+    result is the array merge's, registered-region boundaries included."""
+    require("mooncake")
+    import bisect
+
+    from pdplug_mooncake.engine import coalesce_runs, coalesce_short
+
+    src, dst, ln = [], [], []
+    s = d = 0
+    for gap_s, gap_d, n in steps:
+        s += 7 if gap_s else 0
+        d += 5 if gap_d else 0
+        src.append(s)
+        dst.append(d)
+        ln.append(n)
+        s, d = s + n, d + n
+    starts = sorted({0, *cuts}) if cuts else None  # region starts: a run never spans two
+    group = None
+    if starts and len(starts) > 1:
+        group = np.array([bisect.bisect_right(starts, x) for x in src], dtype=np.int64)
+    a, b, c = (np.array(x, dtype=np.int64) for x in (src, dst, ln))
+    want = coalesce_runs(a, b, c, group)
+    got = coalesce_short(src, dst, ln, starts if starts and len(starts) > 1 else None)
+    assert [list(map(int, x)) for x in want] == [list(x) for x in got]
+
+
 def test_a_write_of_adjacent_runs_is_one_descriptor_on_real_mooncake() -> None:
     """3,000 adjacent 128-byte runs and one after a gap, between two real Mooncake engines:
     two descriptors, every byte lands."""
