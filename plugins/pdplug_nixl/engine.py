@@ -193,7 +193,7 @@ class NixlEngine:
         self._notifs: list[tuple[str, bytes]] = []
         # handles whose post already completed (UCX copied inside postXferReq): no status call
         self._done_at_post: set[Any] = set()
-        # handles of ended writes, released off the send path (next post, progress or close)
+        # handles of ended writes, released off the send path (progress, 64 of them, close)
         self._ended: list[Any] = []
         # uint64 descriptor rows by run count, reused: a post fills them and NIXL copies them
         self._rows: dict[int, np.ndarray] = {}
@@ -406,8 +406,6 @@ class NixlEngine:
             raise TransferError(f"nixl: WRITE to {peer.name} failed at post (state ERR)")
         if state == "DONE":
             self._done_at_post.add(handle)
-        if self._ended:
-            self._release_ended()
         return handle
 
     def _prepped(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> Any:
@@ -457,9 +455,10 @@ class NixlEngine:
         return False
 
     def release(self, xfer: Any) -> None:
-        """Release a transfer handle whose write ended: at the next post or progress round,
-        not on the thread reaping it (a host's ``poll()`` waits for nothing it does not need);
-        at once when the engine is closing."""
+        """Release a transfer handle whose write ended: at the next progress round (the
+        session's engine thread calls it every 10 ms, and while writes are in flight), or once
+        64 wait, never on the send path: neither the host reaping it in ``poll()`` nor the next
+        ``send`` waits for it; :meth:`close` releases the rest."""
         self._done_at_post.discard(xfer)
         self._ended.append(xfer)
         if len(self._ended) >= 64:

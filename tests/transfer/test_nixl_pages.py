@@ -244,10 +244,10 @@ def test_page_lists_land_the_same_bytes_as_the_general_path(
 
 @pytest.mark.nixl
 def test_ended_handles_are_released_off_the_send_path_and_at_close() -> None:
-    """``release`` of an ended write defers NIXL's release to the next post or progress round
-    (the host that reaped it waits for nothing more); every handle is released by then, and
-    ``close`` releases what is left; a write that ended inside its post reads ``DONE`` with no
-    status call."""
+    """``release`` of an ended write defers NIXL's release to the next progress round (neither
+    the host that reaped it nor the next send waits for it); every handle is released by then,
+    and ``close`` releases what is left; a write that ended inside its post reads ``DONE`` with
+    no status call."""
     pair = _Pair(False)
     try:
         a = pair.a
@@ -263,10 +263,10 @@ def test_ended_handles_are_released_off_the_send_path_and_at_close() -> None:
             assert a.check(h) == "DONE"
             a.release(h)
             handles.append(h)
-        # the first was released by the second post; the second waits for a round
-        assert handles[0]._released and not handles[1]._released
+        # neither the second post nor the reap released them: the next progress round does
+        assert not handles[0]._released and not handles[1]._released
         a.progress()
-        assert handles[1]._released
+        assert handles[0]._released and handles[1]._released
         h = a.post(pair.peer, *one, b"t")
         t_end = time.monotonic() + 10
         while a.check(h) == "PROC" and time.monotonic() < t_end:
