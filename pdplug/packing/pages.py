@@ -17,10 +17,30 @@ __all__ = ["MAX_PAGE_ID", "page_array"]
 #: offsets (and no engine has that many pages)
 MAX_PAGE_ID = 1 << 40
 #: page lists up to this long are range-checked with ``min``/``max`` over a Python list
-#: (about 0.5 us) instead of a ufunc reduction (about 1.3 us, whatever the length)
-SHORT_IDS = 32
+#: instead of a ufunc reduction, whose set-up costs more than a few comparisons (issue 24)
+_SHORT_IDS = 32
 _INT64 = np.dtype(np.int64)
 _MAX = np.maximum.reduce
+
+
+def int64_ids(value: Any) -> bool:
+    """Whether ``value`` is already the send path's own form: an int64 ``[n]`` numpy array."""
+    return type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1
+
+
+def ids_below(ids: np.ndarray, bound: int) -> bool:
+    """Whether every id of int64 ``[n]`` ``ids`` lies in ``[0, bound)`` (``True`` when empty).
+
+    One reduction over the ids read as uint64 (a negative id is then above any bound); up to
+    32 ids by the builtins over a list (issue 24: the send path checks three short lists).
+    """
+    n = ids.shape[0]
+    if n > _SHORT_IDS:
+        return int(_MAX(ids.view(np.uint64))) < bound
+    if not n:
+        return True
+    listed = ids.tolist()
+    return min(listed) >= 0 and max(listed) < bound
 
 
 def page_array(value: Any, field: str, room: int) -> np.ndarray:
@@ -33,19 +53,8 @@ def page_array(value: Any, field: str, room: int) -> np.ndarray:
         truncated silently), or an id outside ``[0, 2**40)`` (named with its exact value,
         unsigned ones above 2**63 included).
     """
-    # the send path's own arrays: one reduction (a negative id read as uint64 is huge); a
-    # short list by the builtins, which cost less than a ufunc reduction's set-up
-    if type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1:
-        n = value.shape[0]
-        if n > SHORT_IDS:
-            if int(_MAX(value.view(np.uint64))) < MAX_PAGE_ID:
-                return value
-        elif not n:
-            return value
-        else:
-            ids = value.tolist()
-            if min(ids) >= 0 and max(ids) < MAX_PAGE_ID:
-                return value
+    if int64_ids(value) and ids_below(value, MAX_PAGE_ID):
+        return value  # the send path's own arrays pass unconverted
     from pdplug.errors import PlanError
 
     a = np.asarray(value)

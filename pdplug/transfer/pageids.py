@@ -13,12 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from pdplug.packing.pages import SHORT_IDS
+from pdplug.packing.pages import ids_below, int64_ids
 
 __all__ = ["page_ids"]
-
-_INT64 = np.dtype(np.int64)
-_MAX = np.maximum.reduce
 
 
 def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
@@ -35,18 +32,10 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         an id outside ``[0, num_pages)`` (the first one is named with its exact value, unsigned
         ones and Python ints beyond 64 bits included).
     """
-    if type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1:
-        arr = value.copy()  # the usual case (a host's int64 page list): one reduction
-        n = arr.shape[0]
-        if n > SHORT_IDS:
-            if int(_MAX(arr.view(np.uint64))) < num_pages:
-                return arr
-        elif not n:
+    if int64_ids(value):
+        arr = value.copy()  # the usual case (a host's int64 page list)
+        if ids_below(arr, num_pages):
             return arr
-        else:
-            ids = arr.tolist()
-            if min(ids) >= 0 and max(ids) < num_pages:
-                return arr
         value = arr
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword

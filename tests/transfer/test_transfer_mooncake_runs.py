@@ -21,6 +21,21 @@ def _lay() -> KVLayout:
     return KVLayout(page_size=1, entry_bytes_per_token=(128,), dtype="bfloat16", num_layers=1)
 
 
+def _runs(steps: list[tuple[bool, bool, int]]) -> tuple[list[int], list[int], list[int]]:
+    """Runs (source offsets, destination offsets, lengths): each starts where the previous
+    ended, or 7 (source) / 5 (destination) further when its step says so."""
+    src, dst, ln = [], [], []
+    s = d = 0
+    for gap_s, gap_d, n in steps:
+        s += 7 if gap_s else 0
+        d += 5 if gap_d else 0
+        src.append(s)
+        dst.append(d)
+        ln.append(n)
+        s, d = s + n, d + n
+    return src, dst, ln
+
+
 @given(
     st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(1, 64)), min_size=0, max_size=40)
 )
@@ -31,15 +46,7 @@ def test_coalesced_runs_copy_the_same_bytes(steps: list[tuple[bool, bool, int]])
     require("mooncake")
     from pdplug_mooncake.engine import coalesce_runs
 
-    src, dst, ln = [], [], []
-    s = d = 0
-    for gap_s, gap_d, n in steps:  # each run starts where the previous ended, or after a gap
-        s += 7 if gap_s else 0
-        d += 5 if gap_d else 0
-        src.append(s)
-        dst.append(d)
-        ln.append(n)
-        s, d = s + n, d + n
+    src, dst, ln = _runs(steps)
     a, b, c = (np.array(x, dtype=np.int64) for x in (src, dst, ln))
     ma, mb, mc = coalesce_runs(a, b, c)
     want = {(x + i, y + i) for x, y, n in zip(src, dst, ln) for i in range(n)}
@@ -65,15 +72,7 @@ def test_a_short_write_merges_over_lists_exactly_as_over_arrays(
 
     from pdplug_mooncake.engine import coalesce_runs, coalesce_short
 
-    src, dst, ln = [], [], []
-    s = d = 0
-    for gap_s, gap_d, n in steps:
-        s += 7 if gap_s else 0
-        d += 5 if gap_d else 0
-        src.append(s)
-        dst.append(d)
-        ln.append(n)
-        s, d = s + n, d + n
+    src, dst, ln = _runs(steps)
     starts = sorted({0, *cuts}) if cuts else None  # region starts: a run never spans two
     group = None
     if starts and len(starts) > 1:

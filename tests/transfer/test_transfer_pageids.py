@@ -106,7 +106,7 @@ def test_planner_page_arrays_are_1d_integers_named_exactly(value: object, named:
 @pytest.mark.parametrize("where", [0, -1])
 def test_int64_arrays_short_and_long_are_range_checked_alike(n: int, where: int) -> None:
     """The send path's own int64 arrays take a short check (builtin ``min``/``max`` up to
-    ``SHORT_IDS`` ids, one reduction beyond): each length refuses an id outside the range
+    32 ids, one reduction beyond): each length refuses an id outside the range
     wherever it sits, and passes a valid list unchanged."""
     from pdplug.packing.pages import MAX_PAGE_ID
 
