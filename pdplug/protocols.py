@@ -36,6 +36,7 @@ __all__ = [
     "KVSender",
     "KVReceiver",
     "send_step",
+    "decline_room",
     "find_instance",
 ]
 
@@ -488,6 +489,27 @@ def send_step(sender: Any, sends: Sequence[tuple[Any, ...]]) -> None:
         return
     for item in sends:
         sender.send(*item)
+
+
+def decline_room(receiver: Any, room: int, reason: str, *, instance: str | None = None) -> int:
+    """The host dropped ``room`` before it had pages for it (SGLang's decode abort before its
+    metadata): lease it ``Failed`` on ``receiver`` and tell every prefill rank of ``instance``
+    to stop waiting for it. With the receiver's own ``decline(room, reason, *, instance)``
+    (pdplug's receivers have it) no DestInfo is sent, so no prefill rank ever sees the room
+    ``WaitingForInput`` and nothing can land (drained at once); a receiver without it expects
+    the room without pages and aborts it (its prefill may see ``WaitingForInput`` first).
+    Returns the generation; clear the room as any other.
+
+    :raises ValueError: an unknown instance or an already-leased room.
+    """
+    dec = getattr(receiver, "decline", None)
+    if callable(dec):
+        return int(dec(room, reason, instance=instance))
+    import numpy as np
+
+    gen = int(receiver.expect(room, np.empty(0, dtype=np.int64), instance=instance))
+    receiver.abort(room, reason)
+    return gen
 
 
 def find_instance(

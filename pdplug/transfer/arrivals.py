@@ -125,6 +125,34 @@ class RecvLeases:
         else:
             self.failed(lease, f"prefill {instance} ranks {dead} are not connected", now)
 
+    def decline(self, instance: str, dest: DestInfo, reason: str, now: float) -> None:
+        """The host leased ``dest``'s room failed (:meth:`KVReceiverSession.decline`): its
+        DestInfo is never sent; every source of ``instance`` is told to stop waiting for the
+        room, now or when the handshake under way ends."""
+        lease = RecvLease(room=dest.room, generation=dest.generation, instance=instance, dest=dest)
+        if self._rooms.generation(dest.room) != dest.generation:
+            return  # cleared before this thread saw it: the prefill times the room out
+        self.leases[dest.room] = lease
+        self._counts["declined"] += 1
+        self.failed(lease, reason, now)
+        lease.told = reason
+        if self._unusable(instance) is None:
+            self._abort_unsent(lease, instance)
+        elif instance not in self.parked and not self._refind(instance):
+            return  # no connection to the instance and none coming: its deadline ends it
+        else:
+            lease.parked_at = now
+            self.parked.setdefault(instance, []).append(lease)
+
+    def _abort_unsent(self, lease: RecvLease, instance: str) -> None:
+        """Tell every source of ``instance`` that ``lease``'s room, whose DestInfo was never
+        sent, is aborted. Its ``srcs`` stay empty: nothing can land, the room stays drained
+        (the sources' confirmations change nothing)."""
+        msg = Abort(room=lease.room, generation=lease.generation, reason=lease.told[:512])
+        for src in self._sources.table(instance).values():
+            self._sources.send(src, msg)
+        self._counts["abort_unsent"] += 1
+
     def _unusable(self, instance: str) -> list[int] | str | None:
         """``None`` when every source of ``instance`` is alive and accepted; ``"pending"``
         while a handshake with it is under way (none dead); else the ranks that cannot take a
@@ -160,6 +188,10 @@ class RecvLeases:
             return
         again: list[RecvLease] = []
         for lease in self.parked.pop(instance, []):
+            if lease.told:  # aborted while it waited: its DestInfo was never sent
+                if error is None and state is None:
+                    self._abort_unsent(lease, instance)
+                continue
             view = self._rooms.view(lease.room)
             if view is None or view.generation != lease.generation:
                 continue  # cleared meanwhile (nothing was sent: nothing to drain)

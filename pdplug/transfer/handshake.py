@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pdplug.bootstrap import rank_of
 from pdplug.config import KVConfig
 from pdplug.errors import PlanError
 from pdplug.heads import expected_sources, routed_heads
@@ -33,6 +34,7 @@ __all__ = [
     "feeding_peers",
     "check_decode_peer",
     "check_prefill_peer",
+    "check_prefill_instance",
     "merge_refusals",
 ]
 
@@ -231,6 +233,28 @@ def check_prefill_peer(
     if not remote.control_endpoint:
         out.append("control_endpoint: empty")
     return out + _compat(compat, local, remote)
+
+
+def check_prefill_instance(
+    local: PeerInfo, peers: Sequence[PeerInfo], *, backend: str, compat: Compat
+) -> tuple[list[PeerInfo], list[str]]:
+    """The decode side's check of one prefill instance before connecting: the ranks that
+    feed ``local`` (:func:`feeding_peers`) and this side's mismatches with each, every one
+    named with the instance and the rank. ``([], why)`` when no rank can feed it: a rank
+    missing from ``peers``, or none holding a KV head of ``local``'s TP rank."""
+    instance = peers[0].instance if peers else ""
+    lay = local.layout
+    feeding, gaps = feeding_peers(lay, peers)
+    if not feeding or gaps:
+        return [], [f"prefill {instance}: {m}" for m in gaps] or [
+            f"tp_rank: no rank of prefill {instance} holds a KV head of decode tp_rank "
+            f"{lay.tp_rank} (tp_size {lay.tp_size})"
+        ]
+    return feeding, [
+        f"prefill {instance} rank {rank_of(p.layout)}: {m}"
+        for p in feeding
+        for m in check_prefill_peer(local, p, backend=backend, compat=compat)
+    ]
 
 
 def _field(mismatch: str) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 
 from pdplug.packing.pages import ids_below, int64_ids
 
-__all__ = ["page_ids"]
+__all__ = ["check_span", "page_ids"]
 
 
 def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
@@ -73,3 +73,25 @@ def _int_outside(value: Any, num_pages: int) -> int | None:
     if len(ints) != len(value):
         return None
     return next((int(x) for x in ints if not 0 <= int(x) < num_pages), None)
+
+
+def check_span(layout: Any, pages: int, decode_prefix_len: int, num_tokens: int) -> None:
+    """Check a decode rank's room span (``KVReceiver.expect``): ``decode_prefix_len`` tokens
+    a multiple of the virtual page (``page_size * dcp_size`` tokens), and ``pages`` (virtual
+    pages) enough for ``num_tokens`` (0: unknown, unchecked).
+
+    :raises ValueError: naming the value and the virtual page, or the pages needed.
+    """
+    vpage = layout.page_size * layout.dcp_size
+    if decode_prefix_len < 0 or decode_prefix_len % vpage:
+        raise ValueError(
+            f"KVReceiver.expect: decode_prefix_len={decode_prefix_len} must be a multiple of "
+            f"the virtual page ({layout.page_size} x dcp {layout.dcp_size} = {vpage} tokens)"
+        )
+    if num_tokens:
+        need = -(-(num_tokens - decode_prefix_len) // vpage)
+        if num_tokens < decode_prefix_len or pages < need:
+            raise ValueError(
+                f"KVReceiver.expect: num_tokens={num_tokens} with decode_prefix_len="
+                f"{decode_prefix_len} needs {max(need, 0)} pages, got {pages}"
+            )

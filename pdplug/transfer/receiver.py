@@ -25,7 +25,6 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from pdplug.bootstrap import rank_of
 from pdplug.config import KVConfig
 from pdplug.errors import CompatError, TransferError
 from pdplug.registration import RegisteredKV, resolve_kv
@@ -36,15 +35,14 @@ from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.handshake import (
     Compat,
     Emit,
-    check_prefill_peer,
-    feeding_peers,
+    check_prefill_instance,
     layout_compat,
     merge_refusals,
     rank_info,
 )
 from pdplug.transfer.loop import EngineLoop
 from pdplug.transfer.messages import Done, Heartbeat, HelloAck, control_codec, tag_codec
-from pdplug.transfer.pageids import page_ids
+from pdplug.transfer.pageids import check_span, page_ids
 from pdplug.transfer.refind import Finder
 from pdplug.transfer.session import RoomSession
 from pdplug.transfer.sources import PrefillSources
@@ -199,22 +197,11 @@ class KVReceiverSession(RoomSession):
             raise ValueError(f"KVReceiver.connect: peers span several instances {sorted(inst)}")
         instance = peers[0].instance
         local = self.peer_info()
-        # a decode rank is fed by the prefill (PP, TP) ranks that hold its heads (head routing)
-        peers, gaps = feeding_peers(self.layout, peers)
-        if not peers or gaps:
-            self._refuse(
-                instance,
-                [f"prefill {instance}: {m}" for m in gaps]
-                or [
-                    f"tp_rank: no rank of prefill {instance} holds a KV head of decode tp_rank "
-                    f"{self.layout.tp_rank} (tp_size {self.layout.tp_size})"
-                ],
-            )
-        mine = [
-            f"prefill {instance} rank {rank_of(p.layout)}: {m}"
-            for p in peers
-            for m in check_prefill_peer(local, p, backend=self.engine.name, compat=self.compat)
-        ]
+        peers, mine = check_prefill_instance(
+            local, peers, backend=self.engine.name, compat=self.compat
+        )
+        if not peers:
+            self._refuse(instance, mine)
         limit = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
         fut = self._loop.call(lambda: self._sources.connect(instance, peers, local), limit)
         try:
@@ -285,39 +272,16 @@ class KVReceiverSession(RoomSession):
             ``num_tokens``, an unaligned prefix, an unknown instance or an already-leased room
             (each named).
         """
-        lay = self.layout
-        vpage = lay.page_size * lay.dcp_size
         inst = self._instance(instance)
         pages = page_ids(dst_pages, "dst_pages", self._num_pages, "KVReceiver.expect", room)
-        if decode_prefix_len < 0 or decode_prefix_len % vpage:
-            raise ValueError(
-                f"KVReceiver.expect: decode_prefix_len={decode_prefix_len} must be a multiple of "
-                f"the virtual page ({lay.page_size} x dcp {lay.dcp_size} = {vpage} tokens)"
-            )
-        if num_tokens:
-            need = -(-(num_tokens - decode_prefix_len) // vpage)
-            if num_tokens < decode_prefix_len or pages.size < need:
-                raise ValueError(
-                    f"KVReceiver.expect: num_tokens={num_tokens} with decode_prefix_len="
-                    f"{decode_prefix_len} needs {max(need, 0)} pages, got {pages.size}"
-                )
-        if room in self.rooms:
-            raise ValueError(f"KVReceiver.expect: room {room} is already leased; clear it first")
-        gen = self.rooms.lease(room, KVPoll.WaitingForInput)
+        check_span(self.layout, pages.size, decode_prefix_len, num_tokens)
+        gen = self._lease(room, "expect")
         if inst in self._refused and inst not in self._sources.by_instance:
             why = f"prefill {inst} refused this decode rank at connect: {self._refused[inst]}"
             self.rooms.fail(room, why, gen)
             self.counts["rooms_refused"] += 1
             return gen
-        dest = DestInfo(
-            room=room,
-            generation=gen,
-            decode_instance=self.config.instance,
-            dcp_rank=lay.dcp_rank,
-            dst_pages=pages_to_bytes(pages),
-            decode_prefix_len=decode_prefix_len,
-            num_tokens=num_tokens,
-        )
+        dest = self._dest(room, gen, pages_to_bytes(pages), decode_prefix_len, num_tokens)
         self._loop.submit(lambda: self._table.expect(inst, dest, time.monotonic()))
         return gen
 
@@ -329,6 +293,20 @@ class KVReceiverSession(RoomSession):
             return
         self.rooms.fail(room, f"aborted on decode dcp {self.layout.dcp_rank}: {reason}", gen)
         self._loop.submit(lambda: self._table.abort(room, gen, reason, time.monotonic()))
+
+    def decline(self, room: int, reason: str = "aborted", *, instance: str | None = None) -> int:
+        """Lease ``room`` failed and tell every prefill rank of ``instance`` to stop waiting
+        for it, without a DestInfo (:func:`pdplug.protocols.decline_room`); drained at once.
+        During a handshake with the instance the abort goes out when it ends.
+
+        :raises ValueError: an unknown instance or an already-leased room.
+        """
+        inst = self._instance(instance)
+        gen = self._lease(room, "decline")
+        self.rooms.fail(room, f"aborted on decode dcp {self.layout.dcp_rank}: {reason}", gen)
+        dest = self._dest(room, gen, b"")
+        self._loop.submit(lambda: self._table.decline(inst, dest, reason, time.monotonic()))
+        return gen
 
     def clear(self, room: int) -> None:
         """Forget ``room``; later tags of its generation are dropped as stale. An unfinished
@@ -362,6 +340,24 @@ class KVReceiverSession(RoomSession):
         return out
 
     # ================================================================== helpers
+    def _lease(self, room: int, call: str) -> int:
+        if room in self.rooms:
+            raise ValueError(f"KVReceiver.{call}: room {room} is already leased; clear it first")
+        return self.rooms.lease(room, KVPoll.WaitingForInput)
+
+    def _dest(
+        self, room: int, gen: int, pages: bytes, prefix: int = 0, tokens: int = 0
+    ) -> DestInfo:
+        return DestInfo(
+            room=room,
+            generation=gen,
+            decode_instance=self.config.instance,
+            dcp_rank=self.layout.dcp_rank,
+            dst_pages=pages,
+            decode_prefix_len=prefix,
+            num_tokens=tokens,
+        )
+
     def _instance(self, instance: str | None) -> str:
         names = list(self._sources.by_instance)
         if not names and len(self._refused) == 1 and instance in (None, *self._refused):

@@ -293,6 +293,67 @@ def test_a_destination_after_the_prefill_gave_up_is_refused_at_once(backend: str
             dec.close()
 
 
+class _NoDecline:
+    """A receiver written before ``decline``: only the Protocol's calls."""
+
+    def __init__(self, rc: Any) -> None:
+        self.expect, self.abort = rc.expect, rc.abort
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["decline", "expect-abort"])
+def test_a_room_declined_before_its_pages_ends_the_prefill_room_at_once(
+    backend: str, own: bool
+) -> None:
+    """SGLang's decode abort before its metadata (``decline_room``): the prefill room fails
+    within a round trip, not at its bootstrap deadline (30 s), naming the reason; with the
+    receiver's own ``decline`` no DestInfo goes out, so the prefill never sees the room
+    ``WaitingForInput`` and the decode room is drained at once. The CI flake it fixes: an
+    expect-then-abort let a prefill poll see ``WaitingForInput`` between the two messages."""
+    from pdplug.protocols import decline_room
+
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=2, bootstrap_timeout_s=30.0)
+        dec = Decode(pm, backend, srv.endpoint, dcp=2)
+        try:
+            for room in (1501, 1502):  # declined after the prefill started it, and before
+                if room == 1501:
+                    for s in pre.senders:
+                        s.start(room)
+                t0 = time.monotonic()
+                for rc in dec.recvs:
+                    decline_room(rc if own else _NoDecline(rc), room, "client went away")
+                    assert rc.poll(room) == FAILED
+                    assert "client went away" in (rc.failure_reason(room) or "")
+                    assert not own or rc.drained(room)
+                if room == 1502:
+                    time.sleep(0.5)  # the aborts wait on the prefill for its start
+                    for s in pre.senders:
+                        s.start(room)
+                seen: set[KVPoll] = set()
+
+                def ended(room: int = room, seen: set[KVPoll] = seen) -> bool:
+                    st = [s.poll(room) for s in pre.senders]
+                    seen.update(st)
+                    return all(x == FAILED for x in st)
+
+                assert wait_true(ended, 5.0) is not None, room
+                assert time.monotonic() - t0 < 5.0
+                assert "client went away" in (pre.senders[0].failure_reason(room) or "")
+                if own:
+                    assert KVPoll.WaitingForInput not in seen, (room, seen)
+                assert wait_true(lambda room=room: all(rc.drained(room) for rc in dec.recvs), 5)
+                for rc in dec.recvs:
+                    rc.clear(room)
+            assert all(rc.stats().get("declined", 0) == (2 if own else 0) for rc in dec.recvs)
+            with pytest.raises(ValueError, match="already leased"):
+                dec.recvs[0].expect(1503, _pages(0, 2))
+                dec.recvs[0].decline(1503, "twice")
+        finally:
+            pre.close()
+            dec.close()
+
+
 # ---------------------------------------------------------------- kind 5: room ids
 @pytest.mark.parametrize("first", ["A", "B"])
 def test_two_decodes_claiming_one_room_are_told_at_once(backend: str, first: str) -> None:

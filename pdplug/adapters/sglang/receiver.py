@@ -20,6 +20,7 @@ from pdplug.adapters.sglang.common import TERMINAL
 from pdplug.adapters.sglang.manager import PdplugKVManager
 from pdplug.adapters.sglang.planes import PLANE_AUX, PLANE_KV
 from pdplug.adapters.sglang.rooms import first_failure, merge_polls
+from pdplug.protocols import decline_room
 from pdplug.types import KVPoll
 
 __all__ = ["PdplugKVReceiver"]
@@ -151,8 +152,8 @@ class PdplugKVReceiver(BaseKVReceiver):
 
     def abort(self) -> None:
         """Fail the room and tell the prefill (also before :meth:`send_metadata`: then the
-        room is leased without pages and aborted, so the prefill does not wait for its
-        bootstrap deadline)."""
+        room is declined, :func:`pdplug.protocols.decline_room`, so the prefill neither waits
+        for its bootstrap deadline nor sees the room ``WaitingForInput`` first)."""
         self.abort_notified = True
         self.conclude_state = KVPoll.Failed
         self._failure = self._failure or "aborted by SGLang"
@@ -163,8 +164,9 @@ class PdplugKVReceiver(BaseKVReceiver):
         for name, s in mgr.sessions.items():
             try:
                 if not self._expected and info is not None:
-                    s.expect(room, np.empty(0, dtype=np.int64), instance=info.planes[name])
-                s.abort(room, self._failure)
+                    decline_room(s, room, self._failure, instance=info.planes[name])
+                else:
+                    s.abort(room, self._failure)
             except (KeyError, ValueError):
                 continue
         self._expected = True
