@@ -82,3 +82,9 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     click.echo(machine_line())
     if json_path:
         write_json(json_path, {"rows": rows, "requests": requests, **kw})
+    wrong = [f"{r['variant']} {r['parity_ok']}/{r['requests']}" for r in rows
+             if r["parity_ok"] != r["requests"]]  # fmt: skip
+    if wrong:
+        raise click.ClickException(
+            f"parity: {', '.join(wrong)} requests token-identical to the reference run"
+        )

@@ -103,6 +103,11 @@ class ParityResult(msgspec.Struct, frozen=True, kw_only=True):
         """``kv_bytes`` within 1% of what the prompts need (SGLang reports MB as a float)."""
         return self.kv_bytes_min * 0.99 <= self.kv_bytes <= self.kv_bytes_max * 1.01
 
+    @property
+    def ok(self) -> bool:
+        """Every request answered and token-identical, and the bytes check holds."""
+        return not self.failed and self.identical == self.requests and self.bytes_ok
+
 
 class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     """The decode engine SIGKILLed while requests ran.

@@ -132,3 +132,39 @@ def test_sigterm_unwinds_like_ctrl_c_and_restores_the_handler() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler runs at the next bytecode; never reached
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _report(requests: int, parity_ok: int) -> dict[str, object]:
+    """The fields ``pdplug bench e2e`` reads from one ``run_demo`` report."""
+    ms = {"p50": 1.0, "p99": 2.0}
+    return {
+        "plugins": {"consensus": {"name": "pp0"}, "kv_sender": {"name": "nixl"}},
+        "requests": requests,
+        "parity_ok": parity_ok,
+        "throughput": {"requests_per_s": 1.0, "output_tokens_per_s": 1.0},
+        "ttft_ms": ms,
+        "breakdown_ms": {"consensus": ms, "transfer": ms},
+        "serve_s": 1.0,
+    }
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_bench_e2e_exits_nonzero_when_a_variant_is_not_token_identical(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, lost: int
+) -> None:
+    """The parity column is a check, not a figure: a variant whose requests are not all
+    token-identical to the reference run fails the command (after its table and JSON). The
+    runs are replaced by their reports: this tests the command's verdict, not the host."""
+    import pdplug_host.driver
+
+    reports = iter([_report(4, 4), _report(4, 4 - lost)])
+    monkeypatch.setattr(pdplug_host.driver, "run_demo", lambda _opts: next(reports))
+    out = f"{tmp_path}/e2e.json"
+    res = CliRunner().invoke(
+        main, ["bench", "e2e", "--requests", "4", "--variants", "pp0+nixl,ring+nixl",
+               "--json", out]
+    )  # fmt: skip
+    assert res.exit_code == (1 if lost else 0), res.output
+    assert ("ring+nixl 3/4" in res.output) == bool(lost), res.output
+    with open(out) as f:
+        assert '"parity_ok"' in f.read()
