@@ -189,7 +189,8 @@ class RecvLeases:
         again: list[RecvLease] = []
         for lease in self.parked.pop(instance, []):
             if lease.told:  # aborted while it waited: its DestInfo was never sent
-                if error is None and state is None:
+                newer = self.leases.get(lease.room) not in (None, lease)  # the room again
+                if error is None and state is None and not newer:
                     self._abort_unsent(lease, instance)
                 continue
             view = self._rooms.view(lease.room)

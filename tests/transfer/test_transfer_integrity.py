@@ -354,6 +354,45 @@ def test_a_room_declined_before_its_pages_ends_the_prefill_room_at_once(
             dec.close()
 
 
+def test_a_room_aborted_while_its_prefill_is_being_found_ends_the_prefill_room_at_once(
+    backend: str,
+) -> None:
+    """A decode rank that knows the prefill by its rendezvous only (``find``): its first
+    rooms wait while the instance is looked up and connected. One aborted and one declined
+    meanwhile never had a DestInfo sent; the prefill is told when the handshake ends, so its
+    rooms fail within a round trip, not at their bootstrap deadline (30 s), and a room
+    expected after them still succeeds."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=2, bootstrap_timeout_s=30.0)
+        lay = dst_layout(1, 0)
+        rc = pm.make_kv_receiver(kv_config("decode", lay, srv.endpoint, "decode-0"), name=backend)
+        try:
+            rc.register_kv([torch.zeros((96 * P, b), dtype=torch.uint8) for b in BPT * LAYERS])
+            rc.find("prefill-0", srv.endpoint)
+            for s in pre.senders:
+                for room in (1601, 1602, 1603):
+                    s.start(room)
+            t0 = time.monotonic()
+            rc.expect(1601, _pages(0, 8), num_tokens=100, instance="prefill-0")
+            rc.abort(1601, "client went away")
+            rc.decline(1602, "client went away", instance="prefill-0")
+            assert rc.poll(1601) == rc.poll(1602) == FAILED
+            for room in (1601, 1602):
+                assert wait_all(pre.senders, room, 10) == [FAILED, FAILED], room
+                assert "client went away" in (pre.senders[1].failure_reason(room) or "")
+            assert time.monotonic() - t0 < 5.0
+            assert wait_true(lambda: rc.drained(1601) and rc.drained(1602), 5)
+            rc.expect(1603, _pages(8, 8), num_tokens=64, instance="prefill-0")
+            assert (
+                wait_all(pre.senders, 1603, 10, (KVPoll.WaitingForInput,))
+                == [KVPoll.WaitingForInput] * 2
+            )
+        finally:
+            rc.close()
+            pre.close()
+
+
 # ---------------------------------------------------------------- kind 5: room ids
 @pytest.mark.parametrize("first", ["A", "B"])
 def test_two_decodes_claiming_one_room_are_told_at_once(backend: str, first: str) -> None:
