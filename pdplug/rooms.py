@@ -35,13 +35,29 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
 from pdplug.types import KVPoll, merge_poll
 
 if TYPE_CHECKING:
     from pdplug.config import KVConfig
 
-__all__ = ["Rooms", "RoomView", "next_generation", "reached"]
+__all__ = ["Rooms", "RoomView", "check_room_id", "next_generation", "reached"]
+
+_ROOMS = 1 << 63  # room ids are non-negative int64
+
+
+def check_room_id(room: object, where: str) -> None:
+    """Refuse a room id that is not an int in ``[0, 2**63)``: rooms are non-negative int64 on
+    every wire (a larger or non-integer one would be lost when the engine thread encodes its
+    message, long after the host call returned).
+
+    :param where: the API call, named in the error (``KVReceiver.expect``).
+    :raises ValueError: naming ``where`` and the value (booleans are refused too).
+    """
+    if isinstance(room, bool) or not isinstance(room, int | np.integer) or not 0 <= room < _ROOMS:
+        raise ValueError(f"{where}: room={room!r} must be an int in [0, 2**63)")
+
 
 _GEN = itertools.count(1)
 _GEN_LOCK = threading.Lock()

@@ -109,10 +109,12 @@ class RecvLeases:
         lease = RecvLease(room=room, generation=gen, instance=instance, dest=dest)
         if self._rooms.generation(room) != gen:
             # the host aborted and cleared it before this thread saw it: nothing was sent,
-            # and the lease still ends once
+            # and the lease still ends once; the prefill, which waits for it, is told
             lease.reported = True
+            lease.told = "cleared before its DestInfo was sent"
             self._counts["rooms_failed"] += 1
-            self._event("transfer_failed", lease, reason="cleared before its DestInfo was sent")
+            self._event("transfer_failed", lease, reason=lease.told)
+            self._abort_when_found(lease, instance, now)
             return
         self.leases[room] = lease
         dead = self._unusable(instance)
@@ -128,19 +130,23 @@ class RecvLeases:
     def decline(self, instance: str, dest: DestInfo, reason: str, now: float) -> None:
         """The host leased ``dest``'s room failed (:meth:`KVReceiverSession.decline`): its
         DestInfo is never sent; every source of ``instance`` is told to stop waiting for the
-        room, now or when the handshake under way ends."""
-        lease = RecvLease(room=dest.room, generation=dest.generation, instance=instance, dest=dest)
-        if self._rooms.generation(dest.room) != dest.generation:
-            return  # cleared before this thread saw it: the prefill times the room out
-        self.leases[dest.room] = lease
-        self._counts["declined"] += 1
-        self.failed(lease, reason, now)
+        room, now or when the handshake under way ends (also when the host cleared the room
+        meanwhile: the prefill still waits for it)."""
+        room = dest.room
+        lease = RecvLease(room=room, generation=dest.generation, instance=instance, dest=dest)
         lease.told = reason
+        self._counts["declined"] += 1
+        if self._rooms.generation(room) == dest.generation:
+            self.leases[room] = lease
+            self.failed(lease, reason, now)
+        self._abort_when_found(lease, instance, now)
+
+    def _abort_when_found(self, lease: RecvLease, instance: str, now: float) -> None:
+        """Send ``lease``'s Abort (its DestInfo never went out) to ``instance`` now, or park it
+        for the handshake under way; with neither, the prefill's own deadline ends the room."""
         if self._unusable(instance) is None:
             self._abort_unsent(lease, instance)
-        elif instance not in self.parked and not self._refind(instance):
-            return  # no connection to the instance and none coming: its deadline ends it
-        else:
+        elif instance in self.parked or self._refind(instance):
             lease.parked_at = now
             self.parked.setdefault(instance, []).append(lease)
 
@@ -148,6 +154,9 @@ class RecvLeases:
         """Tell every source of ``instance`` that ``lease``'s room, whose DestInfo was never
         sent, is aborted. Its ``srcs`` stay empty: nothing can land, the room stays drained
         (the sources' confirmations change nothing)."""
+        cur = self._rooms.generation(lease.room)
+        if cur is not None and cur != lease.generation:
+            return  # leased again since: an Abort without a DestInfo would fail the new room
         msg = Abort(room=lease.room, generation=lease.generation, reason=lease.told[:512])
         for src in self._sources.table(instance).values():
             self._sources.send(src, msg)
@@ -189,8 +198,7 @@ class RecvLeases:
         again: list[RecvLease] = []
         for lease in self.parked.pop(instance, []):
             if lease.told:  # aborted while it waited: its DestInfo was never sent
-                newer = self.leases.get(lease.room) not in (None, lease)  # the room again
-                if error is None and state is None and not newer:
+                if error is None and state is None:
                     self._abort_unsent(lease, instance)
                 continue
             view = self._rooms.view(lease.room)

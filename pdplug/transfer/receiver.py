@@ -28,7 +28,7 @@ import numpy as np
 from pdplug.config import KVConfig
 from pdplug.errors import CompatError, TransferError
 from pdplug.registration import RegisteredKV, resolve_kv
-from pdplug.rooms import Rooms
+from pdplug.rooms import Rooms, check_room_id
 from pdplug.transfer.arrivals import RecvLease, RecvLeases
 from pdplug.transfer.channel import DealerChannel, Liveness, merge_stats
 from pdplug.transfer.engine import TransferEngine
@@ -297,11 +297,13 @@ class KVReceiverSession(RoomSession):
     def decline(self, room: int, reason: str = "aborted", *, instance: str | None = None) -> int:
         """Lease ``room`` failed and tell every prefill rank of ``instance`` to stop waiting
         for it, without a DestInfo (:func:`pdplug.protocols.decline_room`); drained at once.
-        During a handshake with the instance the abort goes out when it ends.
 
-        :raises ValueError: an unknown instance or an already-leased room.
+        :raises ValueError: an unknown instance, a room outside ``[0, 2**63)`` or already leased.
+        :raises TypeError: ``reason`` is not a str.
         """
-        inst = self._instance(instance)
+        if not isinstance(reason, str):
+            raise TypeError(f"KVReceiver.decline: reason must be a str, got {reason!r}")
+        inst = self._instance(instance, "decline")
         gen = self._lease(room, "decline")
         self.rooms.fail(room, f"aborted on decode dcp {self.layout.dcp_rank}: {reason}", gen)
         dest = self._dest(room, gen, b"")
@@ -341,6 +343,7 @@ class KVReceiverSession(RoomSession):
 
     # ================================================================== helpers
     def _lease(self, room: int, call: str) -> int:
+        check_room_id(room, f"KVReceiver.{call}")
         if room in self.rooms:
             raise ValueError(f"KVReceiver.{call}: room {room} is already leased; clear it first")
         return self.rooms.lease(room, KVPoll.WaitingForInput)
@@ -358,19 +361,19 @@ class KVReceiverSession(RoomSession):
             num_tokens=tokens,
         )
 
-    def _instance(self, instance: str | None) -> str:
+    def _instance(self, instance: str | None, call: str = "expect") -> str:
         names = list(self._sources.by_instance)
         if not names and len(self._refused) == 1 and instance in (None, *self._refused):
             return next(iter(self._refused))
         if instance is None:
             if len(names) != 1:
                 raise ValueError(
-                    f"KVReceiver.expect: instance is required when {len(names)} prefill "
+                    f"KVReceiver.{call}: instance is required when {len(names)} prefill "
                     f"instances are connected ({names})"
                 )
             return names[0]
         if instance not in names and instance not in self._finder.rendezvous:
-            raise ValueError(f"KVReceiver.expect: prefill instance {instance!r} not connected")
+            raise ValueError(f"KVReceiver.{call}: prefill instance {instance!r} not connected")
         return instance
 
     def _idle_s(self) -> float:

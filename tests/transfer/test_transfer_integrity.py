@@ -345,10 +345,31 @@ def test_a_room_declined_before_its_pages_ends_the_prefill_room_at_once(
                 assert wait_true(lambda room=room: all(rc.drained(room) for rc in dec.recvs), 5)
                 for rc in dec.recvs:
                     rc.clear(room)
-            assert all(rc.stats().get("declined", 0) == (2 if own else 0) for rc in dec.recvs)
-            with pytest.raises(ValueError, match="already leased"):
+            n = 2 if own else 0  # counted on the engine thread: the second rank's may lag
+            assert wait_true(lambda: all(rc.stats().get("declined", 0) == n for rc in dec.recvs), 5)
+            # cleared at once (before the engine thread saw the room): the prefill is told
+            for room, how in ((1511, "decline"), (1512, "expect")):
+                for s in pre.senders:
+                    s.start(room)
+                t0 = time.monotonic()
+                for rc in dec.recvs:
+                    if how == "decline":
+                        decline_room(rc if own else _NoDecline(rc), room, "client went away")
+                    else:
+                        rc.expect(room, _pages(0, 4), num_tokens=100)
+                    rc.clear(room)
+                assert wait_all(pre.senders, room, 10) == [FAILED, FAILED], (room, how)
+                assert time.monotonic() - t0 < 5.0, (room, how)
+            with pytest.raises(ValueError, match=r"decline: room 1503 is already leased"):
                 dec.recvs[0].expect(1503, _pages(0, 2))
                 dec.recvs[0].decline(1503, "twice")
+            with pytest.raises(ValueError, match=r"KVReceiver\.decline: prefill instance 'nope'"):
+                dec.recvs[0].decline(1504, "x", instance="nope")
+            for bad in (-1, 1 << 63, 1 << 64, "12", True):  # rooms are int64 on every wire
+                with pytest.raises(ValueError, match=r"room=.* must be an int in \[0, 2\*\*63\)"):
+                    dec.recvs[0].decline(bad, "x")  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="decline: reason must be a str, got 123"):
+                dec.recvs[0].decline(1505, 123)  # type: ignore[arg-type]
         finally:
             pre.close()
             dec.close()
