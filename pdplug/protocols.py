@@ -500,8 +500,11 @@ def decline_room(receiver: Any, room: int, reason: str, *, instance: str | None 
     the room without pages and aborts it (its prefill may see ``WaitingForInput`` first).
     Returns the generation; clear the room as any other.
 
-    :raises ValueError: an unknown instance or an already-leased room.
+    :raises ValueError: an unknown instance, a room outside ``[0, 2**63)`` or already leased.
+    :raises TypeError: ``reason`` is not a str.
     """
+    if not isinstance(reason, str):
+        raise TypeError(f"decline_room: reason must be a str, got {reason!r}")
     dec = getattr(receiver, "decline", None)
     if callable(dec):
         return int(dec(room, reason, instance=instance))

@@ -370,6 +370,9 @@ def test_a_room_declined_before_its_pages_ends_the_prefill_room_at_once(
                     dec.recvs[0].decline(bad, "x")  # type: ignore[arg-type]
             with pytest.raises(TypeError, match="decline: reason must be a str, got 123"):
                 dec.recvs[0].decline(1505, 123)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="decline_room: reason must be a str, got None"):
+                decline_room(_NoDecline(dec.recvs[0]), 1505, None)  # type: ignore[arg-type]
+            assert 1505 not in dec.recvs[0].rooms  # refused before anything was leased
         finally:
             pre.close()
             dec.close()
