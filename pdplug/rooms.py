@@ -42,9 +42,10 @@ from pdplug.types import KVPoll, merge_poll
 if TYPE_CHECKING:
     from pdplug.config import KVConfig
 
-__all__ = ["Rooms", "RoomView", "check_room_id", "next_generation", "reached"]
+__all__ = ["ROOM_LIMIT", "Rooms", "RoomView", "check_room_id", "next_generation", "reached"]
 
-_ROOMS = 1 << 63  # room ids are non-negative int64
+#: rooms are ints in ``[0, ROOM_LIMIT)``: a non-negative int64 on every wire
+ROOM_LIMIT = 1 << 63
 
 
 def check_room_id(room: object, where: str) -> None:
@@ -55,7 +56,8 @@ def check_room_id(room: object, where: str) -> None:
     :param where: the API call, named in the error (``KVReceiver.expect``).
     :raises ValueError: naming ``where`` and the value (booleans are refused too).
     """
-    if isinstance(room, bool) or not isinstance(room, int | np.integer) or not 0 <= room < _ROOMS:
+    integer = isinstance(room, int | np.integer) and not isinstance(room, bool)
+    if not integer or not 0 <= room < ROOM_LIMIT:  # type: ignore[operator]
         raise ValueError(f"{where}: room={room!r} must be an int in [0, 2**63)")
 
 

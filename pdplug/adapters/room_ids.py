@@ -13,12 +13,12 @@ from __future__ import annotations
 import itertools
 import threading
 
+from pdplug.rooms import ROOM_LIMIT
+
 __all__ = ["ROOM_BITS", "ROOM_LIMIT", "MAX_ALLOCATOR_ID", "RoomAllocator", "check_room"]
 
 #: bits of the per-allocator counter in a room
 ROOM_BITS = 48
-#: rooms are ints in ``[0, ROOM_LIMIT)`` (non-negative int64)
-ROOM_LIMIT = 1 << 63
 #: largest allocator id (rooms stay below :data:`ROOM_LIMIT`)
 MAX_ALLOCATOR_ID = (1 << (63 - ROOM_BITS)) - 1
 
