@@ -34,8 +34,8 @@ def demo_options(f: Any) -> Any:
     opts = [
         click.option("--prefill-pp", default=2, show_default=True, type=_int_range("prefill_pp"),
                      help="Prefill PP ranks (one process each; the reference engine's tiny model "
-                          "has 4 layers and every rank needs one; --engine vllm and sglang: "
-                          "default 1, at most 2, their tiny Llama's layers)."),
+                          "has 4 layers and every rank needs one; pdplug demo --engine vllm or "
+                          "sglang: default 1, at most 2, their tiny Llama's layers)."),
         click.option("--decode-dcp", default=2, show_default=True, type=_int_range("decode_dcp"),
                      help="Decode DCP ranks (one process each)."),
         click.option("--trace", type=click.Path(exists=True, dir_okay=False), default=None,
