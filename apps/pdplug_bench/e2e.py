@@ -25,25 +25,43 @@ from pdplug_host.cli import demo_options
     help="Requests from the trace.",
 )
 @click.option("--variants", default="pp0+nixl,ring+nixl,pp0+mooncake", show_default=True,
-              help="Comma list of CONSENSUS+KV_SENDER pairs (these override --consensus and "
-                   "--kv-sender).")  # fmt: skip
+              help="Comma list of CONSENSUS+KV_SENDER pairs, each run once (--consensus and "
+                   "--kv-sender are refused here: the variants name both).")  # fmt: skip
 @json_option
 def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     """Throughput and TTFT of the reference host per consensus / KV sender variant."""
     from rich.table import Table
 
+    from pdplug import PdplugError
     from pdplug_bench.machine import console, machine_line, write_json
     from pdplug_bench.options import variant_pairs
     from pdplug_host.cli import options_from_kwargs
     from pdplug_host.driver import run_demo
+    from pdplug_host.options import DemoError, check_options
 
-    rows = []
+    for name in ("consensus", "kv_sender"):
+        if kw.get(name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise click.UsageError(
+                f"{flag} {kw[name]}: bench e2e takes the consensus and the KV sender of each "
+                "run from --variants (CONSENSUS+KV_SENDER pairs)"
+            )
+    runs = []
     for cons, kv in variant_pairs(variants, "--variants"):
-        v = f"{cons}+{kv}"
-        args = dict(kw, consensus=cons, kv_sender=kv)
-        opts = options_from_kwargs(args, requests)
+        try:
+            opts = options_from_kwargs(dict(kw, consensus=cons, kv_sender=kv), requests)
+            check_options(opts)  # every variant before the first runs: one line, no traceback
+        except (DemoError, ValueError) as e:
+            raise click.ClickException(f"{cons}+{kv}: {e}") from None
+        runs.append((f"{cons}+{kv}", opts))
+    rows = []
+    for v, opts in runs:
         click.echo(f"running {v} ...", err=True)
-        rep = run_demo(opts)
+        try:
+            rep = run_demo(opts)
+        except (DemoError, PdplugError, ValueError) as e:  # a clear line, as pdplug demo
+            error = str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
+            raise click.ClickException(f"{v}: {error}") from None
         rows.append(
             {
                 "variant": v,

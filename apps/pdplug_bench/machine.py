@@ -14,6 +14,17 @@ import click
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def available_bytes() -> int:
+    """Host memory available now, in bytes (``MemAvailable``; the free pages where
+    ``/proc/meminfo`` cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def machine_info() -> dict[str, Any]:
     """``{"cpu", "cores", "memory_gib", "python", "omp_wait_policy", "torch", "cuda"}`` of this
     machine (and process)."""

@@ -23,13 +23,18 @@ def _resolve(point: str, name: str, option: str) -> None:
 def component_names(value: str, point: str, option: str) -> list[str]:
     """A comma list of component names of extension point ``point``, each resolvable.
 
-    :raises click.BadParameter: an empty list or entry, or a name no plugin provides (the
-        message lists the available ones).
+    :raises click.BadParameter: an empty list or entry, a name given twice, or a name no plugin
+        provides (the message lists the available ones).
     """
     names = [x.strip() for x in value.split(",")]
     if not value.strip() or not all(names):
         raise click.BadParameter(
             f"{value!r}: expected comma-separated names", param_hint=f"'{option}'"
+        )
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise click.BadParameter(
+            f"{value!r} names {', '.join(dup)} more than once", param_hint=f"'{option}'"
         )
     for name in names:
         _resolve(point, name, option)
@@ -80,8 +85,8 @@ def number_list(value: str, option: str, unit: str, minimum: float) -> list[floa
 def variant_pairs(value: str, option: str) -> list[tuple[str, str]]:
     """``CONSENSUS+KV_SENDER`` pairs, comma-separated, both names resolvable.
 
-    :raises click.BadParameter: an empty list or pair, a pair without ``+``, or an unknown
-        name.
+    :raises click.BadParameter: an empty list or pair, a pair without ``+``, an unknown name,
+        or a pair named twice.
     """
     pairs = []
     for v in value.split(","):
@@ -93,5 +98,10 @@ def variant_pairs(value: str, option: str) -> list[tuple[str, str]]:
             )
         _resolve("consensus", cons.strip(), option)
         _resolve("kv_sender", kv.strip(), option)
-        pairs.append((cons.strip(), kv.strip()))
+        pair = (cons.strip(), kv.strip())
+        if pair in pairs:
+            raise click.BadParameter(
+                f"{value!r} names {'+'.join(pair)} more than once", param_hint=f"'{option}'"
+            )
+        pairs.append(pair)
     return pairs

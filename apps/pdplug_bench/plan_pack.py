@@ -27,7 +27,6 @@ for a cached segment shape (every segment after the first of its shape) and a ne
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -201,15 +200,9 @@ def check_memory(need: int, device: Any, what: str) -> None:
     import click
     import torch
 
-    if device.type == "cuda":
-        avail = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            with open("/proc/meminfo") as f:
-                info = dict(line.split(":", 1) for line in f)
-            avail = int(info["MemAvailable"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    from pdplug_bench.machine import available_bytes
+
+    avail = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_bytes()
     if need > 0.8 * avail:
         raise click.UsageError(
             f"the packer benchmark needs {need / 2**30:.1f} GiB ({what}) but {device} has "

@@ -455,6 +455,26 @@ def _bench_backend(
     return rows, failures
 
 
+def _check_memory(need: int, largest: int) -> None:
+    """Refuse a run that would not fit in host memory: KV of ``need`` bytes (plus 16 pages) on
+    each side (this process and the decode process) and two ``largest``-byte buffers for the
+    memcpy baseline, against 80 % of the memory available now.
+
+    :raises click.UsageError: it does not fit (names the options that size it).
+    """
+    from pdplug_bench.machine import available_bytes
+
+    total = 2 * (need + 16 * PAGE * sum(BPT)) + 2 * largest
+    avail = available_bytes()
+    if total > 0.8 * avail:
+        raise click.UsageError(
+            f"--sizes/--small-sizes/--steps need {total / 2**30:.1f} GiB of host memory (KV of "
+            f"{need / 2**20:g} MiB on each side: the largest size, or the smallest small size "
+            f"times the largest K) but {avail / 2**30:.1f} GiB is available; use smaller sizes "
+            "or fewer --steps"
+        )
+
+
 @click.command()
 @click.option(
     "--backend", default="nixl,mooncake", show_default=True, help="Comma-separated KV sender names."
@@ -509,6 +529,9 @@ def cli(
     if any(k != int(k) or not 1 <= k <= 64 for k in number_list(steps, "--steps", "sends", 1)):
         raise click.BadParameter(f"{steps!r}: whole numbers 1-64", param_hint="'--steps'")
     backends = component_names(backend, "kv_sender", "--backend")
+    # the K rows post K sends of the smallest small size at once
+    need = max(size_list + [min(small) * max([1, *step_list])] * bool(small) + small)
+    _check_memory(need, max(size_list))
     console = Console(width=150)  # tables stay whole when piped
     console.print(machine_line())
     console.print(
@@ -521,7 +544,6 @@ def cli(
     small_rows: list[dict[str, Any]] = []
     failures: list[str] = []
     for b in backends:
-        need = max(size_list + [s * max([1, *step_list]) for s in small[:1]] + small)
         with Rig(b, need) as rig:
             r, f = _bench_backend(rig, size_list, repeats, corrupt=inject_fault)
             rows.extend(r)

@@ -140,6 +140,7 @@ class _Run:
                     chunk_size=o.chunk_size,
                     pack_region_tokens=o.pack_region_tokens,
                     timeout_s=o.timeout_s,
+                    max_dst_dcp=max(8, o.decode_dcp),
                     profile=o.profile,
                     log_path=os.path.join(self.log_dir, f"{role}{rank}.log")
                     if self.log_dir

@@ -156,7 +156,10 @@ class PrefillRank:
         names = spec.names
         self.served_by = {p: pm.describe(p, names.get(p)) for p in POINTS}
         self.planner = pm.make_pack_planner(PlannerConfig(), name=names.get("pack_planner"))
-        kv_cfg = kv_config(spec, self.layout, pack_region_tokens=spec.pack_region_tokens)
+        kv_cfg = kv_config(
+            spec, self.layout, pack_region_tokens=spec.pack_region_tokens,
+            max_dst_dcp=spec.max_dst_dcp,
+        )  # fmt: skip
         self.sender = pm.make_kv_sender(kv_cfg, self.planner, name=names.get("kv_sender"))
         self.sender.register_kv(self.cache.entry_tensors())  # also publishes this rank
         self.consensus = make_consensus(pm, spec)

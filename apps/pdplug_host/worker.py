@@ -79,6 +79,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     :ivar timeout_s: bound on every wait (KV room timeouts, gloo, consensus peers).
     :ivar device: where the model, its KV cache and the pack buffer live (``"cpu"``,
         ``"cuda"``); tensors cross gloo on the CPU.
+    :ivar max_dst_dcp: a prefill's ``KVConfig.max_dst_dcp``: the largest decode DCP size its
+        pack buffer is sized for (at least the demo's ``--decode-dcp``).
     """
 
     role: str
@@ -103,6 +105,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     log_path: str = ""
     wire: WireConfig = WireConfig()
     device: str = "cpu"
+    max_dst_dcp: int = 8
 
 
 def init_gloo(rank: int, size: int, port: int, timeout_s: float) -> Any:

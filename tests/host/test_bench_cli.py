@@ -62,6 +62,11 @@ pytestmark = pytest.mark.timeout(60)
         (("cluster", "--backend", "nixl,nixl"), ("'--backend'", "names nixl more than once")),
         (("cluster", "--concurrency", "0"), ("'--concurrency'", "1<=x<=64")),
         (("cluster", "--json", "/nonexistent-dir/x.json"), ("'--json'", "does not exist")),
+        (("transfer", "--backend", "nixl,nixl"), ("'--backend'", "names nixl more than once")),
+        (
+            ("e2e", "--variants", "pp0+nixl,ring+nixl,pp0+nixl"),
+            ("'--variants'", "names pp0+nixl more than once"),
+        ),
     ],
 )
 def test_ordinary_mistakes_get_one_line_and_exit_2(
@@ -168,3 +173,77 @@ def test_bench_e2e_exits_nonzero_when_a_variant_is_not_token_identical(
     assert ("ring+nixl 3/4" in res.output) == bool(lost), res.output
     with open(out) as f:
         assert '"parity_ok"' in f.read()
+
+
+def test_bench_e2e_refuses_consensus_and_kv_sender_which_the_variants_set() -> None:
+    """--consensus/--kv-sender (shared with pdplug demo) would be ignored: refused, not run."""
+    for flag in ("--consensus", "--kv-sender"):
+        res = CliRunner().invoke(main, ["bench", "e2e", flag, "foo", "--requests", "2"])
+        assert res.exit_code == 2, res.output
+        assert f"{flag} foo: bench e2e takes the consensus and the KV sender" in " ".join(
+            res.output.split()
+        ), res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--pack-region-tokens", "8"), "pp0+nixl: --pack-region-tokens 8: must be at least"),
+        (("--time-scale", "nan"), "pp0+nixl: --time-scale nan: must be in"),
+        (("--log-dir", "/etc/passwd"), "pp0+nixl: --log-dir /etc/passwd: not a directory"),
+        (("--pack-planner", "nope"), "pp0+nixl: "),
+    ],
+)
+def test_bench_e2e_refuses_what_pdplug_demo_refuses_in_one_line(
+    args: tuple[str, ...], needle: str
+) -> None:
+    """Every variant's options are checked before the first one runs, with pdplug demo's
+    checks; a refusal is one line and exit 1 (it was a traceback: DemoError is no
+    PdplugError)."""
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, ["bench", "e2e", "--requests", "2", *args])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert res.output.splitlines()[-1].startswith("Error: "), res.output
+    assert needle in " ".join(res.output.split()), res.output
+    assert time.monotonic() - t0 < 20, "refused late: something was spawned first"
+
+
+def test_bench_e2e_turns_a_failed_run_into_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that fails (a worker refused the geometry, a bad trace) ends the command with one
+    line naming the variant, as pdplug demo does."""
+    import pdplug_host.driver
+    from pdplug_host.options import DemoError
+
+    def fail(_opts: object) -> None:
+        raise DemoError("prefill worker 0 died: CompatError: example")
+
+    monkeypatch.setattr(pdplug_host.driver, "run_demo", fail)
+    res = CliRunner().invoke(main, ["bench", "e2e", "--requests", "2", "--variants", "pp0+nixl"])
+    assert res.exit_code == 1, res.output
+    assert res.output.splitlines()[-1] == (
+        "Error: pp0+nixl: prefill worker 0 died: CompatError: example"
+    ), res.output
+
+
+def test_bench_transfer_refuses_a_run_that_does_not_fit_in_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sized from the smallest small size times the largest K (the K rows' buffer), checked
+    against the memory available before anything is allocated or spawned."""
+    import pdplug_bench.machine
+
+    monkeypatch.setattr(pdplug_bench.machine, "available_bytes", lambda: 512 << 20)
+    t0 = time.monotonic()
+    res = CliRunner().invoke(
+        main, ["bench", "transfer", "--backend", "nixl", "--sizes", "1", "--small-sizes",
+               "16,4", "--steps", "64"]
+    )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    flat = " ".join(res.output.split())
+    assert "--sizes/--small-sizes/--steps need" in flat, flat
+    assert "0.5 GiB is available" in flat, flat
+    # 4 MiB x 64, not 16 MiB x 64: the K rows post the smallest small size
+    assert "KV of 256 MiB on each side" in flat, flat
+    assert time.monotonic() - t0 < 20, "refused late: something was spawned first"

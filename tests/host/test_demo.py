@@ -58,6 +58,16 @@ def test_short_demo_is_token_identical_reports_progress_and_cleans_up(
     assert not list(tmp_path.glob("pdplug-demo-*"))
 
 
+def test_a_decode_wider_than_eight_dcp_ranks_is_served() -> None:
+    """``--decode-dcp`` takes 1..16: the prefill's pack buffer is sized for the decode's DCP
+    (it kept KVConfig's default ``max_dst_dcp=8`` and every worker refused DCP 9 at the
+    handshake, after the command had accepted it)."""
+    rep = run_demo(
+        DemoOptions(requests=2, prefill_pp=1, decode_dcp=9, max_output=2, timeout_s=30.0)
+    )
+    assert rep["parity_ok"] == 2, rep["mismatches"]
+
+
 def test_requests_wait_for_pages_and_one_that_never_fits_is_refused_alone() -> None:
     """C04 (SGLang #20485): with 48 pages per worker, request 7 (841 tokens, 53 prefill pages)
     can never fit and the others (up to 46 pages each) only a few at a time: they wait for
