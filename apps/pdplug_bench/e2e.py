@@ -32,12 +32,11 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
     """Throughput and TTFT of the reference host per consensus / KV sender variant."""
     from rich.table import Table
 
-    from pdplug import PdplugError
     from pdplug_bench.machine import console, machine_line, write_json
     from pdplug_bench.options import variant_pairs
-    from pdplug_host.cli import options_from_kwargs
+    from pdplug_host.cli import REFUSALS, options_from_kwargs, refusal_line
     from pdplug_host.driver import run_demo
-    from pdplug_host.options import DemoError, check_options
+    from pdplug_host.options import check_options
 
     for name in ("consensus", "kv_sender"):
         if kw.get(name) is not None:
@@ -51,17 +50,16 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
         try:
             opts = options_from_kwargs(dict(kw, consensus=cons, kv_sender=kv), requests)
             check_options(opts)  # every variant before the first runs: one line, no traceback
-        except (DemoError, ValueError) as e:
-            raise click.ClickException(f"{cons}+{kv}: {e}") from None
+        except REFUSALS as e:
+            raise click.ClickException(f"{cons}+{kv}: {refusal_line(e)}") from None
         runs.append((f"{cons}+{kv}", opts))
     rows = []
     for v, opts in runs:
         click.echo(f"running {v} ...", err=True)
         try:
             rep = run_demo(opts)
-        except (DemoError, PdplugError, ValueError) as e:  # a clear line, as pdplug demo
-            error = str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
-            raise click.ClickException(f"{v}: {error}") from None
+        except REFUSALS as e:  # a clear line, as pdplug demo
+            raise click.ClickException(f"{v}: {refusal_line(e)}") from None
         rows.append(
             {
                 "variant": v,

@@ -530,7 +530,8 @@ def cli(
         raise click.BadParameter(f"{steps!r}: whole numbers 1-64", param_hint="'--steps'")
     backends = component_names(backend, "kv_sender", "--backend")
     # the K rows post K sends of the smallest small size at once
-    need = max(size_list + [min(small) * max([1, *step_list])] * bool(small) + small)
+    k_rows = min(small) * max(step_list, default=1) if small else 0
+    need = max([*size_list, *small, k_rows])
     _check_memory(need, max(size_list))
     console = Console(width=150)  # tables stay whole when piped
     console.print(machine_line())

@@ -11,8 +11,12 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from pdplug import PdplugError
 from pdplug.manager import EXTENSION_POINTS
-from pdplug_host.options import BOUNDS, DEFAULT_REQUESTS, SCALES
+from pdplug_host.options import BOUNDS, DEFAULT_REQUESTS, SCALES, DemoError
+
+#: what a demo run raises for a refused option or a failed run: one line (:func:`refusal_line`)
+REFUSALS = (DemoError, PdplugError, ValueError)
 
 __all__ = ["demo", "demo_options", "options_from_kwargs", "print_report"]
 
@@ -84,6 +88,12 @@ def demo_options(f: Any) -> Any:
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+def refusal_line(e: Exception) -> str:
+    """The one line a refused or failed demo run prints: a ``DemoError``'s own message (it
+    names the option or worker), any other error's type and message."""
+    return str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
 
 
 def options_from_kwargs(kw: dict[str, Any], requests: int | None) -> Any:
@@ -325,9 +335,8 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
     Progress shows on a terminal; with output piped, one line per phase. Worker logs go to a
     temp dir, removed after a clean run unless --keep-logs or --log-dir.
     """
-    from pdplug import PdplugError
     from pdplug_host.console import console
-    from pdplug_host.driver import DemoError, run_demo
+    from pdplug_host.driver import run_demo
     from pdplug_host.progress import DemoProgress
 
     if json_path:  # checked before the run, so a finished run's report is never lost
@@ -392,8 +401,8 @@ def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) ->
     with DemoProgress(console(), prefix="pdplug demo: ", suffix=suffix) as progress:
         try:
             rep = run_demo(opts, progress)
-        except (DemoError, PdplugError, ValueError) as e:  # a clear line, never a traceback
-            error = str(e) if isinstance(e, DemoError) else f"{type(e).__name__}: {e}"
+        except REFUSALS as e:  # a clear line, never a traceback
+            error = refusal_line(e)
         except Exception as e:  # unexpected: still one line; the traceback when debugging
             if os.environ.get("PDPLUG_LOG_LEVEL", "").upper() == "DEBUG":
                 raise
