@@ -6,7 +6,8 @@ one real :class:`~pdplug.protocols.KVReceiver` per decode DCP rank of one or mor
 instances, connected through a rendezvous. Commands and events cross a Pipe as msgspec-JSON
 (no pickle); PeerInfos cross as msgspec-msgpack bytes (hex). For the byte checks
 (:mod:`pdplug_bench.bytecheck`) it poisons expected pages before a checked run and returns
-digests of the rows that landed.
+digests of the rows that landed. It also reports when the raw baseline's writes have landed
+(:meth:`DecodePeer.landed`: their notifications, from an agent no receiver knows, were taken).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
         infos[inst.name] = [msgspec.msgpack.encode(rc.peer_info()).hex() for rc in recvs[inst.name]]
     _send(conn, event="ready", infos=infos, pid=os.getpid())
     watching: dict[int, str] = {}
+    landing: dict[int, tuple[str, int]] = {}  # reply id -> (instance, foreign notifications)
     while True:
         while conn.poll(0):
             cmd = msgspec.json.decode(conn.recv_bytes())
@@ -129,6 +131,8 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
                         kv[0][int(rows[n // 2]), 0] ^= 0xFF
                     out.append(rows_digest(kv, rows))
                 _send(conn, event="digest", id=cmd["id"], digests=out)
+            elif cmd["op"] == "landed":
+                landing[cmd["id"]] = (cmd["instance"], cmd["count"])
             elif cmd["op"] == "clear":
                 for rc in recvs[cmd["instance"]]:
                     rc.clear(cmd["room"])
@@ -143,6 +147,13 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
                     reasons=[rc.failure_reason(room) for rc in recvs[name]],
                 )
                 del watching[room]
+        for ident, (name, count) in list(landing.items()):
+            # a NIXL notification arrives after its write's bytes: a raw write that notified
+            # a receiver (dropped there as from an unknown rank) has landed
+            seen = sum(rc.stats().get("tags_dropped_unknown_rank", 0) for rc in recvs[name])
+            if seen >= count:
+                _send(conn, event="landed", id=ident, seen=seen)
+                del landing[ident]
         time.sleep(0.0005)
 
 
@@ -251,6 +262,17 @@ class DecodePeer:
         _send(self.conn, op="digest", instance=instance, pages=pages, tokens=tokens,
               corrupt=corrupt, id=self._seq)  # fmt: skip
         return list(self._reply("digest", self._seq, timeout)["digests"])
+
+    def landed(self, instance: str, count: int, timeout: float = 60.0) -> int:
+        """Block until the receivers of ``instance`` have taken ``count`` engine notifications
+        in all from agents they do not know (the raw baseline's NIXL writes, whose notification
+        follows their bytes); returns how many they took.
+
+        :raises TimeoutError: not within ``timeout`` seconds.
+        """
+        self._seq += 1
+        _send(self.conn, op="landed", instance=instance, count=count, id=self._seq)
+        return int(self._reply("landed", self._seq, timeout)["seen"])
 
     def done(self, room: int, timeout: float = 120.0) -> dict[str, Any]:
         """The decode side's verdict on ``room`` (verdicts of other rooms are kept)."""

@@ -10,7 +10,12 @@ median of the paired differences in microseconds. The room's bootstrap (the deco
 runs of the pair: the host thread sleeps while it waits for the decode, and the first work
 after a sleep runs slower than the same work hot (caches, a descheduled virtual CPU), so the
 run that comes first after the bootstrap pays for it; the order alternates, so both do equally
-(before 2026-12-03 only pdplug's run followed the bootstrap, and paid for it every time).
+(before 2026-12-03 only pdplug's run followed the bootstrap, and paid for it every time). Each
+run ends once its bytes have landed at the decode, untimed: pdplug's with the decode's verdict
+on the room, the raw one when the decode took the raw write's notification (NIXL; a Mooncake
+call returns only then). Before 2026-12-04 a raw run did not wait for that, and a pdplug run
+right after it paid for the decode still taking in the raw write's bytes (a NIXL "DONE" on UCX
+over TCP is the sender's): 1 MiB sends took 389 us after a raw one against 267 us before one.
 
 **K sends per step**: a step posts K rooms of the same size at once (``send_many`` when the
 sender has it, else K ``send`` calls) and polls them all to ``Success``; the raw baseline posts
@@ -114,6 +119,7 @@ def fixed_cost(
                 while not all(w() for w in waits):
                     pass
                 dt = time.perf_counter() - t0
+            rig.raw_landed()  # untimed, as pdplug's run ends with the decode's verdict
             if checked:
                 for i, c in enumerate(cases):
                     rig.check(c, f"{tag} raw round {rep} send {i}", failures)

@@ -53,9 +53,13 @@ _NOTIF = b"\x96" + b"\x00" * 24  # a tag-sized notification, like a pdplug compl
 
 #: prepare(src, dst, lengths) -> run() -> seconds; and close()
 RawPrep = Callable[[Any, Any, Any], Callable[[], float]]
+#: how many writes the raw engine posted so far that notify the decode (NIXL), or None
+RawPosted = Callable[[], "int | None"]
 
 
-def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tuple[RawPrep, Any]:
+def _raw_nixl(
+    src_regions: list[tuple[int, int]], peer_agent: bytes
+) -> tuple[RawPrep, Any, RawPosted]:
     import importlib
 
     import numpy as np
@@ -79,6 +83,7 @@ def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tuple[Ra
     name = agent.add_remote_agent(peer_agent)
     name = name.decode() if isinstance(name, bytes) else name
     handles: list[Any] = []
+    posted = [0]  # every write notifies the decode, which drops it (an agent it does not know)
 
     def prepare(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> Callable[[], float]:
         z = np.zeros(ln.shape[0], dtype=np.uint64)
@@ -94,12 +99,14 @@ def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tuple[Ra
             while st == "PROC":
                 st = agent.check_xfer_state(h)
             dt = time.perf_counter() - t0
+            posted[0] += 1
             if st != "DONE":
                 raise click.ClickException(f"raw nixl transfer ended {st}")
             return dt
 
         def post() -> Callable[[], bool]:
             st = agent.transfer(h)
+            posted[0] += 1
 
             def done() -> bool:
                 nonlocal st
@@ -122,10 +129,12 @@ def _raw_nixl(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tuple[Ra
         agent.remove_remote_agent(name)
         agent.deregister_memory(reg)
 
-    return prepare, close
+    return prepare, close, lambda: posted[0]
 
 
-def _raw_mooncake(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tuple[RawPrep, Any]:
+def _raw_mooncake(
+    src_regions: list[tuple[int, int]], peer_agent: bytes
+) -> tuple[RawPrep, Any, RawPosted]:
     import numpy as np
 
     try:
@@ -173,7 +182,9 @@ def _raw_mooncake(src_regions: list[tuple[int, int]], peer_agent: bytes) -> tupl
         # racing the interpreter's exit)
         eng.batch_unregister_memory([a for a, _ in src_regions])
 
-    return prepare, close
+    # a synchronous write returns once its batch completed; the asynchronous one once
+    # get_batch_transfer_status said so: nothing of it is left for the decode to take
+    return prepare, close, lambda: None
 
 
 _PAIR_KEYS = ("backend", "bytes", "repeats", "pdplug_over_raw", "ratio_q1", "ratio_q3", "plan_ms",
@@ -255,9 +266,9 @@ class Rig:
         self.peer.wait_ready(300)  # a spawned decode process starts slowly on a loaded machine
         dinfo = self.peer.infos["bench-decode"][0]
         regions = [(t.data_ptr(), t.numel()) for t in self.kv]
-        self.prepare, self._raw_close = (_raw_nixl if self.backend == "nixl" else _raw_mooncake)(
-            regions, dinfo.agent
-        )
+        self.prepare, self._raw_close, self._raw_posted = (
+            _raw_nixl if self.backend == "nixl" else _raw_mooncake
+        )(regions, dinfo.agent)
         self.src_base = np.array([t.data_ptr() for t in self.kv], dtype=np.int64)
         self.dst_base = np.asarray(dinfo.entry_base, dtype=np.int64)
         self.emap = entry_map(self.src_l, self.dst_l)
@@ -339,6 +350,16 @@ class Rig:
         for room in rooms:
             if self.sender.wait(room, (KVPoll.WaitingForInput,), 60) != KVPoll.WaitingForInput:
                 raise click.ClickException(f"{self.backend}: {self.sender.failure_reason(room)}")
+
+    def raw_landed(self) -> None:
+        """Return once every write the raw engine posted so far has landed at the decode
+        (NIXL: its notification reached the decode's receivers; Mooncake: its call returned
+        only then), so the run after a raw one does not pay for the raw write's last bytes
+        still being taken in, as the run after a pdplug one does not (:meth:`finish` waits for
+        the decode's verdict)."""
+        n = self._raw_posted()
+        if n is not None:
+            self.peer.landed("bench-decode", n)
 
     def finish(self, rooms: list[int], check: Callable[[], object] = lambda: None) -> None:
         """Check the decode's verdict on every room, then ``check()`` (a byte check while the
