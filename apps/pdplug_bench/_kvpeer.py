@@ -136,6 +136,7 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
             elif cmd["op"] == "clear":
                 for rc in recvs[cmd["instance"]]:
                     rc.clear(cmd["room"])
+                watching.pop(cmd["room"], None)  # a room cleared before its verdict has none
         for room, name in list(watching.items()):
             polls = [rc.poll(room) for rc in recvs[name]]
             if all(p in (KVPoll.Success, KVPoll.Failed) for p in polls):

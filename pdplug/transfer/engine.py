@@ -108,7 +108,10 @@ class TransferEngine(Protocol):
         An engine may also define ``failure(xfer) -> str | None`` (optional, not part of the
         protocol): why a write that ended ``"ERR"`` failed, appended to the room's reason; and
         ``wakes(xfer) -> bool``: whether this write's end calls the waker (default: whether
-        the engine took one, :func:`engine_wakes`)."""
+        the engine took one, :func:`engine_wakes`); and ``done_at_post(xfer) -> bool``: whether
+        the write ended ``"DONE"`` inside :meth:`post` (an engine that copies inside its post
+        call, as UCX over TCP or shared memory does), so the session completes it at once
+        without polling it."""
         ...
 
     def cancel(self, xfer: Any) -> bool:

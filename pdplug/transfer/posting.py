@@ -6,10 +6,12 @@ turned into absolute descriptors with per-entry source tables made once per pack
 (:func:`pdplug.packing.plan_addresses`) and posted with the chunk's
 :class:`~pdplug.types.ChunkTag`; a plan with no run is a notification-only chunk (SGLang
 #32837). Every posted write is tracked by :class:`~pdplug.transfer.writes.InFlight` until the
-engine says it ended: ``DONE`` completes the job (``on_done``; over the control channel for
-engines without notifications, ``on_written``), ``ERR`` or an exception at post fails the room,
-a *stuck* write fails its room but keeps its region and handle until the engine answers.
-Nothing is ever abandoned while the engine may still move its bytes.
+engine says it ended (a write the engine reports ended inside its post call, its optional
+``done_at_post``, ends at once without being tracked): ``DONE`` completes the job
+(``on_done``; over the control channel for engines without notifications, ``on_written``),
+``ERR`` or an exception at post fails the room, a *stuck* write fails its room but keeps its
+region and handle until the engine answers. Nothing is ever abandoned while the engine may
+still move its bytes.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class WritePoster:
         self._engine = engine
         self.wakes = engine_wakes(engine, self._waker)
         self._wakes_for = getattr(engine, "wakes", None)  # per write, when the engine says
+        self._ended_at_post = getattr(engine, "done_at_post", None)
 
     def set_memory(self, src_base: np.ndarray, pack_base: int) -> None:
         """int64 base address of every registered source entry, and the pack buffer's."""
@@ -154,11 +157,19 @@ class WritePoster:
             )
             return
         self.timings["post_s"] += time.perf_counter() - t0
-        wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
         nbytes = sum(ln.tolist()) if ln.shape[0] <= _SHORT else int(_SUM(ln))
-        self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)
         self.counts["posts"] += 1
         self.counts["runs"] += int(ln.shape[0])
+        done = self._ended_at_post
+        if done is not None and done(handle):
+            # the engine copied inside its post call (UCX over TCP or shared memory): the job
+            # ends here, with no in-flight record to add, poll and take out again
+            w = Write(job=job, peer=peer, handle=handle, region=region, t_post=now, clock=now,
+                      seq=0, nbytes=nbytes, tag=tag)  # fmt: skip
+            self._finish(w, XFER_DONE, now, tracked=False)
+            return
+        wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
+        self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)
 
     def _why(self, handle: Any) -> str:
         why = getattr(self._engine, "failure", None)
@@ -173,10 +184,10 @@ class WritePoster:
         for w, st in done:
             self._finish(w, st, now)
 
-    def _finish(self, x: Write, st: str, now: float) -> None:
+    def _finish(self, x: Write, st: str, now: float, tracked: bool = True) -> None:
         job, lease = x.job, x.job.lease
         self.progress_at = now
-        if st == XFER_DONE:
+        if st == XFER_DONE and tracked:
             self.inflight.completed(x, now)
         if x.stuck:
             self.counts["writes_stuck_ended"] += 1

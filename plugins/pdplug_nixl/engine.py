@@ -441,6 +441,11 @@ class NixlEngine:
         except Exception:
             pass
 
+    def done_at_post(self, xfer: Any) -> bool:
+        """Whether ``xfer``'s post returned ``DONE`` (UCX copied inside ``postXferReq``): its
+        bytes landed, so the session ends it without a status call."""
+        return xfer in self._done_at_post
+
     def check(self, xfer: Any) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"`` (an exception from NIXL counts as ``"ERR"``)."""
         if xfer in self._done_at_post:

@@ -87,3 +87,37 @@ def test_bench_pack_exits_nonzero_on_a_wrong_byte() -> None:
     assert "packed 83,264 + 6,720 round 0: bytes on decode DCP ranks [0]" in out, out
     assert "per_token" not in out.split("byte check failed")[1], out
     assert "tp " not in out.split("byte check failed")[1], out
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.nixl
+@pytest.mark.timeout(300)
+def test_bench_rig_decode_survives_a_cleared_room_and_reports_raw_writes_landed() -> None:
+    """The bench's decode process forgets a room cleared before its verdict (it used to poll
+    the cleared room and die on the ``KeyError``), and :meth:`Rig.raw_landed` returns once
+    the decode took the notification of every raw NIXL write posted so far, whose bytes are
+    then in place."""
+    code = """
+import numpy as np
+from pdplug_bench.transfer import Rig
+from pdplug_bench.bytecheck import POISON
+with Rig("nixl", 1 << 20) as rig:
+    (c,) = rig.cases(1 << 20, 1)
+    room = rig.room()
+    rig.expect([room], c, None)
+    rig.sender.clear(room)
+    rig.peer.clear("bench-decode", room)  # before any verdict: the decode must forget it
+    for _ in range(3):
+        rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
+        c["raw"]()
+        rig.raw_landed()
+        failures = []
+        rig.check(c, "raw", failures)
+        assert not failures, failures
+    assert rig.peer.landed("bench-decode", 3) >= 3
+    print("OK")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "OK" in res.stdout, out
