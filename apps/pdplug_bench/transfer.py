@@ -417,6 +417,7 @@ def _bench_backend(
             if checked:
                 peer.fill("bench-decode", [c["dp"].tolist()], POISON)
             dt = float(c["raw"]())
+            rig.raw_landed()  # untimed, as pdplug's run ends with the decode's verdict
             if checked:
                 rig.check(c, f"{tag} raw round {rep}", failures)
             return dt
