@@ -477,6 +477,25 @@ def _bench_backend(
     return rows, failures
 
 
+def _whole_tokens(mib: list[float], option: str) -> list[int]:
+    """Sizes in MiB as bytes of whole tokens (4,096 B each, rounded down): a send moves whole
+    tokens, so the size a row names and its GB/s are the bytes it moved (``--sizes 0.3`` is
+    311,296 B, shown as 0.296875 MiB).
+
+    :raises click.BadParameter: two sizes that are the same number of tokens.
+    """
+    tok = sum(BPT)
+    out = [int(x * MIB) // tok * tok for x in mib]
+    twice = sorted({b for b in out if out.count(b) > 1})
+    if twice:
+        raise click.BadParameter(
+            f"{', '.join(f'{b / MIB:g}' for b in twice)} MiB named more than once (after "
+            f"rounding down to whole tokens of {tok:,} B)",
+            param_hint=f"'{option}'",
+        )
+    return out
+
+
 def _check_memory(need: int, largest: int) -> None:
     """Refuse a run that would not fit in host memory: KV of ``need`` bytes (plus 16 pages) on
     each side (this process and the decode process) and two ``largest``-byte buffers for the
@@ -536,12 +555,12 @@ def cli(
     from pdplug_bench.sendcost import fixed_cost
 
     page_mib = sum(BPT) * PAGE / MIB
-    size_list = [int(s * MIB) for s in number_list(sizes, "--sizes", "MiB", page_mib)]
+    size_list = _whole_tokens(number_list(sizes, "--sizes", "MiB", page_mib), "--sizes")
     if max(size_list) > 4096 * MIB:
         raise click.BadParameter(f"{sizes!r}: at most 4096 MiB", param_hint="'--sizes'")
     tok_mib = sum(BPT) / MIB
     small = (
-        [int(s * MIB) for s in number_list(small_sizes, "--small-sizes", "MiB", tok_mib)]
+        _whole_tokens(number_list(small_sizes, "--small-sizes", "MiB", tok_mib), "--small-sizes")
         if small_sizes.strip()
         else []
     )

@@ -34,7 +34,6 @@ def _float_range(field: str) -> click.FloatRange:
 def demo_options(f: Any) -> Any:
     """Options shared by ``pdplug demo`` and ``pdplug bench e2e`` (every size and wait
     bounded; click refuses a value out of range naming the option)."""
-    scales = ", ".join(map(str, SCALES))
     opts = [
         click.option("--prefill-pp", default=2, show_default=True, type=_int_range("prefill_pp"),
                      help="Prefill PP ranks (one process each; the reference engine's tiny model "
@@ -47,13 +46,14 @@ def demo_options(f: Any) -> Any:
                           "conversations (see README, 'Traces'); default: bundled sample."),
         click.option("--scale", default="32", show_default=True, type=click.Choice(
                      [str(s) for s in SCALES]),
-                     help=f"Divide trace lengths by this, one of {scales} (a 512-token trace "
-                          "block becomes 512/scale tokens: a whole number of 16-token pages)."),
+                     help="Divide trace lengths by this (a 512-token trace block becomes "
+                          "512/scale tokens: a whole number of 16-token pages)."),
         click.option("--max-output", default=16, show_default=True, type=_int_range("max_output"),
                      help="Cap output tokens per request."),
         click.option("--time-scale", default=1.0, show_default=True,
                      type=_float_range("time_scale"),
-                     help="Honour trace arrival times multiplied by this factor."),
+                     help="Honour trace arrival times multiplied by this factor (0: every "
+                          "request at once, as --no-arrivals)."),
         click.option("--no-arrivals", is_flag=True, help="Send requests as fast as admitted."),
         *(click.option(p.option, default=None, help=f"Select a {p.label} (default {p.default}).")
           for p in EXTENSION_POINTS.values()),
@@ -311,10 +311,10 @@ def _sglang_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the report as JSON here.")  # fmt: skip
-@click.option("--prefill-tp", type=click.IntRange(min=1), default=None,
+@click.option("--prefill-tp", type=click.IntRange(1, 2), default=None,
               help="--engine vllm: TP ranks of the prefill engine (vLLM's mp executor; the "
                    "tiny Llama's 2 KV heads take 1 or 2)  [default: 1]")  # fmt: skip
-@click.option("--decode-tp", type=click.IntRange(min=1), default=None,
+@click.option("--decode-tp", type=click.IntRange(1, 2), default=None,
               help="--engine vllm: TP ranks of the decode engine (1 or 2)  "
                    "[default: 1]")  # fmt: skip
 @click.option("--engine", type=click.Choice(["pdplug", "vllm", "sglang"]), default="pdplug",

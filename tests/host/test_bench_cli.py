@@ -64,6 +64,10 @@ pytestmark = pytest.mark.timeout(60)
         (("cluster", "--json", "/nonexistent-dir/x.json"), ("'--json'", "does not exist")),
         (("transfer", "--backend", "nixl,nixl"), ("'--backend'", "names nixl more than once")),
         (
+            ("transfer", "--sizes", "0.3,0.2999"),
+            ("'--sizes'", "0.296875 MiB named more than once", "whole tokens of 4,096 B"),
+        ),
+        (
             ("e2e", "--variants", "pp0+nixl,ring+nixl,pp0+nixl"),
             ("'--variants'", "names pp0+nixl more than once"),
         ),
@@ -247,3 +251,11 @@ def test_bench_transfer_refuses_a_run_that_does_not_fit_in_memory(
     # 4 MiB x 64, not 16 MiB x 64: the K rows post the smallest small size
     assert "KV of 256 MiB on each side" in flat, flat
     assert time.monotonic() - t0 < 20, "refused late: something was spawned first"
+
+
+def test_bench_transfer_sizes_are_whole_tokens() -> None:
+    """A size is the bytes of the whole tokens a send moves (rounded down), so a row's label
+    and GB/s are what it moved: 0.3 MiB is 76 tokens, 311,296 B (0.296875 MiB)."""
+    from pdplug_bench.transfer import MIB, _whole_tokens
+
+    assert _whole_tokens([0.3, 0.0625, 16.0], "--sizes") == [311_296, 65_536, 16 * MIB]

@@ -71,7 +71,9 @@ def test_help_states_the_real_bounds() -> None:
     assert res.exit_code == 0
     out = " ".join(res.output.split())
     assert "--prefill-pp INTEGER RANGE" in out and "1<=x<=4" in out
-    assert "one of 1, 2, 4, 8, 16, 32" in out
+    assert "--scale [1|2|4|8|16|32]" in out and "one of 1, 2" not in out  # listed once
+    assert "--prefill-tp INTEGER RANGE" in out and "1<=x<=2" in out
+    assert "(0: every request at once, as --no-arrivals)" in out
     assert "--run-timeout" in out and "--keep-logs" in out
 
 
@@ -281,8 +283,8 @@ def test_the_vllm_engine_refuses_options_it_does_not_use() -> None:
     ("args", "option", "says"),
     [
         (["--prefill-pp", "3"], "--prefill-pp", "1..2"),
-        (["--prefill-tp", "3"], "--prefill-tp", "one of [1, 2]"),
-        (["--decode-tp", "4"], "--decode-tp", "one of [1, 2]"),
+        (["--prefill-tp", "3"], "--prefill-tp", "1<=x<=2"),
+        (["--decode-tp", "4"], "--decode-tp", "1<=x<=2"),
         (["--prefill-tp", "0"], "--prefill-tp", "0"),
     ],
 )
