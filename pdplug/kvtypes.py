@@ -34,6 +34,7 @@ __all__ = [
     "PackRegion",
     "PackGroup",
     "TransferPlan",
+    "DirectPages",
 ]
 
 #: Bumped whenever the meaning of KVLayout or of a plan changes; checked at the handshake.
@@ -410,3 +411,37 @@ class TransferPlan(msgspec.Struct, frozen=True, kw_only=True):
     def nbytes(self) -> int:
         """Total bytes written by this plan."""
         return int(self.length.sum())
+
+
+class DirectPages(msgspec.Struct, frozen=True, kw_only=True):
+    """The closed form of a layout pair's direct plans, declared once per pair by a pack
+    planner (optional ``PackPlanner.direct_pages``) so a KV sender computes a send's
+    descriptors in a few array operations instead of planning each send (issue 24).
+
+    For a chunk whose first token starts a page on both sides (``rel_start == -1`` and
+    ``decode_prefix_len`` a multiple of ``page_size``), of ``n`` tokens on ``P = ceil(n /
+    page_size)`` pages, the plan is exactly these runs, entry-major (entry ``entries[0]``'s
+    ``P`` pages, then the next entry's): for page ``i`` of entry ``e``,
+
+    * source offset ``src_pages[i] * src_page_bytes + src_offset`` in entry ``e``,
+    * destination offset ``dst_pages[src_page_offset + i] * dst_page_bytes + dst_offset`` in
+      the destination entry of ``e``,
+    * ``page_size * row_bytes`` bytes, the last page's ``(n - (P - 1) * page_size) *
+      row_bytes``.
+
+    Any other chunk is planned with ``PackPlanner.plan`` (which also names every error).
+
+    :ivar page_size: tokens per page, the same on both sides.
+    :ivar entries: source entries the runs read, in plan order.
+    :ivar src_page_bytes/dst_page_bytes: bytes from one page's start to the next (strides).
+    :ivar src_offset/dst_offset: bytes from a page's start to its first moved byte.
+    :ivar row_bytes: bytes moved per token and entry (a whole row on both sides).
+    """
+
+    page_size: int
+    entries: tuple[int, ...]
+    src_page_bytes: int
+    dst_page_bytes: int
+    src_offset: int
+    dst_offset: int
+    row_bytes: int

@@ -136,7 +136,13 @@ class Packer(Protocol):
 
 @runtime_checkable
 class PackPlanner(Protocol):
-    """Pure planning of byte runs (+ gather indices) for one chunk and one destination rank."""
+    """Pure planning of byte runs (+ gather indices) for one chunk and one destination rank.
+
+    Optional (not part of the protocol): ``direct_pages(src, dst) -> DirectPages | None``,
+    the closed form of a pair's direct plans (:class:`pdplug.types.DirectPages`), which a
+    KV sender then applies to page-aligned chunks itself instead of calling :meth:`plan` for
+    every send (issue 24); ``None``, or a planner without the method, plans every send.
+    """
 
     def needs_relayout(self, src: KVLayout, dst: KVLayout) -> bool:
         """Whether sends from ``src`` to ``dst`` must be packed (e.g. decode DCP > 1)."""

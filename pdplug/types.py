@@ -29,6 +29,7 @@ import numpy as np
 
 from pdplug.kvtypes import (
     LAYOUT_VERSION,
+    DirectPages,
     KVEntry,
     KVLayout,
     PackGroup,
@@ -48,6 +49,7 @@ __all__ = [
     "SendChunk",
     "Segment",
     "TransferPlan",
+    "DirectPages",
     "PackRegion",
     "Vote",
     "Decision",

@@ -10,6 +10,8 @@ One module per job, every public name re-exported here:
 * :mod:`pdplug.packing.chunks`: segment to chunk (``segment_to_chunk``, ``segment_chunks``);
 * :mod:`pdplug.packing.runs`: run merging (``merge_runs``);
 * :mod:`pdplug.packing.addresses`: run addressing and per-entry source tables;
+* :mod:`pdplug.packing.direct`: a pair's direct whole-page template bound to a peer
+  (``DirectRuns``: a send's descriptors without a plan);
 * :mod:`pdplug.packing.groups`: a packed plan's gather (``pack_groups``, ``group_rows``);
 * :mod:`pdplug.packing.plans`: one segment planned for its destinations (``plan_segment``);
 * :mod:`pdplug.packing.pack`: one segment packed (``pack_segment``).
@@ -41,6 +43,7 @@ from pdplug.packing.addresses import plan_addresses as plan_addresses
 from pdplug.packing.addresses import run_addresses
 from pdplug.packing.addresses import source_table as source_table
 from pdplug.packing.chunks import segment_chunks, segment_to_chunk
+from pdplug.packing.direct import DirectRuns as DirectRuns
 from pdplug.packing.groups import group_rows, pack_groups
 from pdplug.packing.pack import pack_segment
 from pdplug.packing.pages import MAX_PAGE_ID, page_array

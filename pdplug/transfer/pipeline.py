@@ -16,7 +16,10 @@ no run (a rank that owns no token of the chunk) becomes a notification-only chun
 #32837).
 
 A job to a peer without relayout whose queue is empty starts in :meth:`SendPipeline.submit`
-itself (the direct lane: planned and posted by the thread that sends, no queue round). Posting
+itself (the direct lane: planned and posted by the thread that sends, no queue round). A
+page-aligned job to a peer whose pair the planner gave a closed form
+(``PackPlanner.direct_pages``, bound once per peer: :class:`pdplug.packing.DirectRuns`) is
+posted from it without a plan (counted as ``direct_plans``). Posting
 and completion (:class:`~pdplug.transfer.posting.WritePoster`): ``ERR`` or an engine exception
 fails the room; a *stuck* write fails its room but keeps its region and handle until the engine
 reports it done or failed. Nothing is ever abandoned while the engine may still move its bytes.
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pdplug.packing import DirectRuns
 from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.gather import Packing, PackQueue, ReadyGate
 from pdplug.transfer.posting import WritePoster
@@ -350,6 +354,16 @@ class SendPipeline:
         if not peer.relayout:
             self._unpacked[job.key] += 1
         t0 = time.perf_counter()
+        direct = peer.direct
+        if direct is None:  # bound at the peer's first send (the planner's, off the send path)
+            direct = peer.direct = self._direct(peer)
+        runs = direct.runs(job.chunk) if direct else None
+        if runs is not None:  # the planner's closed form: no plan, no gather per run
+            self.timings["plan_s"] += time.perf_counter() - t0
+            self.counts["direct_plans"] += 1
+            src, dst, ln = runs
+            self._poster.post_runs(job, peer, region, src, dst, ln, self._poster.tag(job), now)
+            return
         try:
             plan = self.planner.plan(job.chunk, self.layout, peer.info.layout, job.dst_rank, None)
         except Exception as e:
@@ -362,6 +376,21 @@ class SendPipeline:
             self._poster.notify_only(job, peer, self._poster.tag(job, plan))
             return
         self._poster.post(job, peer, region, plan, now)
+
+    def _direct(self, peer: Peer) -> DirectRuns | bool:
+        """The planner's direct template for ``peer``'s pair bound to both sides' memory;
+        ``False`` when it has none (or the pair is packed): every send to it is planned."""
+        fn = getattr(self.planner, "direct_pages", None)
+        if fn is None or peer.relayout:
+            return False
+        try:
+            template = fn(self.layout, peer.info.layout)
+            if template is None:
+                return False
+            return DirectRuns(template, self._poster.src_base, peer.dst_table)
+        except Exception as e:  # plan() names the problem at the send itself
+            log.debug("%s: no direct template (%s)", describe(peer.key), e)
+            return False
 
     def _post_packed(self, now: float) -> None:
         """Post every job whose segment is packed and whose pack-done marker completed."""

@@ -28,7 +28,7 @@ from pdplug.transfer.engine import XFER_DONE, TransferEngine, engine_wakes
 from pdplug.transfer.gather import BusyClock
 from pdplug.transfer.records import Job, Lease, Peer
 from pdplug.transfer.writes import InFlight, Write
-from pdplug.types import ChunkTag, TransferPlan
+from pdplug.types import ChunkTag, SendChunk, TransferPlan
 from pdplug.wire import Codec
 
 __all__ = ["WritePoster"]
@@ -110,13 +110,20 @@ class WritePoster:
         self._pack_base = pack_base
         self._src_tables.clear()
 
-    def tag(self, job: Job, plan: TransferPlan) -> ChunkTag:
-        """The completion tag of ``job``'s chunk (the destination's lease generation)."""
+    @property
+    def src_base(self) -> np.ndarray:
+        """int64 base address of every registered source entry."""
+        return self._src_base
+
+    def tag(self, job: Job, plan: TransferPlan | None = None) -> ChunkTag:
+        """The completion tag of ``job``'s chunk (the destination's lease generation; chunk id
+        and last flag from ``plan``, else from the job's chunk)."""
+        c: TransferPlan | SendChunk = job.chunk if plan is None else plan
         return ChunkTag(
             generation=job.lease.dests[job.key].generation,
             room=job.lease.room,
-            chunk_id=plan.chunk_id,
-            is_last=plan.is_last,
+            chunk_id=c.chunk_id,
+            is_last=c.is_last,
             src_rank=self.rank,
         )
 
@@ -135,26 +142,37 @@ class WritePoster:
 
     def post(self, job: Job, peer: Peer, region: int, plan: TransferPlan, now: float) -> None:
         """Post ``plan``'s runs to ``peer`` (reading pack region ``region``, -1: none)."""
-        lease = job.lease
-        tag = self.tag(job, plan)
-        t0 = time.perf_counter()
-        self.clock.write_started(t0)
         try:
             key = plan.pack_entries if plan.packed else ()
             tab = self._src_tables.get(key)
             if tab is None:  # one per packed entry set (a handful per sender)
                 tab = self._src_tables[key] = source_table(self._src_base, self._pack_base, key)
             src, dst, ln = plan_addresses(plan, tab, peer.dst_table)
+        except Exception as e:
+            self._post_failed(job, peer, region, plan.chunk_id, e)
+            return
+        self.post_runs(job, peer, region, src, dst, ln, self.tag(job, plan), now)
+
+    def post_runs(
+        self,
+        job: Job,
+        peer: Peer,
+        region: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        ln: np.ndarray,
+        tag: ChunkTag,
+        now: float,
+    ) -> None:
+        """Post int64 ``[R]`` absolute runs ``(src, dst, ln)`` of ``job`` to ``peer`` with
+        completion ``tag`` (reading pack region ``region``, -1: none)."""
+        t0 = time.perf_counter()
+        self.clock.write_started(t0)
+        try:
             wire_tag = self._tags.encode(tag) if self._engine.notifications else b""
             handle = self._engine.post(peer.handle, src, dst, ln, wire_tag)
         except Exception as e:
-            self.counts["post_failed"] += 1
-            self._settle(job, peer, region)
-            self._on_fail(
-                lease,
-                f"post of chunk {plan.chunk_id} to dcp {job.dst_rank} failed: "
-                f"{type(e).__name__}: {e}",
-            )
+            self._post_failed(job, peer, region, tag.chunk_id, e)
             return
         self.timings["post_s"] += time.perf_counter() - t0
         nbytes = sum(ln.tolist()) if ln.shape[0] <= _SHORT else int(_SUM(ln))
@@ -170,6 +188,14 @@ class WritePoster:
             return
         wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
         self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)
+
+    def _post_failed(self, job: Job, peer: Peer, region: int, chunk_id: int, e: Exception) -> None:
+        self.counts["post_failed"] += 1
+        self._settle(job, peer, region)
+        self._on_fail(
+            job.lease,
+            f"post of chunk {chunk_id} to dcp {job.dst_rank} failed: {type(e).__name__}: {e}",
+        )
 
     def _why(self, handle: Any) -> str:
         why = getattr(self._engine, "failure", None)

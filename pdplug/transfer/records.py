@@ -50,6 +50,9 @@ class Peer(msgspec.Struct, kw_only=True):
         ranks.
     :ivar dst_table: int64 destination base address per source entry (``dst_base[emap]``),
         made once at the handshake for :func:`pdplug.packing.plan_addresses`.
+    :ivar direct: the planner's direct template bound to this peer
+        (:class:`pdplug.packing.DirectRuns`) once the first send looked for it; ``None``
+        before, ``False`` when the planner has none for the pair.
     """
 
     ident: str
@@ -68,6 +71,7 @@ class Peer(msgspec.Struct, kw_only=True):
     released: bool = False
     fed: int = 1
     dst_table: np.ndarray
+    direct: Any = None
 
 
 class Lease(msgspec.Struct, kw_only=True):

@@ -37,7 +37,7 @@ import numpy as np
 from pdplug import KVLayout, PlanError, PlannerConfig
 from pdplug.packing import region_capacity_tokens
 from pdplug.protocols import Packer
-from pdplug.types import PackGroup, PackRegion, SendChunk, TransferPlan
+from pdplug.types import DirectPages, PackGroup, PackRegion, SendChunk, TransferPlan
 from pdplug_dcp.chunks import ChunkState, chunk_state
 from pdplug_dcp.direct import class_runs, expand_entries, whole_page_runs
 from pdplug_dcp.packed import (
@@ -109,6 +109,36 @@ class DcpPlanner:
         """
         pair = self._pair(src, dst)
         return self._relayout(pair)
+
+    def direct_pages(self, src: KVLayout, dst: KVLayout) -> DirectPages | None:
+        """The closed form of this pair's direct plans (:class:`pdplug.types.DirectPages`),
+        for the commonest pair only: one class of whole rows at equal page sizes, no DCP, no
+        draft entries (the pair :meth:`plan` plans with ``whole_page_runs``); ``None`` for
+        every other pair, and for a pair that is packed (:meth:`needs_relayout`).
+
+        :raises PlanError: the layouts do not correspond (see :meth:`plan`).
+        """
+        pair = self._pair(src, dst)
+        if pair.dcp != 1 or pair.drafts or len(pair.main) != 1 or self._relayout(pair):
+            return None
+        cls = pair.main[0]
+        ps = pair.src_page
+        if not (
+            ps == pair.dst_page == cls.d_page
+            and len(cls.cols_t) == 1
+            and cls.w == cls.s_ts == cls.d_ts
+            and cls.entries.shape[0]
+        ):
+            return None
+        return DirectPages(
+            page_size=ps,
+            entries=tuple(int(e) for e in cls.entries.tolist()),
+            src_page_bytes=int(cls.s_ps),
+            dst_page_bytes=int(cls.d_ps),
+            src_offset=int(cls.cols_t[0]),
+            dst_offset=int(cls.d_cols[0]),
+            row_bytes=int(cls.w),
+        )
 
     def capacity_tokens(self, src: KVLayout, dst: KVLayout, region_nbytes: int) -> int:
         """Tokens (per destination rank) a region of ``region_nbytes`` bytes holds: bytes over

@@ -36,7 +36,7 @@ PUBLIC = [
     "pack_segment",
 ]
 #: importable from the package but never in its ``__all__`` (the sender's pipeline uses them)
-EXTRA = ["REGION_ALIGN", "plan_addresses", "source_table"]
+EXTRA = ["REGION_ALIGN", "plan_addresses", "source_table", "DirectRuns"]
 
 
 def test_the_package_has_its_modules() -> None:

@@ -109,3 +109,86 @@ def test_a_planner_reuses_size_arrays_read_only_and_plans_each_send_from_its_own
     for a in (plans[0].entry, plans[0].length):
         with pytest.raises(ValueError, match="read-only"):
             a[0] = 1
+
+
+@given(
+    page=st.sampled_from([1, 2, 16, 64]),
+    bpt=st.lists(st.sampled_from([2, 64, 576, 2048]), min_size=1, max_size=4),
+    prefix_pages=st.integers(0, 3),
+    offset_pages=st.integers(0, 3),
+    n=st.integers(1, 300),
+    extra_dst=st.integers(-1, 2),
+    seed=st.integers(0, 2**16),
+    tp=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_direct_template_gives_the_plans_descriptors(
+    page: int,
+    bpt: list[int],
+    prefix_pages: int,
+    offset_pages: int,
+    n: int,
+    extra_dst: int,
+    seed: int,
+    tp: bool,
+) -> None:
+    """``direct_pages`` bound to both sides' bases (:class:`pdplug.packing.DirectRuns`, what a
+    KV sender uses instead of planning each send) gives exactly the absolute descriptors of
+    ``plan`` + ``run_addresses``, and ``None`` wherever it cannot (then ``plan`` runs and names
+    any error): a pair of several entry classes, too few destination pages."""
+    from pdplug.layout import entry_map
+    from pdplug.packing import DirectRuns, run_addresses
+
+    lay = KVLayout(page_size=page, entry_bytes_per_token=tuple(bpt), dtype="uint8")
+    rng = np.random.default_rng(seed)
+    pages = -(-n // page)
+    chunk = SendChunk(
+        room=1,
+        src_pages=rng.permutation(4096)[:pages].astype(np.int64),
+        dst_pages=rng.permutation(4096)[: offset_pages + pages + extra_dst].astype(np.int64),
+        decode_prefix_len=prefix_pages * page,
+        src_page_offset=offset_pages,
+        num_tokens=n,
+        chunk_id=3,
+        is_last=False,
+    )
+    planner = make_tp_planner() if tp else make_dcp_planner()
+    template = planner.direct_pages(lay, lay)
+    assert (template is not None) == (len(set(bpt)) == 1)  # one class of entries
+    if template is None:
+        return
+    src_base = np.array([(e + 1) << 40 for e in range(len(bpt))], dtype=np.int64)
+    dst_base = np.array([(e + 9) << 40 for e in range(len(bpt))], dtype=np.int64)
+    emap = entry_map(lay, lay)
+    got = DirectRuns(template, src_base, dst_base[emap]).runs(chunk)
+    if extra_dst < 0:  # the planner names the missing pages
+        assert got is None
+        with pytest.raises(PlanError, match="too few destination pages"):
+            planner.plan(chunk, lay, lay, 0)
+        return
+    assert got is not None
+    want = run_addresses(planner.plan(chunk, lay, lay, 0), src_base, dst_base, emap)
+    for g, w in zip(got, want):
+        assert g.dtype == np.int64 and np.array_equal(g, w)
+
+
+def test_no_direct_template_where_the_plan_is_not_whole_pages() -> None:
+    """A DCP destination, other page sizes and a packed pair get none; an unaligned chunk
+    bound to a template gets ``None`` (planned as before)."""
+    from pdplug.packing import DirectRuns
+
+    lay = KVLayout(page_size=4, entry_bytes_per_token=(8, 8), dtype="uint8")
+    planner = make_dcp_planner()
+    assert planner.direct_pages(lay, KVLayout(page_size=4, entry_bytes_per_token=(8, 8),
+                                              dtype="uint8", dcp_size=2)) is None  # fmt: skip
+    assert planner.direct_pages(lay, KVLayout(page_size=8, entry_bytes_per_token=(8, 8),
+                                              dtype="uint8")) is None  # fmt: skip
+    template = planner.direct_pages(lay, lay)
+    assert template is not None and template.entries == (0, 1)
+    runs = DirectRuns(template, np.array([1 << 30, 1 << 31]), np.array([1 << 32, 1 << 33]))
+    base = dict(room=7, src_pages=np.arange(3), dst_pages=np.arange(3), decode_prefix_len=0,
+                src_page_offset=0, num_tokens=10, chunk_id=0, is_last=True)  # fmt: skip
+    for change in ({"rel_start": 2}, {"decode_prefix_len": 2}, {"num_tokens": 0}):
+        assert runs.runs(SendChunk(**{**base, **change})) is None, change
+    with pytest.raises(ValueError, match="outside the 1 registered entries"):
+        DirectRuns(template, np.array([0]), np.array([0]))

@@ -1,0 +1,148 @@
+"""The send path's shortcuts (issue 24), each against the bytes that land: a write the engine
+reports ended inside its post call (``done_at_post``) completes at once (its room turns
+``Success`` before ``send`` returns, the session never asks the engine about it again, its
+handle is released); a page-aligned segment of the commonest pair is posted from the planner's
+direct template instead of a plan."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from _rig import Decode, Prefill, exact, expected, rendezvous, send_room
+
+from pdplug import KVPoll, PluginManager
+from pdplug.testing import require
+
+P = 16
+
+
+class _EndsAtPost:
+    """Wraps the real NIXL engine: ``post`` returns only once the write has ended (its own
+    status calls), and says so through ``done_at_post``; asking about such a write again
+    fails the test."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.notifications = inner.notifications
+        self.ended: set[int] = set()
+        self.released: set[int] = set()
+        self.asked_again: list[int] = []
+
+    def post(self, peer: Any, src: Any, dst: Any, length: Any, tag: bytes) -> Any:
+        h = self.inner.post(peer, src, dst, length, tag)
+        while self.inner.check(h) == "PROC":
+            self.inner.progress()
+        assert self.inner.check(h) == "DONE"
+        self.ended.add(id(h))
+        return h
+
+    def done_at_post(self, xfer: Any) -> bool:
+        return id(xfer) in self.ended
+
+    def check(self, xfer: Any) -> str:
+        if id(xfer) in self.ended:
+            self.asked_again.append(id(xfer))
+        return str(self.inner.check(xfer))
+
+    def release(self, xfer: Any) -> None:
+        self.released.add(id(xfer))
+        self.inner.release(xfer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_write_ended_at_post_completes_in_send_and_is_never_polled() -> None:
+    require("nixl")
+    pm = PluginManager()
+    with rendezvous() as server:
+        pre = Prefill(pm, "nixl", server.endpoint, pp=1)
+        dec = Decode(pm, "nixl", server.endpoint, dcp=1)
+        try:
+            sender = pre.senders[0]
+            eng = _EndsAtPost(sender.engine)
+            sender.engine = eng
+            rng = np.random.default_rng(7)
+            for room, total in ((1, 5 * P + 3), (2, P)):  # a partial last page, one page
+                sp = rng.permutation(64)[:8].astype(np.int64)
+                dp = rng.permutation(96)[:8].astype(np.int64)
+                dec.recvs[0].expect(room, dp, num_tokens=total)
+                sender.start(room)
+                send_room(pre, room, sp)
+                # ended inside the post call: Success before any poll reaped anything
+                assert sender.rooms.status(room) == KVPoll.Success, sender.failure_reason(room)
+                want = expected(pre, dec, total, 0, sp, [dp])
+                for _ in range(500):
+                    if dec.recvs[0].poll(room) in (KVPoll.Success, KVPoll.Failed):
+                        break
+                    time.sleep(0.01)
+                assert dec.recvs[0].poll(room) == KVPoll.Success
+                assert exact(dec, want, [dp])
+                assert sender.wait(room, timeout_s=1.0) == KVPoll.Success
+            assert eng.ended and not eng.asked_again
+            assert eng.released == eng.ended  # every handle went back to the engine
+            st = sender.stats()
+            assert st["xfers"] == 0 and st["posts"] == len(eng.ended)
+            # two entry classes (64 and 48 B per token): planned, no direct template
+            assert st.get("direct_plans", 0) == 0, st
+        finally:
+            dec.close()
+            pre.close()
+
+
+def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly() -> None:
+    """One class of whole rows, equal page sizes, no DCP: a page-aligned segment is posted
+    from the planner's direct template (``stats()["direct_plans"]``), a segment that starts
+    inside a page is planned as before, and every byte lands where the reference says."""
+    require("nixl")
+    from pdplug import KVConfig, KVLayout
+    from pdplug.bootstrap import resolve
+    from pdplug.types import Segment
+
+    lay = KVLayout(page_size=P, entry_bytes_per_token=(32, 32, 32), dtype="uint8")
+    pm = PluginManager()
+    rng = np.random.default_rng(11)
+    with rendezvous() as server:
+        cfg = dict(bootstrap_endpoint=server.endpoint, bootstrap_timeout_s=20.0,
+                   waiting_timeout_s=20.0, transfer_timeout_s=5.0)  # fmt: skip
+        sender = pm.make_kv_sender(
+            KVConfig(instance="p", role="prefill", layout=lay, pack_region_tokens=P, **cfg),
+            name="nixl",
+        )
+        recv = pm.make_kv_receiver(KVConfig(instance="d", role="decode", layout=lay, **cfg),
+                                   name="nixl")  # fmt: skip
+        import torch
+
+        src = [torch.randint(0, 256, (64 * P, 32), dtype=torch.uint8) for _ in range(3)]
+        dst = [torch.zeros((64 * P, 32), dtype=torch.uint8) for _ in range(3)]
+        try:
+            sender.register_kv(src)
+            recv.register_kv(dst)
+            recv.connect(resolve(server.endpoint, "p", timeout_s=20))
+            total, room = 5 * P + 7, 42
+            sp = rng.permutation(64)[:6].astype(np.int64)
+            dp = rng.permutation(64)[:6].astype(np.int64)
+            recv.expect(room, dp, num_tokens=total)
+            sender.start(room)
+            assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+            # [0, 2P) aligned, [2P, 2P + 5) aligned, [2P + 5, total) starts inside a page
+            cuts = [(0, 2 * P), (2 * P, 2 * P + 5), (2 * P + 5, total)]
+            for i, (a, b) in enumerate(cuts):
+                seg = Segment(token_start=a, token_end=b, page_start=a // P, num_tokens=b - a,
+                              chunk_id=i, is_last=i == len(cuts) - 1)  # fmt: skip
+                sender.send(room, seg, sp[a // P :])
+            assert sender.wait(room, timeout_s=10) == KVPoll.Success, sender.failure_reason(room)
+            assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
+            tok = np.arange(total)
+            s_rows = sp[tok // P] * P + tok % P
+            d_rows = dp[tok // P] * P + tok % P
+            for s_t, d_t in zip(src, dst):
+                assert np.array_equal(d_t.numpy()[d_rows], s_t.numpy()[s_rows])
+            st = sender.stats()
+            assert st["direct_plans"] == 2 and st["posts"] == 3, st
+        finally:
+            recv.close()
+            sender.close()
