@@ -104,3 +104,10 @@ def cli(requests: int, variants: str, json_path: str | None, **kw: Any) -> None:
         raise click.ClickException(
             f"parity: {', '.join(wrong)} requests token-identical to the reference run"
         )
+
+
+# the variants name the consensus and the KV sender of every run: the shared options that would
+# set them are refused here (above), and not offered in --help
+for _param in cli.params:
+    if isinstance(_param, click.Option) and _param.name in ("consensus", "kv_sender"):
+        _param.hidden = True

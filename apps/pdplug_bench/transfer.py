@@ -477,6 +477,14 @@ def _bench_backend(
     return rows, failures
 
 
+def _label(mib: str) -> str:
+    """A size key in MiB (``"0.0625"``) as people write it (``"64 KiB"``)."""
+    nbytes = float(mib) * MIB
+    if nbytes < MIB and nbytes % 1024 == 0:
+        return f"{nbytes / 1024:g} KiB"
+    return f"{float(mib):g} MiB"
+
+
 def _whole_tokens(mib: list[float], option: str) -> list[int]:
     """Sizes in MiB as bytes of whole tokens (4,096 B each, rounded down): a send moves whole
     tokens, so the size a row names and its GB/s are the bytes it moved (``--sizes 0.3`` is
@@ -522,8 +530,9 @@ def _check_memory(need: int, largest: int) -> None:
 )
 @click.option("--sizes", default="16,64,256", show_default=True,
               help="Sizes in MiB, comma-separated (each at least one page).")  # fmt: skip
-@click.option("--repeats", default=9, show_default=True, type=click.IntRange(1, 1000),
-              help="Timed pairs per size (at least 256 MiB / size, at most 40).")  # fmt: skip
+@click.option("--repeats", default=9, show_default=True, type=click.IntRange(1, 40),
+              help="Timed pairs per size: large sends at least 256 MiB / size (at most 40), "
+                   "small sends at least 20.")  # fmt: skip
 @click.option("--small-sizes", default="0.0625,1,16", show_default=True,
               help="Sizes in MiB of the fixed-cost table (one send alone), comma-separated; "
                    "'' skips the table.")  # fmt: skip
@@ -566,12 +575,14 @@ def cli(
     )
     if small and max(small) > 256 * MIB:
         raise click.BadParameter(f"{small_sizes!r}: at most 256 MiB", param_hint="'--small-sizes'")
-    step_list = [int(k) for k in number_list(steps, "--steps", "sends", 1)] if small else []
-    if any(k != int(k) or not 1 <= k <= 64 for k in number_list(steps, "--steps", "sends", 1)):
+    ks = number_list(steps, "--steps", "sends", float("-inf"))  # numbers, none twice
+    if any(k != int(k) or not 1 <= k <= 64 for k in ks):
         raise click.BadParameter(f"{steps!r}: whole numbers 1-64", param_hint="'--steps'")
+    step_list = [int(k) for k in ks] if small else []
     backends = component_names(backend, "kv_sender", "--backend")
-    # the K rows post K sends of the smallest small size at once
-    k_rows = min(small) * max(step_list, default=1) if small else 0
+    # the K rows post K sends of the smallest small size at once, each on whole pages of its own
+    page_bytes = sum(BPT) * PAGE
+    k_rows = max(step_list, default=1) * -(-min(small) // page_bytes) * page_bytes if small else 0
     need = max([*size_list, *small, k_rows])
     _check_memory(need, max(size_list))
     console = Console(width=150)  # tables stay whole when piped
@@ -652,11 +663,11 @@ def cli(
             )  # fmt: skip
         console.print(ft)
         for b, per in fixed.items():
-            below = [k for k, v in per.items() if float(k) <= 1 and v > 100]
-            verdict = f"above it at {', '.join(below)} MiB" if below else "met"
+            below = [_label(k) for k, v in per.items() if float(k) <= 1 and v > 100]
+            verdict = f"above it at {', '.join(below)}" if below else "met"
             console.print(
                 f"{b}: fixed cost per send (K = 1): "
-                + ", ".join(f"{k} MiB {v:.0f} us" for k, v in per.items())
+                + ", ".join(f"{_label(k)} {v:.0f} us" for k, v in per.items())
                 + f" (goal <= 100 us at 64 KiB and 1 MiB: {verdict}); K rows: the cost of "
                 "one send when a step posts K (send_many when the sender has it)"
             )

