@@ -223,7 +223,15 @@ class PluginManager:
         :param config: the :class:`~pdplug.config.PlannerConfig` (default: ``PlannerConfig()``).
         :param name: explicit selection; default ``select=`` / ``PDPLUG_PACK_PLANNER`` / ``dcp``.
         :raises PluginError: as :meth:`resolve`, or the factory failed to import.
+        :raises TypeError: ``config`` is not a :class:`~pdplug.config.PlannerConfig` (a planner
+            name passed positionally: ``make_pack_planner(name="tp")``).
         """
+        if config is not None and not isinstance(config, PlannerConfig):
+            hint = f" (to select a planner: name={config!r})" if isinstance(config, str) else ""
+            raise TypeError(
+                f"make_pack_planner: config must be a PlannerConfig or None, got "
+                f"{type(config).__name__}{hint}"
+            )
         return cast(PackPlanner, self._factory("pack_planner", name)(config or PlannerConfig()))
 
     def make_kv_sender(

@@ -733,3 +733,14 @@ def test_emit_reaches_observers_registered_after_the_first_event() -> None:
     pm.unregister("late")
     pm.emit(PdplugEvent(kind="third", source="x"))
     assert seen == ["second"]
+
+
+def test_a_planner_name_passed_as_config_is_a_type_error_naming_the_keyword() -> None:
+    """``make_pack_planner("tp")`` passed the name as ``config`` and failed deep inside the
+    planner with an ``AttributeError``; it is refused at once, pointing at ``name=``."""
+    from pdplug import PluginManager
+
+    with pytest.raises(TypeError, match=r"config must be a PlannerConfig or None, got str "
+                                        r"\(to select a planner: name='tp'\)"):  # fmt: skip
+        PluginManager().make_pack_planner("tp")  # type: ignore[arg-type]
+    assert PluginManager().make_pack_planner(name="tp") is not None
