@@ -662,12 +662,22 @@ def cli(
                 f"{sr['q1_us']:.1f}-{sr['q3_us']:.1f}",
             )  # fmt: skip
         console.print(ft)
+        spread = {(r["backend"], f"{r['bytes'] / MIB:g}"): (r["q1_us"], r["q3_us"])
+                  for r in small_rows if r["k"] == 1}  # fmt: skip
         for b, per in fixed.items():
             below = [_label(k) for k, v in per.items() if float(k) <= 1 and v > 100]
+            # a median whose pairs spread over more than the goal itself says little alone
+            wide = [_label(k) for k in per if float(k) <= 1
+                    and spread[b, k][1] - spread[b, k][0] > 100]  # fmt: skip
             verdict = f"above it at {', '.join(below)}" if below else "met"
+            if wide:
+                verdict += f"; pairs spread over more than 100 us at {', '.join(wide)}: rerun"
             console.print(
                 f"{b}: fixed cost per send (K = 1): "
-                + ", ".join(f"{_label(k)} {v:.0f} us" for k, v in per.items())
+                + ", ".join(
+                    f"{_label(k)} {v:.0f} us (IQR {spread[b, k][0]:.0f} to {spread[b, k][1]:.0f})"
+                    for k, v in per.items()
+                )
                 + f" (goal <= 100 us at 64 KiB and 1 MiB: {verdict}); K rows: the cost of "
                 "one send when a step posts K (send_many when the sender has it)"
             )
