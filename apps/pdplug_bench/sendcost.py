@@ -15,7 +15,7 @@ run ends once its bytes have landed at the decode, untimed: pdplug's with the de
 on the room, the raw one when the decode took the raw write's notification (NIXL; a Mooncake
 call returns only then). Before 2026-12-04 a raw run did not wait for that, and a pdplug run
 right after it paid for the decode still taking in the raw write's bytes (a NIXL "DONE" on UCX
-over TCP is the sender's): 1 MiB sends took 389 us after a raw one against 267 us before one.
+over TCP is the sender's; README, "Fixed cost per send", has the measurement).
 
 **K sends per step**: a step posts K rooms of the same size at once (``send_many`` when the
 sender has it, else K ``send`` calls) and polls them all to ``Success``; the raw baseline posts

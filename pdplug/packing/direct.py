@@ -1,12 +1,12 @@
 """Direct whole-page sends: a pair's :class:`pdplug.types.DirectPages` bound to one peer.
 
-A KV sender binds the template its pack planner declared for a (prefill rank, decode rank)
-pair to the two sides' entry bases once, at the first send to that peer, and then turns each
-page-aligned chunk into absolute descriptors with two multiplications and two additions, with
-no plan object and no per-run gather (issue 24: a plan and its addressing were a third of the
-Python a small send ran). What it computes is exactly what ``PackPlanner.plan`` followed by
-:func:`pdplug.packing.plan_addresses` gives for the same chunk (tested against it); any chunk
-it does not cover returns ``None`` and is planned as before.
+A KV sender binds the template its pack planner declared for a (prefill rank, decode rank) pair
+to the two sides' entry bases once, at the first send to that peer, and then turns each
+page-aligned chunk into absolute descriptors with two multiplications and two additions, with no
+plan object and no per-run gather (issue 24: the fixed cost of a small send). What it computes
+is exactly what ``PackPlanner.plan`` followed by :func:`pdplug.packing.plan_addresses` gives for
+the same chunk (tested against it); any chunk it does not cover returns ``None`` and is planned
+as before.
 """
 
 from __future__ import annotations
