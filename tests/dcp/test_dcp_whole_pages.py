@@ -21,7 +21,8 @@ def _general(planner, chunk, lay):  # a region on a pair without relayout: the g
     return planner.plan(chunk, lay, lay, 0, region)
 
 
-@given(
+#: a layout of one or more entries and a page-aligned chunk of it (both tests below)
+_CHUNKS = dict(
     page=st.sampled_from([1, 2, 16, 64]),
     bpt=st.lists(st.sampled_from([2, 64, 576, 2048]), min_size=1, max_size=4),
     prefix_pages=st.integers(0, 3),
@@ -30,6 +31,9 @@ def _general(planner, chunk, lay):  # a region on a pair without relayout: the g
     seed=st.integers(0, 2**16),
     tp=st.booleans(),
 )
+
+
+@given(**_CHUNKS)
 @settings(max_examples=300, deadline=None)
 def test_whole_page_runs_equal_the_general_plan(
     page: int,
@@ -111,16 +115,7 @@ def test_a_planner_reuses_size_arrays_read_only_and_plans_each_send_from_its_own
             a[0] = 1
 
 
-@given(
-    page=st.sampled_from([1, 2, 16, 64]),
-    bpt=st.lists(st.sampled_from([2, 64, 576, 2048]), min_size=1, max_size=4),
-    prefix_pages=st.integers(0, 3),
-    offset_pages=st.integers(0, 3),
-    n=st.integers(1, 300),
-    extra_dst=st.integers(-1, 2),
-    seed=st.integers(0, 2**16),
-    tp=st.booleans(),
-)
+@given(**_CHUNKS, extra_dst=st.integers(-1, 2))
 @settings(max_examples=300, deadline=None)
 def test_the_direct_template_gives_the_plans_descriptors(
     page: int,
