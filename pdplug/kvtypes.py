@@ -35,6 +35,7 @@ __all__ = [
     "PackGroup",
     "TransferPlan",
     "DirectPages",
+    "PageGrid",
 ]
 
 #: Bumped whenever the meaning of KVLayout or of a plan changes; checked at the handshake.
@@ -445,3 +446,25 @@ class DirectPages(msgspec.Struct, frozen=True, kw_only=True):
     src_offset: int
     dst_offset: int
     row_bytes: int
+
+
+class PageGrid(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a direct template's pages lie in both sides' memory, bound to one peer: what an
+    engine needs to prepare the descriptors of every page once (NIXL ``prep_xfer_dlist``, as
+    vLLM's NixlConnector prepares its block lists) and then post a send by page ids
+    (optional ``TransferEngine.prepare_pages`` / ``post_pages``; issue 24).
+
+    Page ``p`` of entry ``i`` (``i``-th of the template's entries) moves from
+    ``src_first[i] + p * src_stride`` to ``dst_first[i] + p * dst_stride``: ``run_bytes``
+    bytes for a whole page, fewer for a send's last page.
+
+    :ivar src_first/dst_first: absolute address (bytes) of page 0's first moved byte, per entry.
+    :ivar src_stride/dst_stride: bytes from one page to the next.
+    :ivar run_bytes: bytes moved per whole page and entry.
+    """
+
+    src_first: tuple[int, ...]
+    dst_first: tuple[int, ...]
+    src_stride: int
+    dst_stride: int
+    run_bytes: int

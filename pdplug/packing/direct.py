@@ -11,11 +11,18 @@ as before.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from pdplug.types import DirectPages, SendChunk
+from pdplug.types import DirectPages, PageGrid, SendChunk
 
 __all__ = ["DirectRuns"]
+
+#: int64 ``[R]`` absolute source addresses, destination addresses and lengths (bytes)
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: int64 ``[P]`` source and destination page ids of one send and the tokens on its last page
+Span = tuple[np.ndarray, np.ndarray, int]
 
 #: run-length arrays kept per peer, one per (pages, tokens on the last page)
 _LENGTHS_MAX = 64
@@ -43,26 +50,75 @@ class DirectRuns:
         self._src = (np.asarray(src_base, dtype=np.int64)[ent] + template.src_offset)[:, None]
         self._dst = (np.asarray(dst_table, dtype=np.int64)[ent] + template.dst_offset)[:, None]
         self._lengths: dict[tuple[int, int], np.ndarray] = {}
+        #: the engine's descriptor lists of :meth:`grid` (``TransferEngine.prepare_pages``), once
+        #: a sender prepared them; ``None``: sends post addresses
+        self.lists: Any = None
 
-    def runs(self, chunk: SendChunk) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def runs(self, chunk: SendChunk) -> Runs | None:
         """Absolute int64 ``[E * P]`` ``(src_addr, dst_addr, length)`` of ``chunk`` (entry-major,
         one run per page and entry; ``length`` read-only), or ``None`` when the chunk does not
         start a page on both sides or has too few pages (the planner handles it).
 
         :param chunk: a chunk whose page ids a sender checked (int64 ``[n]``).
         """
-        t = self.template
-        ps, n = t.page_size, chunk.num_tokens
-        q0 = chunk.src_page_offset
-        if chunk.rel_start != -1 or chunk.decode_prefix_len % ps or n <= 0 or q0 < 0:
+        span = self.chunk_pages(chunk)
+        return None if span is None else self.addresses(*span)
+
+    def chunk_pages(self, chunk: SendChunk) -> Span | None:
+        """The pages ``chunk`` moves: int64 ``[P]`` source and destination page ids (views)
+        and the tokens on its last page; ``None`` as :meth:`runs`."""
+        if chunk.rel_start != -1 or chunk.decode_prefix_len % self.template.page_size:
             return None
+        return self._span(chunk.src_pages, chunk.dst_pages, chunk.src_page_offset, chunk.num_tokens)
+
+    def segment_pages(
+        self, token_start: int, num_tokens: int, src_pages: np.ndarray, dst_pages: np.ndarray,
+        decode_prefix_len: int,
+    ) -> Span | None:  # fmt: skip
+        """:meth:`chunk_pages` of the chunk a segment ``[token_start, token_start +
+        num_tokens)`` (tokens) makes for a destination holding ``decode_prefix_len`` tokens
+        and ``dst_pages`` from there on, without making the chunk (a sender's direct lane);
+        ``None`` wherever :func:`pdplug.packing.segment_to_chunk` and :meth:`runs` would not
+        give runs (a start off a page boundary, too few pages).
+
+        :param src_pages/dst_pages: int64 ``[n]`` page ids a sender checked.
+        """
+        ps = self.template.page_size
+        rel = token_start - decode_prefix_len
+        if rel < 0 or rel % ps or decode_prefix_len % ps:
+            return None
+        return self._span(src_pages, dst_pages, rel // ps, num_tokens)
+
+    def _span(self, sp: np.ndarray, dp: np.ndarray, q0: int, n: int) -> Span | None:
+        ps = self.template.page_size
         pages = -(-n // ps)
-        sp, dp = chunk.src_pages, chunk.dst_pages
-        if sp.shape[0] < pages or dp.shape[0] < q0 + pages:
+        if n <= 0 or q0 < 0 or sp.shape[0] < pages or dp.shape[0] < q0 + pages:
             return None
-        src = np.add(self._src, np.multiply(sp[:pages], t.src_page_bytes)).reshape(-1)
-        dst = np.add(self._dst, np.multiply(dp[q0 : q0 + pages], t.dst_page_bytes)).reshape(-1)
-        return src, dst, self._length(pages, n - (pages - 1) * ps)
+        return sp[:pages], dp[q0 : q0 + pages], n - (pages - 1) * ps
+
+    def addresses(self, src_pages: np.ndarray, dst_pages: np.ndarray, tail: int) -> Runs:
+        """Absolute int64 ``[E * P]`` runs of a :class:`Span` (``tail``: tokens on the last
+        page)."""
+        t = self.template
+        src = np.add(self._src, np.multiply(src_pages, t.src_page_bytes)).reshape(-1)
+        dst = np.add(self._dst, np.multiply(dst_pages, t.dst_page_bytes)).reshape(-1)
+        return src, dst, self._length(src_pages.shape[0], tail)
+
+    def nbytes(self, pages: int, tail: int) -> int:
+        """Bytes a span of ``pages`` pages with ``tail`` tokens on the last one moves."""
+        t = self.template
+        return self._src.shape[0] * ((pages - 1) * t.page_size + tail) * t.row_bytes
+
+    def grid(self) -> PageGrid:
+        """This template's pages in both sides' memory (for ``TransferEngine.prepare_pages``)."""
+        t = self.template
+        return PageGrid(
+            src_first=tuple(self._src[:, 0].tolist()),
+            dst_first=tuple(self._dst[:, 0].tolist()),
+            src_stride=t.src_page_bytes,
+            dst_stride=t.dst_page_bytes,
+            run_bytes=t.page_size * t.row_bytes,
+        )
 
     def _length(self, pages: int, tail: int) -> np.ndarray:
         key = (pages, tail)

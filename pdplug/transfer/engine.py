@@ -54,6 +54,14 @@ class TransferEngine(Protocol):
     Optional (not part of the protocol): ``info_extra() -> dict[str, str]``, fields the rank
     publishes in its ``PeerInfo.extra`` for the peers' engines (read in :meth:`connect`; NIXL:
     its registered regions, for descriptor lists prepared once per peer).
+
+    Optional, together: ``prepare_pages(peer, grid) -> lists | None`` prepares the descriptors
+    of every page of a :class:`~pdplug.types.PageGrid` on both sides once (a peer's first send
+    on a direct template; ``None``: not for this pair); ``post_pages(peer, lists, src_pages,
+    dst_pages, last_bytes, tag) -> xfer | None`` then starts one write by page ids (int64
+    ``[P]`` each, entry-major runs, the last page of each entry moving ``last_bytes`` bytes;
+    ``None``: those pages are not in the lists, the session posts the addresses instead), with
+    :meth:`post`'s errors.
     """
 
     name: str

@@ -115,9 +115,14 @@ class Handoff:
         now = time.monotonic()
 
         def run() -> None:
+            table = self._table
             for room, gen, seg, pages, ready in jobs:
-                self._table.enqueue(room, gen, seg, pages, now, ready)
-            self._pipe.step(now)
+                # a segment whose KV is complete goes straight out when every destination has
+                # a direct template and nothing queued before it; any other goes through a round
+                if ready is not None or not table.send_direct(room, gen, seg, pages, now):
+                    table.enqueue(room, gen, seg, pages, now, ready)
+            if self._pipe.has_work():
+                self._pipe.step(now)
 
         # writes in flight are reaped by whoever polls or waits first, the loop thread at its
         # next round at the latest; work still queued (regions busy, budget spent) needs it now

@@ -41,7 +41,7 @@ from pdplug.transfer.inbox import RoomInbox
 from pdplug.transfer.messages import Abort, Done
 from pdplug.transfer.peers import DecodePeers
 from pdplug.transfer.pipeline import SendPipeline
-from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
+from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe, failure_tag
 from pdplug.types import ChunkTag, DestInfo, KVLayout, KVPoll, PackRegion, Segment
 from pdplug.wire import Codec
 
@@ -161,18 +161,10 @@ class SendLeases:
         if lease is None or lease.generation != gen or lease.failed:
             return
         keys = lease.order or sorted(lease.dests)
-        for key in keys:
-            d = lease.dests[key]
-            short = seg.is_last and seg.token_end < d.num_tokens
-            if d.num_tokens and (seg.token_end > d.num_tokens or short):
-                which = "the last segment" if seg.is_last else f"segment {seg.chunk_id}"
-                self.fail(
-                    lease,
-                    f"token count: {which} ends at token {seg.token_end} but {describe(key)} "
-                    f"declared num_tokens={d.num_tokens} (KVReceiver.expect); both sides "
-                    "must agree on the prompt length",
-                )
-                return
+        why = lease.segment_error(keys, seg)
+        if why:
+            self.fail(lease, why)
+            return
         try:
             # destinations with equal pages share one chunk (planners compare by identity)
             dst = lease.dst_pages
@@ -195,6 +187,24 @@ class SendLeases:
         lease.segments[seg.chunk_id] = len(jobs)
         self._counts["segments"] += 1
         self._pipe.submit(jobs, now, ready)
+
+    def send_direct(self, room: int, gen: int, seg: Segment, pages: np.ndarray, now: float) -> bool:
+        """Post one segment of ``room`` (its KV complete now) straight from every destination's
+        direct template (:meth:`SendPipeline.send_direct`): no chunk, no job queue, no pipeline
+        round. ``False``, with nothing changed, wherever :meth:`enqueue` must take it (a
+        destination without a template or with work queued, a count or chunk id it must
+        report, a start off a page boundary)."""
+        lease = self.leases.get(room)
+        if lease is None or lease.generation != gen or lease.failed or not lease.order:
+            return False
+        keys = lease.order
+        if seg.chunk_id in lease.segments or lease.segment_error(keys, seg):
+            return False
+        if not self._pipe.send_direct(lease, keys, seg, pages, now):
+            return False
+        self._counts["segments"] += 1
+        self._counts["direct_lane"] += 1
+        return True
 
     def abort(self, room: int, gen: int) -> None:
         """The host aborted ``room``."""
@@ -242,17 +252,6 @@ class SendLeases:
         self._pipe.purge(lease)
         self.notify_failure(lease)
 
-    def _failure(self, d: DestInfo, reason: str) -> ChunkTag:
-        return ChunkTag(
-            generation=d.generation,
-            room=d.room,
-            chunk_id=-1,
-            is_last=True,
-            src_rank=self._rank,
-            ok=False,
-            reason=reason[:512],
-        )
-
     def notify_failure(self, lease: Lease) -> None:
         """Tell every destination the room failed: at once, and again (``drained``) once no
         write of the room is in flight here any more."""
@@ -267,7 +266,7 @@ class SendLeases:
             peer = lease.peers[key]
             if not peer.alive:
                 continue
-            tag = self._failure(d, reason)
+            tag = failure_tag(d.room, d.generation, self._rank, reason)
             self._peers.send(peer, Done(chunk=tag, drained=drained))
             if first and engine.notifications:
                 try:
@@ -278,7 +277,8 @@ class SendLeases:
     def _refuse(self, peer: Peer, d: DestInfo, reason: str) -> None:
         """Tell one decode rank at once that ``d``'s room ended here with nothing of it in
         flight to that rank (its pages are not written by this rank)."""
-        self._peers.send(peer, Done(chunk=self._failure(d, reason), drained=True))
+        tag = failure_tag(d.room, d.generation, self._rank, reason)
+        self._peers.send(peer, Done(chunk=tag, drained=True))
 
     def job_done(self, job: Job) -> None:
         """A job's write completed; the room succeeds with its last segment's last job."""
@@ -448,13 +448,6 @@ class SendLeases:
         if lease is None:  # remembered, so a later start() fails at once
             self.box.aborts.setdefault(a.room, {})[key] = (a.generation, a.reason, now)
         self._counts["abort_confirmed"] += 1
-        tag = ChunkTag(
-            generation=a.generation,
-            room=a.room,
-            chunk_id=-1,
-            is_last=True,
-            src_rank=self._rank,
-            ok=False,
-            reason=(f"{why} (nothing in flight on prefill rank {self._rank})")[:512],
-        )
+        why = f"{why} (nothing in flight on prefill rank {self._rank})"
+        tag = failure_tag(a.room, a.generation, self._rank, why)
         self._peers.send(peer, Done(chunk=tag, drained=True))

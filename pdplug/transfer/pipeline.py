@@ -27,7 +27,6 @@ reports it done or failed. Nothing is ever abandoned while the engine may still 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -35,13 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdplug.packing import DirectRuns
 from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.gather import Packing, PackQueue, ReadyGate
 from pdplug.transfer.posting import WritePoster
 from pdplug.transfer.records import Job, Lease, Peer, PeerKey, describe
 from pdplug.transfer.regions import RegionPool
-from pdplug.types import ChunkTag, KVLayout, PackRegion, TransferPlan
+from pdplug.types import ChunkTag, KVLayout, PackRegion, Segment, TransferPlan
 from pdplug.wire import Codec
 
 if TYPE_CHECKING:
@@ -50,8 +48,6 @@ if TYPE_CHECKING:
     from pdplug.protocols import Packer, PackPlanner
 
 __all__ = ["SendPipeline"]
-
-log = logging.getLogger(__name__)
 
 _BUDGET = 16  # jobs started per round, so completions are reaped in between
 
@@ -293,8 +289,9 @@ class SendPipeline:
     # ------------------------------------------------------------------ dispatch
     def _settle(self, job: Job, peer: Peer, region: int) -> None:
         """A job's work ended (done, failed, cancelled or never posted)."""
-        self.pool.give_back(region, job.key, job.key[0])
-        if region < 0 and not peer.relayout:
+        if region >= 0:
+            self.pool.give_back(region, job.key, job.key[0])
+        elif not peer.relayout:
             self._unpacked[job.key] -= 1
         job.lease.inflight -= 1
         peer.inflight -= 1
@@ -356,13 +353,11 @@ class SendPipeline:
         t0 = time.perf_counter()
         direct = peer.direct
         if direct is None:  # bound at the peer's first send (the planner's, off the send path)
-            direct = peer.direct = self._direct(peer)
-        runs = direct.runs(job.chunk) if direct else None
-        if runs is not None:  # the planner's closed form: no plan, no gather per run
+            direct = peer.direct = self._poster.bind_direct(peer, self.planner, self.layout)
+        span = direct.chunk_pages(job.chunk) if direct else None
+        if span is not None:  # the planner's closed form: no plan, no gather per run
             self.timings["plan_s"] += time.perf_counter() - t0
-            self.counts["direct_plans"] += 1
-            src, dst, ln = runs
-            self._poster.post_runs(job, peer, region, src, dst, ln, self._poster.tag(job), now)
+            self._poster.post_direct(job, peer, direct, span, now)
             return
         try:
             plan = self.planner.plan(job.chunk, self.layout, peer.info.layout, job.dst_rank, None)
@@ -377,20 +372,48 @@ class SendPipeline:
             return
         self._poster.post(job, peer, region, plan, now)
 
-    def _direct(self, peer: Peer) -> DirectRuns | bool:
-        """The planner's direct template for ``peer``'s pair bound to both sides' memory;
-        ``False`` when it has none (or the pair is packed): every send to it is planned."""
-        fn = getattr(self.planner, "direct_pages", None)
-        if fn is None or peer.relayout:
+    def send_direct(
+        self, lease: Lease, keys: list[PeerKey], seg: Segment, pages: np.ndarray, now: float
+    ) -> bool:
+        """Post ``seg`` (its KV complete now) to every destination ``keys`` of ``lease`` from
+        its peer's direct template, one job each, counting the segment's jobs in
+        ``lease.segments``; ``False``, with nothing changed, when one must go through
+        :meth:`submit`: a peer without a bound template (its first send binds it), packed,
+        gone, at ``max_inflight``, or with work queued or parked before this segment; a
+        segment the template does not cover."""
+        if self._gate.parked:
             return False
-        try:
-            template = fn(self.layout, peer.info.layout)
-            if template is None:
+        spans = []
+        for key in keys:
+            peer = lease.peers.get(key)
+            if (
+                peer is None
+                or not peer.direct
+                or not peer.alive
+                or key in self._queues
+                or self._unpacked[key] >= self.max_inflight
+            ):
                 return False
-            return DirectRuns(template, self._poster.src_base, peer.dst_table)
-        except Exception as e:  # plan() names the problem at the send itself
-            log.debug("%s: no direct template (%s)", describe(peer.key), e)
-            return False
+            span = peer.direct.segment_pages(
+                seg.token_start, seg.num_tokens, pages, lease.dst_pages[key],
+                lease.dests[key].decode_prefix_len,
+            )  # fmt: skip
+            if span is None:
+                return False
+            spans.append((key, peer, span))
+        if not (self._inflight.writes or self._queues):
+            self._poster.progress_at = now
+        lease.segments[seg.chunk_id] = len(spans)
+        lease.posted = True
+        for key, peer, span in spans:
+            lease.inflight += 1
+            peer.inflight += 1
+            self._unpacked[key] += 1
+            job = Job(lease=lease, key=key, dst_rank=key[2], chunk=seg)
+            self._poster.post_direct(job, peer, peer.direct, span, now)
+        if not self._inflight.writes:  # each ended inside its post
+            self.clock.writes_idle(time.perf_counter())
+        return True
 
     def _post_packed(self, now: float) -> None:
         """Post every job whose segment is packed and whose pack-done marker completed."""

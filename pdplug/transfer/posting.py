@@ -16,6 +16,7 @@ still move its bytes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -23,15 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from pdplug.packing import plan_addresses, source_table
+from pdplug.packing import DirectRuns, plan_addresses, source_table
+from pdplug.packing.direct import Span
 from pdplug.transfer.engine import XFER_DONE, TransferEngine, engine_wakes
 from pdplug.transfer.gather import BusyClock
-from pdplug.transfer.records import Job, Lease, Peer
+from pdplug.transfer.records import Job, Lease, Peer, describe
 from pdplug.transfer.writes import InFlight, Write
-from pdplug.types import ChunkTag, SendChunk, TransferPlan
+from pdplug.types import ChunkTag, KVLayout, SendChunk, TransferPlan
 from pdplug.wire import Codec
 
 __all__ = ["WritePoster"]
+
+log = logging.getLogger(__name__)
 
 _SUM = np.add.reduce  # ndarray.sum's Python wrapper costs more than a short array's sum
 #: runs summed as a Python list up to this many: a ufunc reduction's set-up (about 1.3 us)
@@ -140,6 +144,62 @@ class WritePoster:
             self._on_written(job, tag)
         self._on_done(job)
 
+    def bind_direct(self, peer: Peer, planner: Any, layout: KVLayout) -> DirectRuns | bool:
+        """The planner's direct template for ``peer``'s pair bound to both sides' memory, with
+        the engine's page lists when it prepares them (``TransferEngine.prepare_pages``);
+        ``False`` when it has none (or the pair is packed): every send to it is planned."""
+        fn = getattr(planner, "direct_pages", None)
+        if fn is None or peer.relayout:
+            return False
+        try:
+            template = fn(layout, peer.info.layout)
+            if template is None:
+                return False
+            direct = DirectRuns(template, self._src_base, peer.dst_table)
+        except Exception as e:  # plan() names the problem at the send itself
+            log.debug("%s: no direct template (%s)", describe(peer.key), e)
+            return False
+        prepare = getattr(self._engine, "prepare_pages", None)
+        if prepare is not None:  # descriptors of every page prepared once: sends post page ids
+            try:
+                direct.lists = prepare(peer.handle, direct.grid())
+            except Exception as e:
+                log.debug("%s: no prepared page lists (%s)", describe(peer.key), e)
+        return direct
+
+    def post_direct(self, job: Job, peer: Peer, direct: DirectRuns, span: Span, now: float) -> None:
+        """Post one job's pages ``span`` from its peer's direct template: by page ids into the
+        engine's prepared lists (``TransferEngine.post_pages``) when they hold these pages,
+        else as addresses."""
+        self.counts["direct_plans"] += 1
+        lease, seg = job.lease, job.chunk
+        tag = ChunkTag(
+            generation=lease.dests[job.key].generation,
+            room=lease.room,
+            chunk_id=seg.chunk_id,
+            is_last=seg.is_last,
+            src_rank=self.rank,
+        )
+        sp, dp, tail = span
+        if direct.lists is not None:
+            t = direct.template
+            t0 = time.perf_counter()
+            self.clock.write_started(t0)
+            try:
+                wire_tag = self._tags.encode(tag) if self._engine.notifications else b""
+                post = self._engine.post_pages  # type: ignore[attr-defined]
+                handle = post(peer.handle, direct.lists, sp, dp, tail * t.row_bytes, wire_tag)
+            except Exception as e:
+                self._post_failed(job, peer, -1, tag.chunk_id, e)
+                return
+            if handle is not None:
+                pages = sp.shape[0]
+                nbytes = len(t.entries) * ((pages - 1) * t.page_size + tail) * t.row_bytes
+                self._posted(job, peer, -1, handle, nbytes, pages * len(t.entries), tag, now, t0)
+                return
+        src, dst, ln = direct.addresses(sp, dp, tail)
+        self.post_runs(job, peer, -1, src, dst, ln, tag, now)
+
     def post(self, job: Job, peer: Peer, region: int, plan: TransferPlan, now: float) -> None:
         """Post ``plan``'s runs to ``peer`` (reading pack region ``region``, -1: none)."""
         try:
@@ -174,17 +234,28 @@ class WritePoster:
         except Exception as e:
             self._post_failed(job, peer, region, tag.chunk_id, e)
             return
-        self.timings["post_s"] += time.perf_counter() - t0
         nbytes = sum(ln.tolist()) if ln.shape[0] <= _SHORT else int(_SUM(ln))
+        self._posted(job, peer, region, handle, nbytes, int(ln.shape[0]), tag, now, t0)
+
+    def _posted(
+        self, job: Job, peer: Peer, region: int, handle: Any, nbytes: int, runs: int,
+        tag: ChunkTag, now: float, t0: float,
+    ) -> None:  # fmt: skip
+        self.timings["post_s"] += time.perf_counter() - t0
         self.counts["posts"] += 1
-        self.counts["runs"] += int(ln.shape[0])
+        self.counts["runs"] += runs
         done = self._ended_at_post
         if done is not None and done(handle):
             # the engine copied inside its post call (UCX over TCP or shared memory): the job
             # ends here, with no in-flight record to add, poll and take out again
-            w = Write(job=job, peer=peer, handle=handle, region=region, t_post=now, clock=now,
-                      seq=0, nbytes=nbytes, tag=tag)  # fmt: skip
-            self._finish(w, XFER_DONE, now, tracked=False)
+            self.progress_at = now
+            if not job.lease.failed:
+                self.counts["bytes"] += nbytes
+                self._on_done(job)
+                if not self._engine.notifications:
+                    self._on_written(job, tag)
+            self._settle(job, peer, region)
+            self._release(handle)
             return
         wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
         self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)
@@ -210,10 +281,10 @@ class WritePoster:
         for w, st in done:
             self._finish(w, st, now)
 
-    def _finish(self, x: Write, st: str, now: float, tracked: bool = True) -> None:
+    def _finish(self, x: Write, st: str, now: float) -> None:
         job, lease = x.job, x.job.lease
         self.progress_at = now
-        if st == XFER_DONE and tracked:
+        if st == XFER_DONE:
             self.inflight.completed(x, now)
         if x.stuck:
             self.counts["writes_stuck_ended"] += 1
@@ -237,7 +308,10 @@ class WritePoster:
             if not self._engine.notifications:
                 self._on_written(job, x.tag)
         self._settle(job, x.peer, x.region)
+        self._release(x.handle)
+
+    def _release(self, handle: Any) -> None:
         try:
-            self._engine.release(x.handle)
+            self._engine.release(handle)
         except Exception:
             pass

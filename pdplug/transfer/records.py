@@ -13,9 +13,9 @@ import msgspec
 import numpy as np
 
 from pdplug.packing import page_array
-from pdplug.types import DestInfo, KVLayout, PeerInfo, pages_from_bytes
+from pdplug.types import ChunkTag, DestInfo, KVLayout, PeerInfo, Segment, pages_from_bytes
 
-__all__ = ["PeerKey", "peer_key", "describe", "Peer", "Lease", "Job"]
+__all__ = ["PeerKey", "peer_key", "describe", "failure_tag", "Peer", "Lease", "Job"]
 
 #: ``(decode instance, tp_rank, dcp_rank, pp_rank)``
 PeerKey = tuple[str, int, int, int]
@@ -31,6 +31,20 @@ def describe(key: PeerKey) -> str:
     inst, tp, dcp, pp = key
     extra = (f" tp {tp}" if tp else "") + (f" pp {pp}" if pp else "")
     return f"decode {inst} dcp {dcp}{extra}"
+
+
+def failure_tag(room: int, generation: int, rank: int, reason: str) -> ChunkTag:
+    """The negative completion tag prefill rank ``rank`` sends a decode lease ``generation``
+    of ``room`` when the room failed here (``reason`` cut to 512 characters)."""
+    return ChunkTag(
+        generation=generation,
+        room=room,
+        chunk_id=-1,
+        is_last=True,
+        src_rank=rank,
+        ok=False,
+        reason=reason[:512],
+    )
 
 
 class Peer(msgspec.Struct, kw_only=True):
@@ -128,10 +142,27 @@ class Lease(msgspec.Struct, kw_only=True):
         self.dst_pages = {k: arrays[self.dests[k].dst_pages] for k in self.order}
         return ""
 
+    def segment_error(self, keys: list[PeerKey], seg: Segment) -> str:
+        """Why ``seg`` cannot go to destinations ``keys`` (it ends past, or as the last segment
+        short of, a destination's declared ``num_tokens``); ``""`` when it can."""
+        for key in keys:
+            d = self.dests[key]
+            short = seg.is_last and seg.token_end < d.num_tokens
+            if d.num_tokens and (seg.token_end > d.num_tokens or short):
+                which = "the last segment" if seg.is_last else f"segment {seg.chunk_id}"
+                return (
+                    f"token count: {which} ends at token {seg.token_end} but {describe(key)} "
+                    f"declared num_tokens={d.num_tokens} (KVReceiver.expect); both sides "
+                    "must agree on the prompt length"
+                )
+        return ""
+
 
 class Job(msgspec.Struct, kw_only=True):
-    """One (segment, destination) of a lease; ``chunk`` is the planner's SendChunk and
-    ``dst_rank`` the destination's DCP rank."""
+    """One (segment, destination) of a lease; ``chunk`` is the planner's SendChunk (a job
+    posted from a direct template carries its :class:`~pdplug.types.Segment` instead: after
+    the post only ``chunk_id`` and ``is_last`` are read) and ``dst_rank`` the destination's DCP
+    rank."""
 
     lease: Lease
     key: PeerKey

@@ -355,7 +355,8 @@ class KVSenderSession(RoomSession):
         self._loop.submit(lambda: self._table.clear(room, gen, done))
 
     def stats(self) -> dict[str, Any]:
-        """Counters: posts, runs, bytes, notify_only, segments, direct_plans, rooms_ok/failed,
+        """Counters: posts, runs, bytes, notify_only, segments, direct_plans, direct_lane
+        (segments posted straight from the host's ``send``), rooms_ok/failed,
         refused peers, peers_dead, room_conflicts, writes_stuck (ever), pack_launches (per segment),
         pack_s/plan_s/post_s (seconds), pack_busy_s/write_busy_s/overlap_s (seconds the pack
         thread worked, a write was in flight, both: :class:`~pdplug.transfer.gather.BusyClock`),

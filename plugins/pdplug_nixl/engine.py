@@ -49,7 +49,8 @@ import msgspec
 import numpy as np
 
 from pdplug import KVConfig, KVLayout, TransferError
-from pdplug.types import PeerInfo
+from pdplug.types import PageGrid, PeerInfo
+from pdplug_nixl.grid import GridLists
 from pdplug_nixl.pages import (
     PairSpace,
     UnitSpace,
@@ -133,13 +134,16 @@ class _Peer(msgspec.Struct, kw_only=True):
     """A loaded remote agent; ``refs``: handles :meth:`NixlEngine.connect` gave out for it
     (a re-handshake of the same decode rank loads the same agent again); ``space``: its
     registered regions in page units (``None``: no whole-page lists for it); ``lists``: its
-    prepared remote lists by tail sizes."""
+    prepared remote lists by tail sizes; ``regions``: its published regions (text);
+    ``grids``: the direct templates' lists prepared toward it."""
 
     name: str
     refs: int = 0
     seen: Counter[bytes] = msgspec.field(default_factory=Counter)
     space: PairSpace | None = None
     lists: dict[tuple[int, ...], Any] = msgspec.field(default_factory=dict)
+    regions: str = ""
+    grids: list[GridLists] = msgspec.field(default_factory=list)
 
 
 class NixlEngine:
@@ -209,6 +213,7 @@ class NixlEngine:
         self._spaces: dict[int, UnitSpace] = {}  # by unit
         # by (local space, tails): a peer's indices are into the local space of its connect
         self._local_lists: dict[tuple[UnitSpace, tuple[int, ...]], Any] = {}
+        self._grid_local: dict[tuple[Any, ...], Any] = {}  # direct templates' local lists
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ TransferEngine
@@ -253,6 +258,7 @@ class NixlEngine:
         if p is None:
             p = self._peers[name] = _Peer(name=name)
         p.refs += 1
+        p.regions = peer.extra.get(REGIONS_KEY, "")
         if p.space is None and self._pages_on:
             self._page_lists(p, peer)
         return p
@@ -316,6 +322,9 @@ class NixlEngine:
         for rh in peer.lists.values():
             self._release_dlist(rh)
         peer.lists.clear()
+        for g in peer.grids:
+            g.release(self._release_dlist)
+        peer.grids.clear()
         for key in [k for k in self._prep if k.startswith(peer.name.encode() + b"\0")]:
             _l, r, _i = self._prep.pop(key)
             self._release_dlist(r)
@@ -407,6 +416,54 @@ class NixlEngine:
         if state == "DONE":
             self._done_at_post.add(handle)
         return handle
+
+    def prepare_pages(self, peer: _Peer, grid: PageGrid) -> GridLists | None:
+        """Prepare the descriptors of every page of ``grid`` toward ``peer`` once
+        (:mod:`pdplug_nixl.grid`); ``None`` when the peer published no regions or a side holds
+        no whole page of some entry.
+
+        :raises Exception: NIXL refused the lists.
+        """
+        if not peer.regions or not self._regions:
+            return None
+        try:
+            remote = parse_regions(peer.regions)
+            gl = GridLists(self._agent, peer.name, grid, self._regions, remote, self._mem,
+                           self._dev, self._grid_local)  # fmt: skip
+        except ValueError:
+            return None
+        gl.lists(grid.run_bytes)  # the whole-page lists now, off the send path
+        peer.grids.append(gl)
+        self.counts["grid_lists"] += 1
+        return gl
+
+    def post_pages(
+        self, peer: _Peer, lists: GridLists, src_pages: np.ndarray, dst_pages: np.ndarray,
+        last_bytes: int, tag: bytes,
+    ) -> Any:  # fmt: skip
+        """Post one WRITE of pages ``src_pages`` -> ``dst_pages`` (int64 ``[P]``) of a grid
+        prepared by :meth:`prepare_pages`, entry-major, each entry's last page moving
+        ``last_bytes``; ``None`` when the lists do not hold these pages (the session posts
+        addresses).
+
+        :raises TransferError: NIXL refused the request or the post returned ``ERR``.
+        :raises ValueError: ``last_bytes`` is not in ``(0, run_bytes]``.
+        """
+        try:
+            req = lists.request(src_pages, dst_pages, last_bytes)
+        except ValueError:
+            raise
+        except Exception:  # a tail list NIXL refused: this write goes the general way
+            self.counts["page_lists_refused"] += 1
+            return None
+        if req is None:
+            return None
+        try:
+            handle = self._agent.make_prepped_xfer("WRITE", *req, tag)
+        except Exception as e:
+            raise _refused(peer, e) from e
+        self.counts["grid_xfer"] += 1
+        return self._start(peer, handle)
 
     def _prepped(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> Any:
         h = hashlib.blake2b(digest_size=16)
@@ -521,9 +578,13 @@ class NixlEngine:
             for rh in p.lists.values():
                 self._release_dlist(rh)
             p.lists.clear()
-        for lh in self._local_lists.values():
+            for g in p.grids:
+                g.release(self._release_dlist)
+            p.grids.clear()
+        for lh in [*self._local_lists.values(), *self._grid_local.values()]:
             self._release_dlist(lh)
         self._local_lists.clear()
+        self._grid_local.clear()
         for name in list(self._peers):
             try:
                 self._agent.remove_remote_agent(name)

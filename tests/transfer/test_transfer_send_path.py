@@ -2,7 +2,8 @@
 reports ended inside its post call (``done_at_post``) completes at once (its room turns
 ``Success`` before ``send`` returns, the session never asks the engine about it again, its
 handle is released); a page-aligned segment of the commonest pair is posted from the planner's
-direct template instead of a plan."""
+direct template instead of a plan, straight from ``send`` once the template is bound (the direct
+lane), by page ids into the engine's prepared lists."""
 
 from __future__ import annotations
 
@@ -143,6 +144,9 @@ def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly()
                 assert np.array_equal(d_t.numpy()[d_rows], s_t.numpy()[s_rows])
             st = sender.stats()
             assert st["direct_plans"] == 2 and st["posts"] == 3, st
+            # the first binds the template on the general path, the second takes the lane
+            # (by page ids into NIXL's prepared lists: its last page a 5-token tail)
+            assert st["direct_lane"] == 1 and st["engine_grid_xfer"] == 2, st
         finally:
             recv.close()
             sender.close()
