@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import os
 import queue
 import re
 import threading
@@ -522,7 +523,9 @@ class MooncakeEngine:
                 spin_until, delay = time.monotonic() + _SPIN_S, _SLEEP_MIN_S
                 continue
             if time.monotonic() < spin_until:
-                time.sleep(0)  # a small write ends within microseconds: only yield the GIL
+                # a small write ends within microseconds: only yield the GIL (time.sleep(0)
+                # is a timed sleep, tens of microseconds on a virtual machine)
+                os.sched_yield()
             else:
                 time.sleep(delay)
                 delay = min(2 * delay, _SLEEP_MAX_S)
