@@ -61,7 +61,7 @@ import msgspec
 import numpy as np
 
 from pdplug import KVConfig, TransferError
-from pdplug.types import PeerInfo
+from pdplug.types import PageGrid, PeerInfo
 from pdplug_mooncake.runs import DONE as _DONE
 from pdplug_mooncake.runs import IN_FLIGHT as _IN_FLIGHT
 from pdplug_mooncake.runs import WINDOW_MIN as _WINDOW_MIN
@@ -374,6 +374,47 @@ class MooncakeEngine:
             else:
                 src, dst, length = coalesce_runs(src, dst, length)
             s, d, n = src.tolist(), dst.tolist(), length.tolist()
+        return self._submit(peer, s, d, n)
+
+    def prepare_pages(self, peer: _Peer, grid: PageGrid) -> PageGrid:
+        """A direct template's pages toward ``peer``: kept as they are (Mooncake has no
+        descriptor lists to prepare; :meth:`post_pages` computes a small send's addresses as
+        Python ints from them)."""
+        return grid
+
+    def post_pages(
+        self, peer: _Peer, lists: PageGrid, src_pages: np.ndarray, dst_pages: np.ndarray,
+        last_bytes: int, tag: bytes,
+    ) -> Future[int] | AsyncWrite | None:  # fmt: skip
+        """:meth:`post` of pages ``src_pages`` -> ``dst_pages`` (int64 ``[P]``) of ``lists``,
+        entry-major, each entry's last page moving ``last_bytes``, with addresses computed as
+        Python ints (the first numpy operation after a pause costs more than a short list);
+        ``None`` past :data:`SHORT_RUNS` runs (the session posts the addresses it computes).
+
+        :raises ValueError: ``last_bytes`` is not in ``(0, run_bytes]``.
+        :raises TransferError: as :meth:`post`.
+        """
+        run = lists.run_bytes
+        if not 0 < last_bytes <= run:
+            raise ValueError(f"post_pages: last_bytes={last_bytes} outside (0, {run}]")
+        p = src_pages.shape[0]
+        if p * len(lists.src_first) > SHORT_RUNS:
+            return None
+        if self._closed:
+            raise TransferError(f"mooncake: engine {self._session} is closed; write not posted")
+        sl, dl = src_pages.tolist(), dst_pages.tolist()
+        ss, ds = lists.src_stride, lists.dst_stride
+        s = [f + q * ss for f in lists.src_first for q in sl]
+        d = [f + q * ds for f in lists.dst_first for q in dl]
+        n = ([run] * (p - 1) + [last_bytes]) * len(lists.src_first)
+        if len(n) > 1:
+            s, d, n = coalesce_short(s, d, n, self._starts_l if len(self._starts_l) > 1 else None)
+        self.counts["page_posts"] += 1
+        return self._submit(peer, s, d, n)
+
+    def _submit(
+        self, peer: _Peer, s: list[int], d: list[int], n: list[int]
+    ) -> Future[int] | AsyncWrite:
         self.counts["descriptors"] += len(n)
         # a write behind the worker's stays behind it: the peer's writes land in post order
         if peer.verified and len(n) <= self._async_runs and not peer.worker.queued:

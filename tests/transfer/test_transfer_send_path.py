@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 from _rig import Decode, Prefill, exact, expected, rendezvous, send_room
 
 from pdplug import KVPoll, PluginManager
@@ -94,11 +95,14 @@ def test_a_write_ended_at_post_completes_in_send_and_is_never_polled() -> None:
             pre.close()
 
 
-def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly() -> None:
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly(
+    backend: str,
+) -> None:
     """One class of whole rows, equal page sizes, no DCP: a page-aligned segment is posted
     from the planner's direct template (``stats()["direct_plans"]``), a segment that starts
     inside a page is planned as before, and every byte lands where the reference says."""
-    require("nixl")
+    require(backend)
     from pdplug import KVConfig, KVLayout
     from pdplug.bootstrap import resolve
     from pdplug.types import Segment
@@ -111,10 +115,10 @@ def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly()
                    waiting_timeout_s=20.0, transfer_timeout_s=5.0)  # fmt: skip
         sender = pm.make_kv_sender(
             KVConfig(instance="p", role="prefill", layout=lay, pack_region_tokens=P, **cfg),
-            name="nixl",
+            name=backend,
         )
         recv = pm.make_kv_receiver(KVConfig(instance="d", role="decode", layout=lay, **cfg),
-                                   name="nixl")  # fmt: skip
+                                   name=backend)  # fmt: skip
         import torch
 
         src = [torch.randint(0, 256, (64 * P, 32), dtype=torch.uint8) for _ in range(3)]
@@ -144,9 +148,35 @@ def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly()
                 assert np.array_equal(d_t.numpy()[d_rows], s_t.numpy()[s_rows])
             st = sender.stats()
             assert st["direct_plans"] == 2 and st["posts"] == 3, st
-            # the first binds the template on the general path, the second takes the lane
-            # (by page ids into NIXL's prepared lists: its last page a 5-token tail)
-            assert st["direct_lane"] == 1 and st["engine_grid_xfer"] == 2, st
+            # the first binds the template on the general path, the second takes the lane;
+            # both by page ids (NIXL: into its prepared lists; the second's last page a 5-token
+            # tail)
+            pages = "engine_grid_xfer" if backend == "nixl" else "engine_page_posts"
+            assert st["direct_lane"] == 1 and st[pages] == 2, st
         finally:
             recv.close()
             sender.close()
+
+
+def test_mooncake_page_posts_refuse_bad_sizes_and_leave_long_writes_to_addresses() -> None:
+    """``post_pages`` names a bad last-page size, and returns ``None`` (the session posts the
+    addresses it computes) for a write of more runs than it builds as Python ints."""
+    require("mooncake")
+    from pdplug import KVConfig, KVLayout
+    from pdplug.types import PageGrid
+    from pdplug_mooncake.engine import SHORT_RUNS, MooncakeEngine
+
+    lay = KVLayout(page_size=P, entry_bytes_per_token=(32, 32), dtype="uint8")
+    eng = MooncakeEngine(KVConfig(instance="p", role="prefill", layout=lay))
+    try:
+        g = PageGrid(src_first=(0, 1 << 20), dst_first=(0, 1 << 20), src_stride=P * 32,
+                     dst_stride=P * 32, run_bytes=P * 32)  # fmt: skip
+        lists = eng.prepare_pages(None, g)  # type: ignore[arg-type]
+        one = np.array([1], dtype=np.int64)
+        for bad in (0, P * 32 + 1):
+            with pytest.raises(ValueError, match=f"last_bytes={bad}"):
+                eng.post_pages(None, lists, one, one, bad, b"")  # type: ignore[arg-type]
+        many = np.arange(SHORT_RUNS // 2 + 1, dtype=np.int64)  # two entries: past SHORT_RUNS
+        assert eng.post_pages(None, lists, many, many, P * 32, b"") is None  # type: ignore[arg-type]
+    finally:
+        eng.close()
