@@ -5,7 +5,9 @@ hand-off costs more than a small write: a thread that must wake another one (or 
 GIL) adds tens of microseconds to milliseconds per send (vLLM RFC #50913: hand-off
 orchestration, not the wire, set the TTFT of a step). So a send is checked on the host's
 thread (:meth:`Handoff.accept`), and the step's sends are planned and posted on that same
-thread when the engine is free (:meth:`Handoff.post`, holding the engine lock of
+thread when the engine is free (:meth:`Handoff.post`: a segment whose destinations all have a
+bound direct template straight to the engine, :meth:`SendLeases.send_direct
+<pdplug.transfer.leases.SendLeases.send_direct>`; holding the engine lock of
 :class:`~pdplug.transfer.loop.EngineLoop`; socket work is deferred to the loop thread); and a
 host that polls or waits reaps its finished writes itself (:meth:`Handoff.poll`,
 :meth:`Handoff.wait`), so ``Success`` needs no hand-off either. While a host reaps, the loop

@@ -16,10 +16,12 @@ no run (a rank that owns no token of the chunk) becomes a notification-only chun
 #32837).
 
 A job to a peer without relayout whose queue is empty starts in :meth:`SendPipeline.submit`
-itself (the direct lane: planned and posted by the thread that sends, no queue round). A
-page-aligned job to a peer whose pair the planner gave a closed form
-(``PackPlanner.direct_pages``, bound once per peer: :class:`pdplug.packing.DirectRuns`) is
-posted from it without a plan (counted as ``direct_plans``). Posting
+itself (planned and posted by the thread that sends, no queue round). A page-aligned job to a
+peer whose pair the planner gave a closed form (``PackPlanner.direct_pages``, bound once per
+peer: :class:`pdplug.packing.DirectRuns`) is posted from it without a plan (``direct_plans``),
+by page ids when the engine prepared the template's pages (``TransferEngine.prepare_pages``). A
+segment whose every destination has one skips the jobs' chunks and queues altogether
+(:meth:`SendPipeline.send_direct`, the direct lane: ``direct_lane``). Posting
 and completion (:class:`~pdplug.transfer.posting.WritePoster`): ``ERR`` or an engine exception
 fails the room; a *stuck* write fails its room but keeps its region and handle until the engine
 reports it done or failed. Nothing is ever abandoned while the engine may still move its bytes.

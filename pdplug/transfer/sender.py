@@ -355,15 +355,14 @@ class KVSenderSession(RoomSession):
         self._loop.submit(lambda: self._table.clear(room, gen, done))
 
     def stats(self) -> dict[str, Any]:
-        """Counters: posts, runs, bytes, notify_only, segments, direct_plans, direct_lane
-        (segments posted straight from the host's ``send``), rooms_ok/failed,
-        refused peers, peers_dead, room_conflicts, writes_stuck (ever), pack_launches (per segment),
-        pack_s/plan_s/post_s (seconds), pack_busy_s/write_busy_s/overlap_s (seconds the pack
-        thread worked, a write was in flight, both: :class:`~pdplug.transfer.gather.BusyClock`),
-        control-channel drops by reason, ``engine_*`` counters; and what the rank holds now:
-        leases, draining, inbox, early_aborts, queued, waiting_ready (segments behind their
-        ready marker), packing, xfers, stuck_writes (pending past ``transfer_timeout_s``,
-        regions and handles held), busy_regions, peers_connected."""
+        """Counters: posts, runs, bytes, notify_only, segments, direct_plans, direct_lane (segments
+        posted straight from ``send``), rooms_ok/failed, refused peers, peers_dead, room_conflicts,
+        writes_stuck (ever), pack_launches (per segment), pack_s/plan_s/post_s (seconds),
+        pack_busy_s/write_busy_s/overlap_s (seconds the pack thread worked, a write was in flight,
+        both: :class:`~pdplug.transfer.gather.BusyClock`), control-channel drops by reason,
+        ``engine_*`` counters; and what the rank holds now: leases, draining, inbox, early_aborts,
+        queued, waiting_ready (segments behind their ready marker), packing, xfers, stuck_writes
+        (past ``transfer_timeout_s``, regions and handles held), busy_regions, peers_connected."""
         out: dict[str, Any] = {"backend": self.engine.name, "rank": self.rank}
         out.update(self._common_stats(self._codec, self._tags))
         out.update(self._pipe.counts)

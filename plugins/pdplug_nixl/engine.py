@@ -10,7 +10,16 @@ with ``prep_xfer_dlist`` and re-posted with ``make_prepped_xfer``, which skips t
 descriptor set-up that dominates small descriptors; every other pattern goes through
 ``initialize_xfer``.
 
-Whole pages (:mod:`pdplug_nixl.pages`; off unless ``KVConfig.extra["page_lists"] == "1"``). A
+Direct templates (:mod:`pdplug_nixl.grid`; always on). When a KV sender binds a pack planner's
+direct template to a decode peer it asks :meth:`NixlEngine.prepare_pages` for compressed
+(strided) lists of every page of the template's entries on both sides, one row per entry
+(a list pair per last-page size, prepared the first time a send ends with it); each send of the
+template is then one ``make_prepped_xfer`` of page indices (:meth:`NixlEngine.post_pages`), as
+vLLM's NixlConnector posts blocks, instead of two descriptor lists and ``initialize_xfer``.
+The indices come from the page ids the sender holds, not from addresses.
+
+Whole pages of any write (:mod:`pdplug_nixl.pages`; off unless ``KVConfig.extra["page_lists"]
+== "1"``). A
 rank publishes its registered regions in ``PeerInfo.extra["nixl_regions"]``
 (:meth:`NixlEngine.info_extra`). With the option on, :meth:`NixlEngine.connect` prepares, once,
 a compressed (strided) descriptor list of every page of every region on both sides, and a
