@@ -387,11 +387,11 @@ class Rooms:
             if n > r.pending:
                 raise ValueError(f"room {room}: done_pending({n}) but only {r.pending} pending")
             r.pending -= n
-            if touch and r.deadline:
-                r.deadline = self._deadline(r.status)
             if r.pending == 0 and r.success_held and r.status != KVPoll.Failed:
                 r.success_held = False
-                self._set(r, KVPoll.Success)
+                self._set(r, KVPoll.Success)  # with its own deadline
+            elif touch and r.deadline:
+                r.deadline = self._deadline(r.status)
             return r.status
 
     def pending(self, room: int) -> int:

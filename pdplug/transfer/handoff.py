@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,6 @@ class Handoff:
 
     :param rooms: the session's room table; ``loop``: its engine loop.
     :param table: its rooms on the engine side; ``pipe``: its send pipeline.
-    :param num_pages: returns the registered page count (source ids are checked against it).
     :param counts: the session's counters (``send_after_failure``).
     """
 
@@ -65,14 +64,14 @@ class Handoff:
         loop: EngineLoop,
         table: SendLeases,
         pipe: SendPipeline,
-        num_pages: Callable[[], int],
         counts: Counter[str],
     ) -> None:
         self._rooms = rooms
         self._loop = loop
         self._table = table
         self._pipe = pipe
-        self._num_pages = num_pages
+        #: registered pages (source ids are checked against it; set at ``register_kv``)
+        self.num_pages = 0
         self._counts = counts
         self.reaped_at = 0.0  # when a host last reaped (monotonic seconds)
 
@@ -86,7 +85,7 @@ class Handoff:
         if ready is not None:
             check_ready(ready)
         try:
-            pages = page_ids(src_pages, "src_pages", self._num_pages(), "KVSender.send", room)
+            pages = page_ids(src_pages, "src_pages", self.num_pages, "KVSender.send", room)
         except ValueError:
             if self._rooms.status(room) != KVPoll.Failed:  # a failed room ignores the send
                 raise

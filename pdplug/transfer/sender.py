@@ -186,7 +186,6 @@ class KVSenderSession(RoomSession):
             loop=self._loop,
             table=self._table,
             pipe=self._pipe,
-            num_pages=lambda: self._num_pages,
             counts=self.counts,
         )
         self._loop.start()
@@ -381,7 +380,7 @@ class KVSenderSession(RoomSession):
         if self._pack is not None:
             regions.append((int(self._pack.data_ptr()), int(self._pack.numel())))
         self.engine.register(dedup_regions(regions))
-        self._num_pages = reg.num_pages
+        self._num_pages = self._handoff.num_pages = reg.num_pages
         base = np.asarray(reg.base, dtype=np.int64)
         packer = self._packer or self.planner.packer(cfg.device)
         self._pipe.set_memory(entries, base, self._pack, self._regions, cfg.pack_depth, packer)

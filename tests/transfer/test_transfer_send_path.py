@@ -32,6 +32,7 @@ class _EndsAtPost:
         self.ended: set[int] = set()
         self.released: set[int] = set()
         self.asked_again: list[int] = []
+        self.kept: list[Any] = []
 
     def post(self, peer: Any, src: Any, dst: Any, length: Any, tag: bytes) -> Any:
         h = self.inner.post(peer, src, dst, length, tag)
@@ -39,6 +40,7 @@ class _EndsAtPost:
             self.inner.progress()
         assert self.inner.check(h) == "DONE"
         self.ended.add(id(h))
+        self.kept.append(h)  # alive, so no later handle reuses its id
         return h
 
     def done_at_post(self, xfer: Any) -> bool:
