@@ -33,7 +33,7 @@ from pdplug.transfer.pageids import page_ids
 from pdplug.transfer.pipeline import SendPipeline
 from pdplug.types import KVPoll, Segment
 
-__all__ = ["Handoff", "Job", "REAP_S", "SPIN_S", "WATCH_S"]
+__all__ = ["Handoff", "Job", "REAP_S", "WATCH_S"]
 
 _NO_PAGES = np.zeros(0, dtype=np.int64)
 
@@ -44,9 +44,6 @@ REAP_S = 20e-6
 #: a host that reaped within this many seconds watches its writes: the loop thread only checks
 #: back this often instead of polling beside it
 WATCH_S = 1e-3
-#: a waiting host reaps back to back for this many seconds of a wait with writes in flight
-#: before it sleeps between reaps
-SPIN_S = 2e-3
 
 
 class Handoff:
@@ -161,26 +158,15 @@ class Handoff:
 
     def wait(self, room: int, until: tuple[KVPoll, ...], timeout_s: float | None) -> KVPoll:
         """Block until ``room`` reaches ``until`` (``KVSender.wait``), reaping writes while any
-        is in flight: back to back (yielding the GIL between) for :data:`SPIN_S`, then in
-        pauses growing from 20 us to 1 ms; else sleeping on the room table."""
-        t0 = time.monotonic()
-        t_end = None if timeout_s is None else t0 + timeout_s
+        is in flight (pauses of 20 us growing to 1 ms), else sleeping on the room table."""
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
         pause = 20e-6
         while True:
             busy = self._pipe.has_work()
             if busy and self._loop.try_run(self._reap):
                 busy = self._pipe.has_work()
-            now = time.monotonic()
-            left = None if t_end is None else t_end - now
-            if busy and now - t0 < SPIN_S:
-                # a timed wait this short sleeps tens of microseconds longer on a virtual
-                # machine, and an engine may move bytes only while it is progressed
-                st = self._rooms.status(room)
-                if reached(st, until) or (left is not None and left <= 0):
-                    return st
-                os.sched_yield()
-                continue
             slice_s = pause if busy else 0.05
+            left = None if t_end is None else t_end - time.monotonic()
             st = self._rooms.wait(room, until, slice_s if left is None else min(left, slice_s))
             if reached(st, until) or (left is not None and left <= slice_s):
                 return st
