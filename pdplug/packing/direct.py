@@ -51,8 +51,9 @@ class DirectRuns:
         self._dst = (np.asarray(dst_table, dtype=np.int64)[ent] + template.dst_offset)[:, None]
         self._lengths: dict[tuple[int, int], np.ndarray] = {}
         #: the engine's descriptor lists of :meth:`grid` (``TransferEngine.prepare_pages``), once
-        #: a sender prepared them; ``None``: sends post addresses
+        #: a sender prepared them, and that engine; ``None``: sends post addresses
         self.lists: Any = None
+        self.lists_of: Any = None
 
     def runs(self, chunk: SendChunk) -> Runs | None:
         """Absolute int64 ``[E * P]`` ``(src_addr, dst_addr, length)`` of ``chunk`` (entry-major,

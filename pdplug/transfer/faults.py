@@ -106,6 +106,10 @@ class FaultyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def prepare_pages(self, peer: Any, grid: Any) -> None:
+        """No page lists: every write goes through :meth:`post`, where the faults apply."""
+        return None
+
     def post(
         self, peer: Any, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
     ) -> Any:

@@ -163,6 +163,7 @@ class WritePoster:
         if prepare is not None:  # descriptors of every page prepared once: sends post page ids
             try:
                 direct.lists = prepare(peer.handle, direct.grid())
+                direct.lists_of = self._engine
             except Exception as e:
                 log.debug("%s: no prepared page lists (%s)", describe(peer.key), e)
         return direct
@@ -181,7 +182,9 @@ class WritePoster:
             src_rank=self.rank,
         )
         sp, dp, tail = span
-        if direct.lists is not None:
+        # lists of the engine that prepared them only (an engine replaced since, e.g. wrapped
+        # to inject faults, must see every write in its own post)
+        if direct.lists is not None and direct.lists_of is self._engine:
             t = direct.template
             t0 = time.perf_counter()
             self.clock.write_started(t0)

@@ -198,6 +198,10 @@ class CorruptingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def prepare_pages(self, peer: Any, grid: Any) -> None:
+        """No page lists: every write goes through :meth:`post`, which this wrapper changes."""
+        return None
+
 
 def _kv_config(role: str, lay: Any, endpoint: str, opts: dict[str, Any], instance: str) -> Any:
     from pdplug import KVConfig

@@ -83,6 +83,10 @@ class PostLog:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def prepare_pages(self, peer: Any, grid: Any) -> None:
+        """No page lists: every write goes through :meth:`post`, which this wrapper watches."""
+        return None
+
 
 class CountingPacker:
     """The session's real packer; counts ``pack`` and ``pack_all`` calls (plans per call)."""
@@ -519,6 +523,10 @@ class FailInPost:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def prepare_pages(self, peer: Any, grid: Any) -> None:
+        """No page lists: every write goes through :meth:`post`, which this wrapper watches."""
+        return None
 
 
 class HeldPacker:

@@ -58,6 +58,10 @@ class _EndsAtPost:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def prepare_pages(self, peer: Any, grid: Any) -> None:
+        """No page lists: every write goes through :meth:`post`, which this wrapper changes."""
+        return None
+
 
 def test_a_write_ended_at_post_completes_in_send_and_is_never_polled() -> None:
     require("nixl")
@@ -182,3 +186,56 @@ def test_mooncake_page_posts_refuse_bad_sizes_and_leave_long_writes_to_addresses
         assert eng.post_pages(None, lists, many, many, P * 32, b"") is None  # type: ignore[arg-type]
     finally:
         eng.close()
+
+
+def test_an_engine_wrapped_to_inject_faults_sees_every_direct_send() -> None:
+    """A direct-template send goes through the wrapping engine's own ``post`` (where faults
+    apply), also when the wrapper replaced the engine after the peer's page lists were made
+    with the real one: an injected failure fails the room instead of being bypassed."""
+    require("nixl")
+    from pdplug import KVConfig, KVLayout
+    from pdplug.bootstrap import resolve
+    from pdplug.transfer.faults import FaultyEngine
+    from pdplug.types import Segment
+
+    lay = KVLayout(page_size=P, entry_bytes_per_token=(32, 32), dtype="uint8")
+    pm = PluginManager()
+    with rendezvous() as server:
+        cfg = dict(bootstrap_endpoint=server.endpoint, bootstrap_timeout_s=20.0,
+                   waiting_timeout_s=20.0, transfer_timeout_s=5.0)  # fmt: skip
+        sender = pm.make_kv_sender(
+            KVConfig(instance="p", role="prefill", layout=lay, pack_region_tokens=P, **cfg),
+            name="nixl",
+        )
+        recv = pm.make_kv_receiver(KVConfig(instance="d", role="decode", layout=lay, **cfg),
+                                   name="nixl")  # fmt: skip
+        import torch
+
+        src = [torch.ones((32 * P, 32), dtype=torch.uint8) for _ in range(2)]
+        dst = [torch.zeros((32 * P, 32), dtype=torch.uint8) for _ in range(2)]
+        try:
+            sender.register_kv(src)
+            recv.register_kv(dst)
+            recv.connect(resolve(server.endpoint, "p", timeout_s=20))
+            pages = np.arange(4, dtype=np.int64)
+            inner = sender.engine
+            for room in (1, 2, 3):
+                if room == 2:  # lists made with the real engine by room 1's send
+                    sender.engine = FaultyEngine(inner, fail=lambda: True)
+                recv.expect(room, pages, num_tokens=2 * P + 3)
+                sender.start(room)
+                assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+                seg = Segment(token_start=0, token_end=2 * P + 3, page_start=0,
+                              num_tokens=2 * P + 3, chunk_id=0, is_last=True)  # fmt: skip
+                sender.send(room, seg, pages)
+                want = KVPoll.Success if room == 1 else KVPoll.Failed
+                assert sender.wait(room, timeout_s=10) == want, sender.failure_reason(room)
+                assert recv.wait(room, timeout_s=10) == want
+                if room > 1:  # the faulty engine's own post failed it
+                    assert "failed (engine ERR)" in sender.failure_reason(room)
+            st = sender.stats()
+            assert st["direct_plans"] == 3 and st["engine_grid_xfer"] == 1, st
+            assert sender.engine.failed == 2
+        finally:
+            recv.close()
+            sender.close()
