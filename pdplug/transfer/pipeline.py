@@ -408,6 +408,8 @@ class SendPipeline:
         lease.segments[seg.chunk_id] = len(spans)
         lease.posted = True
         for key, peer, span in spans:
+            if lease.failed:  # an earlier post of the segment failed: nothing more may land
+                break
             lease.inflight += 1
             peer.inflight += 1
             self._unpacked[key] += 1

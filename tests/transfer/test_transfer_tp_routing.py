@@ -228,3 +228,54 @@ def test_a_decode_rank_given_only_an_unrouted_replica_is_refused_naming_the_rank
             assert [s.stats().get("peers", 0) for s in cl.senders] == [0, 0, 0, 0]
         finally:
             cl.close()
+
+
+class _RaisesOnce:
+    """The real engine, except that one ``post`` raises inside the call (armed by ``arm``);
+    counts the posts made while armed. No page lists: every write goes through ``post``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.notifications = inner.notifications
+        self.armed = False
+        self.posts_armed = 0
+
+    def post(self, *args: Any) -> Any:
+        if self.armed:
+            self.posts_armed += 1
+            if self.posts_armed == 1:
+                raise RuntimeError("refused in the post call (test)")
+        return self.inner.post(*args)
+
+    def prepare_pages(self, peer: Any, grid: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_post_failing_in_the_direct_lane_stops_the_segments_other_destinations(
+    backend: str,
+) -> None:
+    """Prefill TP 2 -> decode TP 4 with 2 heads: each prefill rank feeds two decode ranks the
+    same whole rows, so a segment has two destinations on the direct lane. When the first one's
+    post raises, the room fails and the second destination is not written (a failed room's
+    decode ranks are told it drained, so no byte may land after)."""
+    with rendezvous() as srv:
+        pm = PluginManager()
+        c = Cluster(pm, backend, srv.endpoint, "f", 2, 4, headed)
+        try:
+            assert c.errs == [None] * 4
+            dst, src = c.run(1601)  # binds every peer's direct template
+            assert dst == [OK] * 4 and src == [OK, OK]
+            wrapped = _RaisesOnce(c.senders[0].engine)
+            c.senders[0].engine = wrapped
+            wrapped.armed = True
+            dst, src = c.run(1602)
+            assert src[0] == KVPoll.Failed and src[1] == OK, src
+            assert "refused in the post call" in c.senders[0].failure_reason(1602)
+            assert wrapped.posts_armed == 1  # the other destination's write never went out
+            assert c.senders[0].stats()["direct_lane"] >= 1
+        finally:
+            c.close()
