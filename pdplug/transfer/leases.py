@@ -114,7 +114,9 @@ class SendLeases:
             self._event("transfer_failed", lease, reason=why)
             return
         self.leases[room] = lease
-        self.box.failed.pop(room, None)  # a new lease of the room: its DestInfos are for it
+        old = self.box.failed.pop(room, None)  # a new lease: the room's DestInfos are for it
+        if old is not None:  # an abort of those decode leases, arriving late, is not for it
+            lease.stale = dict(old[2])
         early = sorted(self.box.dests.pop(room, {}).items())
         tomb = self.box.aborts.pop(room, None)
         if tomb:
@@ -431,7 +433,12 @@ class SendLeases:
                 if lease.inflight == 0:  # confirm nothing of it is in flight (or asked again)
                     self._refuse(peer, d, lease.reason or f"{why} (the room had ended)")
                 return
-            if d is None and not lease.failed and lease.instance in ("", key[0]):
+            if (
+                d is None
+                and not lease.failed
+                and lease.instance in ("", key[0])
+                and a.generation > lease.stale.get(key, -1)
+            ):
                 self._counts["aborted_by_decode"] += 1
                 self.fail(lease, why)  # its DestInfo never came (or was lost)
         for ls in self.draining:

@@ -99,6 +99,9 @@ class Lease(msgspec.Struct, kw_only=True):
     :ivar succeeded: the room ended ``Success`` here (it is never failed afterwards).
     :ivar order: destination positions in send order (sorted), set once every DestInfo
         arrived; ``dst_pages``: each one's checked int64 page ids (equal lists share one array).
+    :ivar stale: per destination, the newest decode lease generation of an earlier lease of
+        the room here that failed and was cleared: an abort of it (or older) that arrives late
+        is not for this lease.
     """
 
     room: int
@@ -117,6 +120,7 @@ class Lease(msgspec.Struct, kw_only=True):
     succeeded: bool = False
     order: list[PeerKey] = []
     dst_pages: dict[PeerKey, np.ndarray] = {}
+    stale: dict[PeerKey, int] = {}
 
     def complete(self) -> str:
         """Every DestInfo arrived: check that the decode DCP ranks agree and decode their page

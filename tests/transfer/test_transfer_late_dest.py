@@ -102,3 +102,43 @@ def test_an_early_destinfo_waits_past_the_bootstrap_timeout_and_is_refused_if_ne
         why = rc.failure_reason(10) or ""
         assert "did not start it in 5 s" in why, why
         assert rc.drained(10) and snd.stats()["dest_expired"] == 1
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_late_abort_of_a_cleared_failed_lease_leaves_the_rooms_next_lease_alone(
+    backend: str,
+) -> None:
+    """Field case C22 (d), one run in eight on Mooncake: a room failed, both hosts cleared it
+    and started it again; the decode's abort of the failed lease reached the prefill rank after
+    the new lease started and before its DestInfo, and failed the new lease ("its DestInfo
+    never came"). An abort of a generation the failed lease already had is not for the new
+    one: the new lease waits for its own DestInfo and succeeds."""
+    from pdplug.transfer.messages import Abort
+
+    with _pair(backend) as (pre, dec):
+        snd, rc = pre.senders[0], dec.recvs[0]
+        room, total = 9, 2 * P + 5
+        dp = np.arange(4, dtype=np.int64)
+        rc.expect(room, dp, num_tokens=total)
+        snd.start(room)
+        assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
+        old = snd.dest(room)[0].generation
+        snd.abort(room, "test")  # the room fails here
+        assert wait_all([rc], room, 10) == [FAILED]
+        snd.clear(room)
+        rc.clear(room)
+        snd.start(room)  # the next lease, no DestInfo yet
+        table = snd._table  # the late abort, delivered as the control channel would
+
+        def late() -> None:
+            (peer,) = [p for p in table._peers.by_ident.values() if p.alive]
+            table.on_abort(peer, Abort(room=room, generation=old, reason="late"), time.monotonic())
+
+        snd._loop.call(late, 10.0)
+        assert snd.rooms.status(room) == KVPoll.Bootstrapping, snd.failure_reason(room)
+        rc.expect(room, dp, num_tokens=total)
+        assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
+        sp = np.arange(3, dtype=np.int64)
+        send_room(pre, room, sp)
+        assert wait_all([rc], room, 10) == [OK], rc.failure_reason(room)
+        assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
