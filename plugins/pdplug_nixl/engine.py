@@ -406,12 +406,7 @@ class NixlEngine:
             return None
         if pair is None:
             return None
-        try:
-            handle = self._agent.make_prepped_xfer("WRITE", pair[0], li, pair[1], ri, tag)
-            self.counts["page_xfer"] += 1
-        except Exception as e:
-            raise _refused(peer, e) from e
-        return self._start(peer, handle)
+        return self._post_prepped(peer, (pair[0], li, pair[1], ri), tag, "page_xfer")
 
     def _start(self, peer: _Peer, handle: Any) -> Any:
         """Start a built request; raise when NIXL refuses it, release it when it says ``ERR``."""
@@ -467,11 +462,18 @@ class NixlEngine:
             return None
         if req is None:
             return None
+        return self._post_prepped(peer, req, tag, "grid_xfer")
+
+    def _post_prepped(
+        self, peer: _Peer, req: tuple[Any, Any, Any, Any], tag: bytes, count: str
+    ) -> Any:
+        """Start one WRITE of ``(local list, local indices, remote list, remote indices)``,
+        counted as ``count``."""
         try:
             handle = self._agent.make_prepped_xfer("WRITE", *req, tag)
         except Exception as e:
             raise _refused(peer, e) from e
-        self.counts["grid_xfer"] += 1
+        self.counts[count] += 1
         return self._start(peer, handle)
 
     def _prepped(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> Any:
