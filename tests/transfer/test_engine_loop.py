@@ -1,0 +1,66 @@
+"""The engine loop's wake-up: a parked loop wakes for host work, a full wake pipe neither
+blocks nor raises, and a stopped loop never writes into a file descriptor reused since."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pdplug.transfer.loop import EngineLoop
+
+
+@pytest.fixture
+def loop() -> Iterator[EngineLoop]:
+    lp = EngineLoop("loop-test", lambda now: None, lambda: False, idle_s=5.0)
+    lp.start()
+    yield lp
+    lp.stop()
+
+
+def _parked(lp: EngineLoop) -> None:
+    t_end = time.monotonic() + 5.0
+    while not lp._parked:
+        assert time.monotonic() < t_end, "the loop never parked"
+        time.sleep(0.001)
+
+
+def test_a_parked_loop_runs_submitted_and_deferred_work_at_once(loop: EngineLoop) -> None:
+    _parked(loop)
+    t0 = time.monotonic()
+    assert loop.submit(lambda: 7).result(timeout=2.0) == 7
+    assert time.monotonic() - t0 < 1.0  # woken, not its 5 s idle poll
+    _parked(loop)
+    ran = threading.Event()
+    t0 = time.monotonic()
+    loop.defer(ran.set)
+    assert ran.wait(2.0)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_more_wakes_than_the_pipe_holds_neither_block_nor_raise(loop: EngineLoop) -> None:
+    with loop.lock:  # the loop cannot drain the pipe meanwhile
+        t0 = time.monotonic()
+        for _ in range(200_000):  # a pipe holds 64 KiB by default
+            loop._wake()
+        assert time.monotonic() - t0 < 30.0
+    assert loop.submit(lambda: "after").result(timeout=2.0) == "after"
+
+
+def test_a_stopped_loop_never_writes_into_a_reused_descriptor() -> None:
+    lp = EngineLoop("loop-test", lambda now: None, lambda: False, idle_s=5.0)
+    lp.start()
+    lp.stop()
+    r, w = os.pipe()  # likely the numbers the loop's pipe had
+    try:
+        os.set_blocking(r, False)
+        lp._wake()
+        lp.kick()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+    finally:
+        os.close(r)
+        os.close(w)
