@@ -9,10 +9,12 @@ the room now, naming why (it was once dropped silently after ``bootstrap_timeout
 started later, failed in ``Bootstrapping`` and the decode waited ``waiting_timeout_s`` for
 bytes no rank would send). A room that failed here and that the host cleared at once (the vLLM
 worker reports a failed room and forgets it in the same step) is remembered as long, with its
-reason and, per decode rank, the newest lease generation that rank has been told failed: a
-DestInfo of that lease or an older one that comes later is refused at once (or dropped, when the
-rank was told already); one of a newer lease is for the room's next lease here (a recycled
-room id whose DestInfo outran the prefill's next ``start``) and waits like any early DestInfo.
+reason and, per decode rank, the newest lease generation that rank has been told failed (its
+DestInfo was taken before the failure, or refused after it): a DestInfo of that lease or an
+older one that comes later is refused at once (or dropped, when the rank was told already); one
+of a newer lease is for the room's next lease here (a recycled room id whose DestInfo outran the
+prefill's next ``start``) and waits like any early DestInfo, also while the failed lease is not
+cleared yet (field case C22: the decode cleared and leased the room again first).
 """
 
 from __future__ import annotations
@@ -51,11 +53,49 @@ class RoomInbox:
 
     def remember_failed(self, room: int, reason: str, lease: Lease) -> None:
         """``room`` failed here and its host cleared ``lease``; the ranks whose DestInfo it had
-        were told at the failure (their generations are kept)."""
+        were told at the failure, and those whose DestInfo it refused after it (the newest
+        generation told per rank is kept)."""
         if room not in self.failed and len(self.failed) >= MAX_ROOMS:
             del self.failed[next(iter(self.failed))]
         told = {key: d.generation for key, d in lease.dests.items()}
+        for key, gen in lease.refused.items():
+            told[key] = max(told.get(key, 0), gen)
         self.failed[room] = (reason, time.monotonic(), told)
+
+    def arrive(self, key: PeerKey, d: DestInfo, now: float) -> tuple[str, str]:
+        """A DestInfo of decode rank ``key`` for a room with no lease here: ``("refuse",
+        reason)`` for a late one of a cleared failed lease the rank was not told of yet,
+        ``("drop", "")`` for one it was told of (or a flood beyond :data:`MAX_ROOMS`), else
+        ``("early", "")``: kept for the room's next lease."""
+        failed = self.failed.get(d.room)
+        if failed is not None:
+            why, _t, told = failed
+            seen = told.get(key)
+            if seen is None:  # it failed here and the host cleared it: the rank learns it now
+                told[key] = d.generation
+                return "refuse", why
+            if d.generation <= seen:  # a repeat (a newer lease: early for the next one here)
+                return "drop", ""
+        tomb = self.aborts.get(d.room, {})
+        if key in tomb and tomb[key][0] < d.generation:
+            del tomb[key]  # a newer lease of that decode rank
+        if self.full(d.room):
+            return "drop", ""
+        self.dests.setdefault(d.room, {})[key] = (d, now)
+        return "early", ""
+
+    def keep_for_next(self, lease: Lease, key: PeerKey, d: DestInfo, now: float) -> bool:
+        """A DestInfo of decode rank ``key`` reaching ``lease`` after it failed: ``True``, kept
+        for the room's next lease here, when it is for a newer decode lease than the one
+        ``lease`` took or refused from that rank (the decode cleared and leased the room again
+        first); else ``False`` and counted in ``lease.refused`` (the caller refuses it)."""
+        cur = lease.dests.get(key)
+        known = lease.refused.get(key, 0) if cur is None else cur.generation
+        if known and d.generation > known:
+            self.dests.setdefault(d.room, {})[key] = (d, now)
+            return True
+        lease.refused[key] = max(lease.refused.get(key, 0), d.generation)
+        return False
 
     def expire(self, now: float, counts: Counter[str]) -> list[tuple[PeerKey, DestInfo]]:
         """Forget early DestInfos and aborts and cleared failed rooms older than

@@ -17,7 +17,8 @@ Every way a room ends reaches the decode side within one round trip:
   notice at once. An abort that comes before ``start`` is remembered, so ``start`` fails the
   room at once instead of waiting for ``bootstrap_timeout_s``;
 * a DestInfo for a room that already failed here is refused at once with the room's reason,
-  also after the host cleared the room; one whose room did not start while the decode waits
+  also after the host cleared the room, unless it is for that decode rank's next lease of the
+  room (it waits for the next lease here); one whose room did not start while the decode waits
   is refused then (:class:`~pdplug.transfer.inbox.RoomInbox`);
 * two decode instances claiming one room are both told: the room fails if nothing was sent
   yet, else the later claimant is refused; one request's KV never goes to another's pages;
@@ -361,28 +362,20 @@ class SendLeases:
             self._codec.drop("malformed")
             return
         lease = self.leases.get(d.room)
-        if lease is None and d.room in self.box.failed:
-            why, _t, told = self.box.failed[d.room]
-            seen = told.get(peer.key)
-            if seen is None:  # it failed here and the host cleared it: the rank learns it now
-                told[peer.key] = d.generation
+        if lease is None:  # before start, or a failed lease the host cleared
+            kind, why = self.box.arrive(peer.key, d, now)
+            if kind == "refuse":
                 self._counts["dest_after_failure"] += 1
                 self._refuse(peer, d, why)
-                return
-            if d.generation <= seen:  # a repeat (a newer lease: early for the next one here)
+            elif kind == "drop":
                 self._codec.drop("other")
-                return
-        if lease is None:
-            tomb = self.box.aborts.get(d.room, {})
-            if peer.key in tomb and tomb[peer.key][0] < d.generation:
-                del tomb[peer.key]  # a newer lease of that decode rank
-            if self.box.full(d.room):
-                self._codec.drop("other")  # a flood of DestInfos nobody starts
-                return
-            self.box.dests.setdefault(d.room, {})[peer.key] = (d, now)
-            self._counts["dest_early"] += 1
+            else:
+                self._counts["dest_early"] += 1
             return
         if lease.failed:  # the decode rank learns it now, not after its own timeout
+            if self.box.keep_for_next(lease, peer.key, d, now):
+                self._counts["dest_next_lease"] += 1
+                return
             self._counts["dest_after_failure"] += 1
             self._refuse(peer, d, lease.reason or "failed on the prefill rank")
             return

@@ -102,6 +102,8 @@ class Lease(msgspec.Struct, kw_only=True):
     :ivar stale: per destination, the newest decode lease generation of an earlier lease of
         the room here that failed and was cleared: an abort of it (or older) that arrives late
         is not for this lease.
+    :ivar refused: per destination, the newest decode lease generation whose DestInfo came
+        after this lease failed and was refused (that decode lease was told it failed).
     """
 
     room: int
@@ -121,6 +123,7 @@ class Lease(msgspec.Struct, kw_only=True):
     order: list[PeerKey] = []
     dst_pages: dict[PeerKey, np.ndarray] = {}
     stale: dict[PeerKey, int] = {}
+    refused: dict[PeerKey, int] = {}
 
     def complete(self) -> str:
         """Every DestInfo arrived: check that the decode DCP ranks agree and decode their page

@@ -142,3 +142,65 @@ def test_a_late_abort_of_a_cleared_failed_lease_leaves_the_rooms_next_lease_alon
         send_room(pre, room, sp)
         assert wait_all([rc], room, 10) == [OK], rc.failure_reason(room)
         assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_rank_refused_by_a_failed_lease_is_not_refused_again_for_the_rooms_next_lease(
+    backend: str,
+) -> None:
+    """Field case C22 (d), one run in ten on Mooncake: a decode rank's DestInfo reached the
+    prefill rank after its lease had failed and was refused, but the cleared room's record
+    only kept the ranks whose DestInfo the lease had taken. That rank's DestInfo for the
+    room's *next* lease, arriving before the prefill host's ``start``, was then taken for a
+    late one of the failed lease and refused with its reason. The refusal counts as telling
+    the rank: its newer DestInfo waits for the next lease, which succeeds."""
+    with _pair(backend) as (pre, dec):
+        snd, rc = pre.senders[0], dec.recvs[0]
+        room, total = 11, 2 * P + 5
+        dp = np.arange(4, dtype=np.int64)
+        snd.start(room)
+        snd.abort(room, "test")  # failed before any DestInfo came
+        snd._loop.call(lambda: None, 10.0)  # the engine thread took the abort (FIFO)
+        rc.expect(room, dp, num_tokens=total)
+        assert wait_all([rc], room, 10) == [FAILED]  # refused at once
+        assert snd.stats()["dest_after_failure"] == 1
+        snd.clear(room)
+        rc.clear(room)
+        rc.expect(room, dp, num_tokens=total)  # the next lease's DestInfo, before start
+        time.sleep(0.3)
+        assert rc.poll(room) != FAILED, rc.failure_reason(room)
+        snd.start(room)
+        sp = np.arange(3, dtype=np.int64)
+        send_room(pre, room, sp)
+        assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
+        assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+        assert snd.stats()["dest_after_failure"] == 1
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_ranks_next_destinfo_waits_while_the_failed_lease_is_not_cleared_yet(
+    backend: str,
+) -> None:
+    """A prefill host that clears a failed room a while after the decode did: the decode's
+    DestInfo for the room's next lease reaches the failed lease, which had the rank's older
+    DestInfo. It is kept for the next lease (not refused with the failed lease's reason)."""
+    with _pair(backend) as (pre, dec):
+        snd, rc = pre.senders[0], dec.recvs[0]
+        room, total = 12, 2 * P + 5
+        dp = np.arange(4, dtype=np.int64)
+        rc.expect(room, dp, num_tokens=total)
+        snd.start(room)
+        assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
+        snd.abort(room, "test")
+        assert wait_all([rc], room, 10) == [FAILED]
+        rc.clear(room)
+        rc.expect(room, dp, num_tokens=total)  # the prefill host has not cleared yet
+        time.sleep(0.3)
+        assert rc.poll(room) != FAILED, rc.failure_reason(room)
+        assert snd.stats().get("dest_after_failure", 0) == 0
+        snd.clear(room)
+        snd.start(room)
+        sp = np.arange(3, dtype=np.int64)
+        send_room(pre, room, sp)
+        assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
+        assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
