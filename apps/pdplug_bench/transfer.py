@@ -596,21 +596,28 @@ def cli(
     rows: list[dict[str, Any]] = []
     small_rows: list[dict[str, Any]] = []
     failures: list[str] = []
+    errors: dict[str, str] = {}  # a backend that could not run: the others' tables still print
+    ran: list[str] = []
     for b in backends:
-        with Rig(b, need) as rig:
-            r, f = _bench_backend(rig, size_list, repeats, corrupt=inject_fault)
-            rows.extend(r)
-            failures.extend(f)
-            if small:
-                r, f = fixed_cost(rig, small, step_list, repeats)
-                small_rows.extend(r)
-                failures.extend(f)
+        try:
+            with Rig(b, need) as rig:
+                r, f = _bench_backend(rig, size_list, repeats, corrupt=inject_fault)
+                sr, sf = fixed_cost(rig, small, step_list, repeats) if small else ([], [])
+        except Exception as e:
+            why = e.format_message() if isinstance(e, click.ClickException) else repr(e)
+            errors[b] = why
+            console.print(f"{b}: did not run: {why}")
+            continue
+        ran.append(b)
+        rows.extend(r)
+        small_rows.extend(sr)
+        failures.extend(f + sf)
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
     for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "memcpy",
                 "pdplug/raw", "IQR", "overhead", "plan ms", "hop ms", "hop/raw"):  # fmt: skip
         t.add_column(col, justify="right")
     overhead: dict[str, dict[str, float]] = {}
-    for b in backends:
+    for b in ran:
         for size in size_list:
             g = {r["mode"]: r for r in rows if r["backend"] == b and r["bytes"] == size}
             p = g["pdplug"]
@@ -695,8 +702,13 @@ def cli(
                 "fixed_cost_us": fixed,
                 "small_sends": small_rows,
                 "byte_failures": failures,
+                "backend_errors": errors,
                 "layout": {"entries_bytes_per_token": list(BPT), "page_size": PAGE},
             },
         )
     if failures:
         raise click.ClickException("byte check failed: " + "; ".join(failures[:4]))
+    if errors:
+        raise click.ClickException(
+            "; ".join(f"{b} did not run: {why}" for b, why in errors.items())
+        )

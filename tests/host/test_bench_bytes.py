@@ -121,3 +121,31 @@ with Rig("nixl", 1 << 20) as rig:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "OK" in res.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.nixl
+@pytest.mark.timeout(300)
+def test_bench_transfer_prints_the_backends_that_ran_when_a_later_one_fails() -> None:
+    """A backend that cannot run (here Mooncake's rig refuses to start) no longer throws away
+    the tables of the backends measured before it: they print, the failed one is named, and the
+    run exits non-zero."""
+    code = (
+        "import click, pdplug_bench.transfer as t\n"
+        "class Rig(t.Rig):\n"
+        "    def __init__(self, backend, max_bytes):\n"
+        "        if backend == 'mooncake':\n"
+        "            raise click.ClickException('raw mooncake: initialize failed (test)')\n"
+        "        super().__init__(backend, max_bytes)\n"
+        "t.Rig = Rig\n" + _MAIN
+    )
+    args = ["transfer", "--backend", "nixl,mooncake", "--sizes", "1", "--repeats", "1"]
+    args += ["--small-sizes", "1", "--steps", "1"]
+    res = subprocess.run([sys.executable, "-c", code, "bench", *args], capture_output=True,
+                         text=True, timeout=240)  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert "mooncake: did not run: raw mooncake: initialize failed (test)" in out, out
+    assert "nixl: overhead =" in out and "nixl: fixed cost per send" in out, out
+    assert "mooncake did not run" in out.splitlines()[-1], out
