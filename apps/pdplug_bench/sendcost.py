@@ -140,6 +140,9 @@ def fixed_cost(
                 t_r = run_raw(checked, rep)
             else:
                 t_r = run_raw(checked, rep)
+                if checked:  # the raw writes' bytes must not pass for pdplug's
+                    for c in cases:
+                        rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
                 t_p = run_pdplug(checked, rep, rooms)
             if not checked:
                 pd.append(t_p)
