@@ -616,6 +616,10 @@ def cli(
         rows.extend(r)
         small_rows.extend(kr)
         failures.extend(f + kf)
+    if not ran:
+        raise click.ClickException(
+            "; ".join(f"{b} did not run: {why}" for b, why in errors.items())
+        )
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
     for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "memcpy",
                 "pdplug/raw", "IQR", "overhead", "plan ms", "hop ms", "hop/raw"):  # fmt: skip
