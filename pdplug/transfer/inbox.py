@@ -36,14 +36,15 @@ class RoomInbox:
 
     :param ttl_s: how long an early DestInfo or abort, or a cleared failed room, is kept
         (seconds; the sender gives ``max(bootstrap_timeout_s, waiting_timeout_s)``).
-    :ivar dests: room -> decode rank -> (early DestInfo, arrival monotonic time).
+    :ivar dests: room -> decode rank -> (early DestInfo, the sending process's engine agent
+        blob, arrival monotonic time): a DestInfo is adopted only for the process that sent it.
     :ivar aborts: room -> decode rank -> (generation, reason, arrival time) of early aborts.
     :ivar failed: room -> (reason, clear time, decode rank -> newest generation told).
     """
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self.dests: dict[int, dict[PeerKey, tuple[DestInfo, float]]] = {}
+        self.dests: dict[int, dict[PeerKey, tuple[DestInfo, bytes, float]]] = {}
         self.aborts: dict[int, dict[PeerKey, tuple[int, str, float]]] = {}
         self.failed: dict[int, tuple[str, float, dict[PeerKey, int]]] = {}
 
@@ -62,10 +63,12 @@ class RoomInbox:
             told[key] = max(told.get(key, 0), gen)
         self.failed[room] = (reason, time.monotonic(), told)
 
-    def arrive(self, key: PeerKey, d: DestInfo, now: float) -> tuple[str, str]:
-        """A DestInfo of decode rank ``key`` for a room with no lease here: ``("refuse",
+    def arrive(self, key: PeerKey, agent: bytes, d: DestInfo, now: float) -> tuple[str, str]:
+        """A DestInfo of decode rank ``key`` (engine agent ``agent``) for a room with no lease
+        here: ``("refuse",
         reason)`` for a late one of a cleared failed lease the rank was not told of yet,
-        ``("drop", "")`` for one it was told of (or a flood beyond :data:`MAX_ROOMS`), else
+        ``("drop", "")`` for one it was told of, one older than the early one the same process sent
+        (or a flood beyond :data:`MAX_ROOMS`), else
         ``("early", "")``: kept for the room's next lease."""
         failed = self.failed.get(d.room)
         if failed is not None:
@@ -79,12 +82,17 @@ class RoomInbox:
         tomb = self.aborts.get(d.room, {})
         if key in tomb and tomb[key][0] < d.generation:
             del tomb[key]  # a newer lease of that decode rank
+        held = self.dests.get(d.room, {}).get(key)
+        if held is not None and held[1] == agent and held[0].generation > d.generation:
+            return "drop", ""  # that process sent a newer one already
         if self.full(d.room):
             return "drop", ""
-        self.dests.setdefault(d.room, {})[key] = (d, now)
+        self.dests.setdefault(d.room, {})[key] = (d, agent, now)
         return "early", ""
 
-    def keep_for_next(self, lease: Lease, key: PeerKey, d: DestInfo, now: float) -> bool:
+    def keep_for_next(
+        self, lease: Lease, key: PeerKey, agent: bytes, d: DestInfo, now: float
+    ) -> bool:
         """A DestInfo of decode rank ``key`` reaching ``lease`` after it failed: ``True``, kept
         for the room's next lease here, when it is for a newer decode lease than the one
         ``lease`` took or refused from that rank (the decode cleared and leased the room again
@@ -92,7 +100,7 @@ class RoomInbox:
         cur = lease.dests.get(key)
         known = lease.refused.get(key, 0) if cur is None else cur.generation
         if known and d.generation > known:
-            self.dests.setdefault(d.room, {})[key] = (d, now)
+            self.dests.setdefault(d.room, {})[key] = (d, agent, now)
             return True
         lease.refused[key] = max(lease.refused.get(key, 0), d.generation)
         return False
@@ -105,7 +113,7 @@ class RoomInbox:
             del self.failed[room]
         expired: list[tuple[PeerKey, DestInfo]] = []
         for room in self._old(self.dests, now):
-            expired.extend((key, d) for key, (d, _t) in self.dests.pop(room).items())
+            expired.extend((key, d) for key, (d, _a, _t) in self.dests.pop(room).items())
             counts["dest_expired"] += 1
         for room in self._old(self.aborts, now):
             del self.aborts[room]

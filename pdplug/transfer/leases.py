@@ -124,10 +124,12 @@ class SendLeases:
             key, (_g, why, _t) = min(tomb.items())
             self._counts["aborted_before_start"] += 1
             self.fail(lease, f"aborted by {describe(key)} before start: {why}")
-        for key, (d, _t) in early:
+        for key, (d, agent, _t) in early:
             peer = self._peers.by_position(key)
-            if peer is not None:
+            if peer is not None and peer.info.agent == agent:
                 self.on_dest(peer, d, now)
+            else:  # its decode process is gone (another one holds the position: other pages)
+                self._counts["dest_process_gone"] += 1
 
     def dest(self, room: int) -> list[DestInfo]:
         """The DestInfos of ``room`` sorted by destination position."""
@@ -363,7 +365,7 @@ class SendLeases:
             return
         lease = self.leases.get(d.room)
         if lease is None:  # before start, or a failed lease the host cleared
-            kind, why = self.box.arrive(peer.key, d, now)
+            kind, why = self.box.arrive(peer.key, peer.info.agent, d, now)
             if kind == "refuse":
                 self._counts["dest_after_failure"] += 1
                 self._refuse(peer, d, why)
@@ -373,7 +375,7 @@ class SendLeases:
                 self._counts["dest_early"] += 1
             return
         if lease.failed:  # the decode rank learns it now, not after its own timeout
-            if self.box.keep_for_next(lease, peer.key, d, now):
+            if self.box.keep_for_next(lease, peer.key, peer.info.agent, d, now):
                 self._counts["dest_next_lease"] += 1
                 return
             self._counts["dest_after_failure"] += 1
@@ -391,10 +393,10 @@ class SendLeases:
             return
         cur = lease.dests.get(peer.key)
         if cur is not None:
-            if cur.generation == d.generation:
-                self._codec.drop("other")  # duplicate
+            if d.generation <= cur.generation:
+                self._codec.drop("other")  # a duplicate, or older than the one the lease took
             else:  # a recycled room on decode: keep it for this room's next lease
-                self.box.dests.setdefault(d.room, {})[peer.key] = (d, now)
+                self.box.dests.setdefault(d.room, {})[peer.key] = (d, peer.info.agent, now)
                 self._counts["dest_next_lease"] += 1
             return
         lease.instance = d.decode_instance

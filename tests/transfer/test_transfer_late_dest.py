@@ -21,6 +21,7 @@ import pytest
 from _rig import Decode, P, Prefill, exact, expected, rendezvous, send_room, wait_all
 
 from pdplug import KVPoll, PluginManager
+from pdplug.types import pages_from_bytes
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -204,3 +205,77 @@ def test_a_ranks_next_destinfo_waits_while_the_failed_lease_is_not_cleared_yet(
         send_room(pre, room, sp)
         assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
         assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_an_early_destinfo_of_a_decode_process_that_is_gone_is_not_adopted(backend: str) -> None:
+    """A decode rank sent its DestInfo before the prefill started the room, then its process
+    was replaced by a new one at the same position (a restart). The old process's pages mean
+    nothing in the new process's memory: ``start`` must not adopt that DestInfo (it did, and
+    would have written the room's KV into whatever the new process keeps at those pages)."""
+    if backend == "mooncake":
+        pytest.importorskip("mooncake.engine")
+    with rendezvous() as srv:
+        pm = PluginManager()
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=1.0)
+        kw = {"dcp": 1, "bootstrap_timeout_s": 10.0, "waiting_timeout_s": 30.0}
+        dec = Decode(pm, backend, srv.endpoint, **kw)
+        dec2 = None
+        try:
+            snd, room = pre.senders[0], 13
+            dec.recvs[0].expect(room, np.arange(4, dtype=np.int64), num_tokens=2 * P + 5)
+            t_end = time.monotonic() + 10
+            while snd.stats().get("dest_early", 0) < 1:
+                assert time.monotonic() < t_end, snd.stats()
+                time.sleep(0.02)
+            dec.close()
+            dec2 = Decode(pm, backend, srv.endpoint, **kw)  # a new process, same position
+            while snd.stats().get("peers", 0) < 2:
+                assert time.monotonic() < t_end, snd.stats()
+                time.sleep(0.02)
+            snd.start(room)
+            st = snd.wait(room, (KVPoll.WaitingForInput,), 10)
+            assert st == FAILED, st  # no DestInfo of a live process: the bootstrap timeout
+            assert snd.stats()["dest_process_gone"] == 1
+        finally:
+            pre.close()
+            for d in (dec, dec2):
+                if d is not None:
+                    d.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_an_older_destinfo_after_a_newer_one_is_dropped(backend: str) -> None:
+    """One decode process's DestInfos of a room, the older delivered after the newer (not seen
+    on one FIFO connection; delivered by hand here, as a redelivery would): the room's next
+    lease takes the newer one, whether the older comes while the newer waits in the inbox or
+    while a lease holds the newer."""
+    with _pair(backend) as (pre, dec):
+        snd, rc = pre.senders[0], dec.recvs[0]
+        room, total = 14, 2 * P + 5
+        table = snd._table
+
+        def deliver(d: object) -> None:
+            (peer,) = [p for p in table._peers.by_ident.values() if p.alive]
+            snd._loop.call(lambda: table.on_dest(peer, d, time.monotonic()), 10.0)
+
+        olds = []
+        for i, dp in enumerate([np.arange(4, dtype=np.int64) + 4 * k for k in range(3)]):
+            rc.expect(room, dp, num_tokens=total)
+            if i == 1:  # the newer one waits in the inbox when the older comes
+                time.sleep(0.3)
+                deliver(olds[0])
+            snd.start(room)
+            assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
+            got = snd.dest(room)[0]
+            assert np.array_equal(pages_from_bytes(got.dst_pages), dp), (i, got)
+            if i == 2:  # a lease holds the newer one when the older comes
+                deliver(olds[1])
+            olds.append(got)
+            sp = np.arange(3, dtype=np.int64) + 10
+            send_room(pre, room, sp)
+            assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
+            assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+            snd.clear(room)
+            rc.clear(room)
+        assert snd.stats().get("dest_next_lease", 0) == 0
