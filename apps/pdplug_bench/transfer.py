@@ -481,6 +481,10 @@ def _bench_backend(
     return rows, failures
 
 
+def _not_run(errors: dict[str, str]) -> str:
+    return "; ".join(f"{b} did not run: {why}" for b, why in errors.items())
+
+
 def _label(mib: str) -> str:
     """A size key in MiB (``"0.0625"``) as people write it (``"64 KiB"``)."""
     nbytes = float(mib) * MIB
@@ -617,9 +621,7 @@ def cli(
         small_rows.extend(kr)
         failures.extend(f + kf)
     if not ran:
-        raise click.ClickException(
-            "; ".join(f"{b} did not run: {why}" for b, why in errors.items())
-        )
+        raise click.ClickException(_not_run(errors))
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
     for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "memcpy",
                 "pdplug/raw", "IQR", "overhead", "plan ms", "hop ms", "hop/raw"):  # fmt: skip
@@ -717,6 +719,4 @@ def cli(
     if failures:
         raise click.ClickException("byte check failed: " + "; ".join(failures[:4]))
     if errors:
-        raise click.ClickException(
-            "; ".join(f"{b} did not run: {why}" for b, why in errors.items())
-        )
+        raise click.ClickException(_not_run(errors))

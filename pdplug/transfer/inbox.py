@@ -87,8 +87,13 @@ class RoomInbox:
             return "drop", ""  # that process sent a newer one already
         if self.full(d.room):
             return "drop", ""
-        self.dests.setdefault(d.room, {})[key] = (d, agent, now)
+        self.hold(key, agent, d, now)
         return "early", ""
+
+    def hold(self, key: PeerKey, agent: bytes, d: DestInfo, now: float) -> None:
+        """Keep ``d`` of decode rank ``key`` (engine agent ``agent``) for the room's next lease
+        here (it replaces one that rank sent before)."""
+        self.dests.setdefault(d.room, {})[key] = (d, agent, now)
 
     def keep_for_next(
         self, lease: Lease, key: PeerKey, agent: bytes, d: DestInfo, now: float
@@ -100,7 +105,7 @@ class RoomInbox:
         cur = lease.dests.get(key)
         known = lease.refused.get(key, 0) if cur is None else cur.generation
         if known and d.generation > known:
-            self.dests.setdefault(d.room, {})[key] = (d, agent, now)
+            self.hold(key, agent, d, now)
             return True
         lease.refused[key] = max(lease.refused.get(key, 0), d.generation)
         return False

@@ -396,7 +396,7 @@ class SendLeases:
             if d.generation <= cur.generation:
                 self._codec.drop("other")  # a duplicate, or older than the one the lease took
             else:  # a recycled room on decode: keep it for this room's next lease
-                self.box.dests.setdefault(d.room, {})[peer.key] = (d, peer.info.agent, now)
+                self.box.hold(peer.key, peer.info.agent, d, now)
                 self._counts["dest_next_lease"] += 1
             return
         lease.instance = d.decode_instance

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -43,6 +44,14 @@ __all__ = ["EngineLoop"]
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class EngineLoop:
@@ -88,6 +97,8 @@ class EngineLoop:
         os.set_blocking(self._wake_rx, False)
         os.set_blocking(self._wake_tx, False)
         self._wake_open = True  # under _wake_lock: a closed fd number may be reused
+        # a loop dropped without stop() (a session constructor failing after building it)
+        self._close_pipe = weakref.finalize(self, _close_fds, self._wake_rx, self._wake_tx)
         self._wake_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
@@ -127,8 +138,7 @@ class EngineLoop:
         with self._wake_lock:
             if self._wake_open:
                 self._wake_open = False
-                os.close(self._wake_tx)
-                os.close(self._wake_rx)
+                self._close_pipe()
 
     @property
     def running(self) -> bool:

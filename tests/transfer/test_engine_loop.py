@@ -64,3 +64,14 @@ def test_a_stopped_loop_never_writes_into_a_reused_descriptor() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_loop_dropped_without_stop_closes_its_pipe() -> None:
+    """A session constructor that fails after building its loop never calls ``stop()``."""
+    import gc
+
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        EngineLoop("loop-test", lambda now: None, lambda: False)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before

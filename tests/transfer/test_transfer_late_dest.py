@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,6 +46,29 @@ def _pair(backend: str, **prefill_kw: float) -> Iterator[tuple[Prefill, Decode]]
         finally:
             pre.close()
             dec.close()
+
+
+def _failed_after_bootstrap(snd: Any, rc: Any, room: int, dp: np.ndarray, total: int) -> int:
+    """Lease ``room`` on both sides to ``WaitingForInput``, then abort it on the prefill; the
+    decode sees it fail. Returns the decode lease generation the prefill held."""
+    rc.expect(room, dp, num_tokens=total)
+    snd.start(room)
+    st = snd.wait(room, (KVPoll.WaitingForInput,), 10)
+    assert st == KVPoll.WaitingForInput
+    gen: int = snd.dest(room)[0].generation
+    snd.abort(room, "test")
+    assert wait_all([rc], room, 10) == [FAILED]
+    return gen
+
+
+def _send_exact(pre: Prefill, dec: Decode, parties: list[Any], room: int, total: int,
+                dp: np.ndarray, sp: np.ndarray) -> None:  # fmt: skip
+    """Send the room's KV from pages ``sp``; every one of ``parties`` ends ``Success`` and the
+    decode's pages ``dp`` hold exactly the prefill's KV."""
+    send_room(pre, room, sp)
+    rc = dec.recvs[0]
+    assert wait_all(parties, room, 10) == [OK] * len(parties), rc.failure_reason(room)
+    assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
@@ -120,12 +144,7 @@ def test_a_late_abort_of_a_cleared_failed_lease_leaves_the_rooms_next_lease_alon
         snd, rc = pre.senders[0], dec.recvs[0]
         room, total = 9, 2 * P + 5
         dp = np.arange(4, dtype=np.int64)
-        rc.expect(room, dp, num_tokens=total)
-        snd.start(room)
-        assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
-        old = snd.dest(room)[0].generation
-        snd.abort(room, "test")  # the room fails here
-        assert wait_all([rc], room, 10) == [FAILED]
+        old = _failed_after_bootstrap(snd, rc, room, dp, total)  # the room fails here
         snd.clear(room)
         rc.clear(room)
         snd.start(room)  # the next lease, no DestInfo yet
@@ -140,9 +159,7 @@ def test_a_late_abort_of_a_cleared_failed_lease_leaves_the_rooms_next_lease_alon
         rc.expect(room, dp, num_tokens=total)
         assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
         sp = np.arange(3, dtype=np.int64)
-        send_room(pre, room, sp)
-        assert wait_all([rc], room, 10) == [OK], rc.failure_reason(room)
-        assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+        _send_exact(pre, dec, [rc], room, total, dp, sp)
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
@@ -172,9 +189,7 @@ def test_a_rank_refused_by_a_failed_lease_is_not_refused_again_for_the_rooms_nex
         assert rc.poll(room) != FAILED, rc.failure_reason(room)
         snd.start(room)
         sp = np.arange(3, dtype=np.int64)
-        send_room(pre, room, sp)
-        assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
-        assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+        _send_exact(pre, dec, [snd, rc], room, total, dp, sp)
         assert snd.stats()["dest_after_failure"] == 1
 
 
@@ -189,11 +204,7 @@ def test_a_ranks_next_destinfo_waits_while_the_failed_lease_is_not_cleared_yet(
         snd, rc = pre.senders[0], dec.recvs[0]
         room, total = 12, 2 * P + 5
         dp = np.arange(4, dtype=np.int64)
-        rc.expect(room, dp, num_tokens=total)
-        snd.start(room)
-        assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
-        snd.abort(room, "test")
-        assert wait_all([rc], room, 10) == [FAILED]
+        _failed_after_bootstrap(snd, rc, room, dp, total)
         rc.clear(room)
         rc.expect(room, dp, num_tokens=total)  # the prefill host has not cleared yet
         time.sleep(0.3)
@@ -202,9 +213,7 @@ def test_a_ranks_next_destinfo_waits_while_the_failed_lease_is_not_cleared_yet(
         snd.clear(room)
         snd.start(room)
         sp = np.arange(3, dtype=np.int64)
-        send_room(pre, room, sp)
-        assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
-        assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+        _send_exact(pre, dec, [snd, rc], room, total, dp, sp)
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
@@ -273,9 +282,7 @@ def test_an_older_destinfo_after_a_newer_one_is_dropped(backend: str) -> None:
                 deliver(olds[1])
             olds.append(got)
             sp = np.arange(3, dtype=np.int64) + 10
-            send_room(pre, room, sp)
-            assert wait_all([snd, rc], room, 10) == [OK, OK], rc.failure_reason(room)
-            assert exact(dec, expected(pre, dec, total, 0, sp, [dp]), [dp])
+            _send_exact(pre, dec, [snd, rc], room, total, dp, sp)
             snd.clear(room)
             rc.clear(room)
         assert snd.stats().get("dest_next_lease", 0) == 0
