@@ -25,6 +25,11 @@ gives ``(t_pdplug - t_raw) / K``: what one send costs when a step posts K.
 
 Bytes: the first and last round of each size are checked (destination poisoned first, digest of
 the rows that landed against the source's) for pdplug and raw; a mismatch fails the run.
+
+**vs fresh** (NIXL, K = 1): pdplug's time minus the raw engine's with a request made for each
+send on descriptor lists prepared once (``make_prepped_xfer`` + ``transfer``, polled, released
+after the timing; run between the two others of each round): the part of the fixed cost that is
+pdplug's own, beside the engine's per-request cost that a re-posted handle skips.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def _post_step(sender: Any, items: list[tuple[int, Any, Any]]) -> None:
 def fixed_cost(
     rig: Any, sizes: list[int], steps: list[int], repeats: int
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows ``{backend, bytes, k, pairs, pdplug_us, raw_us, fixed_us, q1_us, q3_us}`` (per send)
+    """Rows ``{backend, bytes, k, pairs, pdplug_us, raw_us, fixed_us, q1_us, q3_us,
+    fixed_vs_fresh_us}`` (per send; the last ``None`` but for NIXL at K = 1)
     for every size at K = 1 and, at the smallest size, for every K in ``steps``; and the
     byte-check failures.
 
@@ -107,11 +113,14 @@ def fixed_cost(
             rig.finish(rooms, bytes_ok)
             return dt
 
-        def run_raw(checked: bool, rep: int, cases: list[Any] = cases, tag: str = tag) -> float:
+        def run_raw(checked: bool, rep: int, cases: list[Any] = cases, tag: str = tag,
+                    mode: str = "raw") -> float:  # fmt: skip
             if checked:
                 for c in cases:
                     rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
-            if len(cases) == 1:
+            if mode != "raw":
+                dt = float(cases[0]["raw"].fresh())
+            elif len(cases) == 1:
                 dt = float(cases[0]["raw"]())
             else:
                 t0 = time.perf_counter()
@@ -122,24 +131,33 @@ def fixed_cost(
             rig.raw_landed()  # untimed, as pdplug's run ends with the decode's verdict
             if checked:
                 for i, c in enumerate(cases):
-                    rig.check(c, f"{tag} raw round {rep} send {i}", failures)
+                    rig.check(c, f"{tag} {mode} round {rep} send {i}", failures)
             return dt
+
+        # NIXL, one send: also the raw engine making a request per send (between the others)
+        fresh = k == 1 and hasattr(cases[0]["raw"], "fresh")
 
         reps = max(20, repeats)
         pd: list[float] = []
         raw: list[float] = []
         diff: list[float] = []
+        diff_fresh: list[float] = []
         for rep in range(reps + 2):
             checked = rep in (0, reps + 1)  # warm-up and last round: checked, untimed
             # both runs of a pair follow the same bootstrap round trip with the decode (its
             # rooms' DestInfos, WaitingForInput): the first of the two starts cold after it,
             # the second warm after the first, and the order alternates
             rooms = bootstrap(checked)
+            t_f = 0.0
             if rep % 2:
                 t_p = run_pdplug(checked, rep, rooms)
+                if fresh:
+                    t_f = run_raw(checked, rep, mode="raw fresh-request")
                 t_r = run_raw(checked, rep)
             else:
                 t_r = run_raw(checked, rep)
+                if fresh:
+                    t_f = run_raw(checked, rep, mode="raw fresh-request")
                 if checked:  # the raw writes' bytes must not pass for pdplug's
                     for c in cases:
                         rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
@@ -148,6 +166,8 @@ def fixed_cost(
                 pd.append(t_p)
                 raw.append(t_r)
                 diff.append((t_p - t_r) / k)
+                if fresh:
+                    diff_fresh.append(t_p - t_f)
         q = statistics.quantiles(diff, n=4, method="inclusive")
         rows.append(
             {
@@ -160,6 +180,7 @@ def fixed_cost(
                 "fixed_us": statistics.median(diff) * 1e6,
                 "q1_us": q[0] * 1e6,
                 "q3_us": q[2] * 1e6,
+                "fixed_vs_fresh_us": statistics.median(diff_fresh) * 1e6 if fresh else None,
             }
         )
     return rows, failures

@@ -16,6 +16,12 @@ Per size, interleaved, each timed over ``repeats`` runs after one warm-up:
   one transfer handle made once (``initialize_xfer``) and re-posted (``transfer`` + a tight
   ``check_xfer_state`` loop); Mooncake the address lists built once and written with
   ``batch_transfer_sync_write`` (1,024 descriptors a call, as pdplug's engine does);
+* ``raw fresh`` (NIXL): the same raw agent with a request made for each run
+  (``make_prepped_xfer`` on descriptor lists prepared once from the same descriptors, posted,
+  polled, released after the timing): what any connector pays when a send's page ids are new
+  (vLLM's NixlConnector posts its block lists this way), so ``vs fresh`` separates pdplug's own
+  cost from the engine's per-request cost that the re-posted handle of ``raw`` skips; it runs
+  between the two others of each pair (always right after a copy);
 * ``memcpy``: ``dst.copy_(src)`` of the same bytes in this process.
 
 Runs are paired (pdplug and raw back to back, ABBA order, so drift on a shared machine hits
@@ -31,7 +37,8 @@ Bytes: the warm-up round and one extra untimed round at the end are checked for 
 and raw: the decode side poisons the expected pages, the run lands, and a digest of the rows
 that landed (:mod:`pdplug_bench.bytecheck`) must equal the digest of the source rows; the
 memcpy is compared too. Any mismatch exits non-zero. JSON: ``{"rows": [{"backend", "bytes",
-"mode", "gbps"}], "pairs": [{..., "hop_ms", "raw_ms"}], "overhead": {backend: {MiB: x}}, ...}``.
+"mode", "gbps"}], "pairs": [{..., "hop_ms", "raw_ms", "pdplug_over_fresh"}], "overhead": {backend:
+{MiB: x}}, "overhead_vs_fresh_request": {backend: {MiB: x}} (NIXL), ...}``.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ def _raw_nixl(
     name = agent.add_remote_agent(peer_agent)
     name = name.decode() if isinstance(name, bytes) else name
     handles: list[Any] = []
+    dlists: list[Any] = []
     posted = [0]  # every write notifies the decode, which drops it (an agent it does not know)
 
     def prepare(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> Callable[[], float]:
@@ -92,6 +100,13 @@ def _raw_nixl(
         remote = agent.get_xfer_descs(np.stack([dst.astype(np.uint64), l64, z], 1), "DRAM")
         h = agent.initialize_xfer("WRITE", local, remote, name, _NOTIF)  # once, re-posted
         handles.append(h)
+        # the same descriptors prepared once as dlists, for a request made per send
+        sides = (
+            agent.prep_xfer_dlist("NIXL_INIT_AGENT", local),
+            agent.prep_xfer_dlist(name, remote),
+        )
+        dlists.extend(sides)
+        idx = np.arange(ln.shape[0], dtype=np.int64)
 
         def run() -> float:
             t0 = time.perf_counter()
@@ -118,7 +133,23 @@ def _raw_nixl(
 
             return done
 
+        def fresh() -> float:
+            # a request made for this send on the prepared dlists, posted once, released after
+            # the timing: what a connector pays that cannot re-post one handle (new page ids)
+            t0 = time.perf_counter()
+            x = agent.make_prepped_xfer("WRITE", sides[0], idx, sides[1], idx, _NOTIF)
+            st = agent.transfer(x)
+            while st == "PROC":
+                st = agent.check_xfer_state(x)
+            dt = time.perf_counter() - t0
+            agent.release_xfer_handle(x)
+            posted[0] += 1
+            if st != "DONE":
+                raise click.ClickException(f"raw nixl transfer (fresh request) ended {st}")
+            return dt
+
         run.post = post  # type: ignore[attr-defined]
+        run.fresh = fresh  # type: ignore[attr-defined]
         return run
 
     def close() -> None:
@@ -126,6 +157,8 @@ def _raw_nixl(
         # racing the interpreter's exit)
         for h in handles:
             agent.release_xfer_handle(h)
+        for d in dlists:
+            agent.release_dlist_handle(d)
         agent.remove_remote_agent(name)
         agent.deregister_memory(reg)
 
@@ -188,7 +221,7 @@ def _raw_mooncake(
 
 
 _PAIR_KEYS = ("backend", "bytes", "repeats", "pdplug_over_raw", "ratio_q1", "ratio_q3", "plan_ms",
-              "hop_ms", "raw_ms")  # fmt: skip
+              "hop_ms", "raw_ms", "pdplug_over_fresh")  # fmt: skip
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -411,17 +444,21 @@ def _bench_backend(
             rig.finish([room], bytes_ok)
             return dt
 
-        def run_raw(checked: bool, rep: int, c: dict[str, Any] = c, tag: str = tag) -> float:
+        def run_raw(checked: bool, rep: int, fn: Callable[[], float] = raw, mode: str = "raw",
+                    c: dict[str, Any] = c, tag: str = tag) -> float:  # fmt: skip
             if checked:
                 peer.fill("bench-decode", [c["dp"].tolist()], POISON)
-            dt = float(c["raw"]())
+            dt = float(fn())
             rig.raw_landed()  # untimed, as pdplug's run ends with the decode's verdict
             if checked:
-                rig.check(c, f"{tag} raw round {rep}", failures)
+                rig.check(c, f"{tag} {mode} round {rep}", failures)
             return dt
 
-        times: dict[str, list[float]] = {"pdplug": [], "raw": [], "memcpy": []}
+        # NIXL: also the raw engine with a request made per send (between the two others)
+        fresh: Callable[[], float] | None = getattr(raw, "fresh", None)
+        times: dict[str, list[float]] = {"pdplug": [], "raw": [], "memcpy": [], "raw_fresh": []}
         pair_ratio: list[float] = []
+        fresh_ratio: list[float] = []
         for rep in range(reps + 2):
             # the first round warms connections and pages up, the last is an extra check;
             # both are checked and untimed
@@ -431,11 +468,16 @@ def _bench_backend(
             # after that wait runs cold (sendcost.py), so each mode comes first half the time
             room = rig.room()
             rig.expect([room], c, POISON if checked else None)
+            t_fresh = None
             if rep % 2:
                 dt = run_pdplug(checked, rep, room)
+                if fresh is not None:
+                    t_fresh = run_raw(checked, rep, fresh, "raw fresh-request")
                 t_raw = run_raw(checked, rep)
             else:
                 t_raw = run_raw(checked, rep)
+                if fresh is not None:
+                    t_fresh = run_raw(checked, rep, fresh, "raw fresh-request")
                 if checked:  # the raw write's bytes must not pass for pdplug's
                     peer.fill("bench-decode", [c["dp"].tolist()], POISON)
                 dt = run_pdplug(checked, rep, room)
@@ -450,6 +492,9 @@ def _bench_backend(
                 times["raw"].append(t_raw)
                 times["memcpy"].append(t_cpy)
                 pair_ratio.append(t_raw / dt)
+                if t_fresh is not None:
+                    times["raw_fresh"].append(t_fresh)
+                    fresh_ratio.append(t_fresh / dt)
         q1, q3 = _quartiles(pair_ratio)
         # the floor of pdplug's design: an empty round trip to the sender's engine thread
         # right after a transfer of this size (caches as a finished send leaves them)
@@ -462,6 +507,8 @@ def _bench_backend(
             hops.append(ping())
         hop_ms = statistics.median(hops) * 1e3 if hops else None  # a sender without ping
         for mode, ts in times.items():
+            if not ts:
+                continue
             rows.append(
                 {
                     "backend": backend,
@@ -476,6 +523,7 @@ def _bench_backend(
                     "plan_ms": plan_ms,
                     "hop_ms": hop_ms,
                     "raw_ms": statistics.median(times["raw"]) * 1e3,
+                    "pdplug_over_fresh": statistics.median(fresh_ratio) if fresh_ratio else None,
                 }
             )
     return rows, failures
@@ -623,16 +671,21 @@ def cli(
     if not ran:
         raise click.ClickException(_not_run(errors))
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
-    for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "memcpy",
-                "pdplug/raw", "IQR", "overhead", "plan ms", "hop ms", "hop/raw"):  # fmt: skip
+    for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "raw fresh", "memcpy",
+                "pdplug/raw", "IQR", "overhead", "vs fresh", "plan ms", "hop ms",
+                "hop/raw"):  # fmt: skip
         t.add_column(col, justify="right")
     overhead: dict[str, dict[str, float]] = {}
+    over_fresh: dict[str, dict[str, float]] = {}
     for b in ran:
         for size in size_list:
             g = {r["mode"]: r for r in rows if r["backend"] == b and r["bytes"] == size}
             p = g["pdplug"]
             ratio = p["pdplug_over_raw"]  # median of paired (ABBA) run ratios
             overhead.setdefault(b, {})[f"{size / MIB:g}"] = 1.0 - ratio
+            fr = p["pdplug_over_fresh"]
+            if fr is not None:
+                over_fresh.setdefault(b, {})[f"{size / MIB:g}"] = 1.0 - fr
             t.add_row(
                 b,
                 f"{size / MIB:g} MiB",
@@ -640,10 +693,12 @@ def cli(
                 str(p["repeats"]),
                 f"{p['gbps']:.2f}",
                 f"{g['raw']['gbps']:.2f}",
+                f"{g['raw_fresh']['gbps']:.2f}" if "raw_fresh" in g else "-",
                 f"{g['memcpy']['gbps']:.2f}",
                 f"{ratio:.3f}",
                 f"{p['ratio_q1']:.3f}-{p['ratio_q3']:.3f}",
                 f"{1.0 - ratio:+.1%}",
+                "-" if fr is None else f"{1.0 - fr:+.1%}",
                 f"{p['plan_ms']:.2f}",
                 "-" if p["hop_ms"] is None else f"{p['hop_ms']:.3f}",
                 "-" if p["hop_ms"] is None else f"{p['hop_ms'] / p['raw_ms']:.1%}",
@@ -657,6 +712,14 @@ def cli(
             + ", ".join(f"{k} MiB {v:+.1%}" for k, v in per.items())
             + f" (goal <= 5% at every size: {verdict})"
         )
+    for b, per in over_fresh.items():
+        console.print(
+            f"{b}: vs fresh = 1 - median(t_raw_fresh / t_pdplug): the raw engine with a request "
+            "made per send on descriptor lists prepared once (make_prepped_xfer + transfer, the "
+            "way a connector posts new page ids), not one handle re-posted: "
+            + ", ".join(f"{k} MiB {v:+.1%}" for k, v in per.items())
+            + "; overhead minus vs fresh is the engine's own per-request cost"
+        )
     console.print(
         "hop ms: an empty round trip host -> sender's engine thread -> host right after a raw "
         "transfer of the size (median; KVSenderSession.ping): the two thread hand-offs every "
@@ -668,7 +731,7 @@ def cli(
         ft = Table(title="fixed cost per send (us; median of paired differences send() -> "
                    "poll() Success minus raw post -> completion)")  # fmt: skip
         for col in ("backend", "size", "K per step", "pairs", "pdplug us", "raw us",
-                    "fixed us / send", "IQR"):  # fmt: skip
+                    "fixed us / send", "IQR", "vs fresh us"):  # fmt: skip
             ft.add_column(col, justify="right")
         for sr in small_rows:
             if sr["k"] == 1:
@@ -677,6 +740,7 @@ def cli(
                 sr["backend"], f"{sr['bytes'] / MIB:g} MiB", str(sr["k"]), str(sr["pairs"]),
                 f"{sr['pdplug_us']:.1f}", f"{sr['raw_us']:.1f}", f"{sr['fixed_us']:.1f}",
                 f"{sr['q1_us']:.1f}-{sr['q3_us']:.1f}",
+                "-" if sr["fixed_vs_fresh_us"] is None else f"{sr['fixed_vs_fresh_us']:.1f}",
             )  # fmt: skip
         console.print(ft)
         spread = {(r["backend"], f"{r['bytes'] / MIB:g}"): (r["q1_us"], r["q3_us"])
@@ -698,9 +762,15 @@ def cli(
                 + f" (goal <= 100 us at 64 KiB and 1 MiB: {verdict}); K rows: the cost of "
                 "one send when a step posts K (send_many when the sender has it)"
             )
+        if any(r["fixed_vs_fresh_us"] is not None for r in small_rows):
+            console.print(
+                "vs fresh us: pdplug minus the raw engine making a request per send on lists "
+                "prepared once (not one handle re-posted): pdplug's own share of the fixed cost"
+            )
     console.print(
-        f"bytes: {'all checked rounds identical' if not failures else 'MISMATCH'} (pdplug, raw "
-        "and memcpy; warm-up and final round per size, destination poisoned first)"
+        f"bytes: {'all checked rounds identical' if not failures else 'MISMATCH'} (pdplug, raw, "
+        "raw fresh-request where run, and memcpy; warm-up and final round per size, destination "
+        "poisoned first)"
     )
     if json_path:
         write_json(
@@ -709,6 +779,7 @@ def cli(
                 "rows": [{k: r[k] for k in ("backend", "bytes", "mode", "gbps")} for r in rows],
                 "pairs": [{k: r[k] for k in _PAIR_KEYS} for r in rows if r["mode"] == "pdplug"],
                 "overhead": overhead,
+                "overhead_vs_fresh_request": over_fresh,
                 "fixed_cost_us": fixed,
                 "small_sends": small_rows,
                 "byte_failures": failures,

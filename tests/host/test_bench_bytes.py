@@ -5,8 +5,10 @@ test process), bounded in time and size."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,17 +63,24 @@ def test_digest_sees_one_flipped_byte() -> None:
         pytest.param("mooncake", False, marks=pytest.mark.mooncake),
     ],
 )
-def test_bench_transfer_checks_the_bytes(backend: str, fault: bool) -> None:
+def test_bench_transfer_checks_the_bytes(backend: str, fault: bool, tmp_path: Path) -> None:
     args = ["transfer", "--backend", backend, "--sizes", "64", "--repeats", "1"]
-    res = _bench(*args, *(["--inject-fault"] if fault else []), timeout=360)
+    js = tmp_path / "t.json"
+    res = _bench(*args, "--json", str(js), *(["--inject-fault"] if fault else []), timeout=360)
     out = res.stdout + res.stderr
     if fault:
         assert res.returncode == 1, out
         assert "byte check failed" in out and "pdplug round 0" in out, out
-        assert "raw round" not in out, out  # only the corrupted run is named
+        assert "raw round" not in out and "raw fresh-request round" not in out, out
     else:
         assert res.returncode == 0, out
         assert "all checked rounds identical" in out, out
+        doc = json.loads(js.read_text())
+        # a request per send is NIXL's cost to separate (Mooncake's raw call is per send already)
+        fresh = doc["overhead_vs_fresh_request"]
+        assert (backend in fresh) == (backend == "nixl"), fresh
+        modes = {r["mode"] for r in doc["rows"]}
+        assert ("raw_fresh" in modes) == (backend == "nixl"), modes
 
 
 @pytest.mark.slow
@@ -116,6 +125,16 @@ with Rig("nixl", 1 << 20) as rig:
         rig.check(c, "raw", failures)
         assert not failures, failures
     assert rig.peer.landed("bench-decode", 3) >= 3
+    # the raw engine's request-per-send run lands the same bytes; the check sees poison
+    rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
+    failures = []
+    rig.check(c, "not written", failures)
+    assert failures, "the check passed pages nothing wrote"
+    c["raw"].fresh()
+    rig.raw_landed()
+    failures = []
+    rig.check(c, "raw fresh-request", failures)
+    assert not failures, failures
     print("OK")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
