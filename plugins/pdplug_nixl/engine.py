@@ -18,18 +18,13 @@ template is then one ``make_prepped_xfer`` of page indices (:meth:`NixlEngine.po
 vLLM's NixlConnector posts blocks, instead of two descriptor lists and ``initialize_xfer``.
 The indices come from the page ids the sender holds, not from addresses.
 
-Whole pages of any write (:mod:`pdplug_nixl.pages`; off unless ``KVConfig.extra["page_lists"]
-== "1"``). A
-rank publishes its registered regions in ``PeerInfo.extra["nixl_regions"]``
-(:meth:`NixlEngine.info_extra`). With the option on, :meth:`NixlEngine.connect` prepares, once,
-a compressed (strided) descriptor list of every page of every region on both sides, and a
-write whose runs all start on page boundaries (partial last pages included: a list per distinct
-tail size, prepared the first time that size is written, with exactly the tail's bytes) is
-posted as ``make_prepped_xfer`` with page indices computed in array operations; everything else
-(packed gathers, DCP relayouts) keeps the general path. It is off by default: in
-``pdplug bench transfer`` computing the page indices cost more than ``make_prepped_xfer`` saves
-over ``initialize_xfer`` (README, "Fixed cost per send", has the measurement).
-The agent is used by one thread at a time (the holder of the session's engine lock).
+A rank publishes its registered regions in ``PeerInfo.extra["nixl_regions"]``
+(:meth:`NixlEngine.info_extra`, :mod:`pdplug_nixl.regions`): the grids of its peers are built
+on them. Every other write (packed gathers, DCP relayouts) goes through ``initialize_xfer``.
+(An older option, ``extra["page_lists"]``, mapped any write's addresses to indices into lists
+of every page prepared at connect; it cost more than it saved and was removed in favour of the
+grids, issue 24.) The agent is used by one thread at a time (the holder of the session's engine
+lock).
 
 Clean exits. The NIXL 1.5.1 wheel bundles its own ``libnl-route-3``; UCX's EFA transport, which
 it loads when the first agent starts, links the *system* copy (through the system
@@ -57,17 +52,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pdplug import KVConfig, KVLayout, TransferError
+from pdplug import KVConfig, TransferError
 from pdplug.types import PageGrid, PeerInfo
 from pdplug_nixl.grid import GridLists
-from pdplug_nixl.pages import (
-    PairSpace,
-    UnitSpace,
-    format_regions,
-    page_indices,
-    page_unit,
-    parse_regions,
-)
+from pdplug_nixl.regions import format_regions, parse_regions
 
 __all__ = ["NixlEngine", "import_nixl", "load_system_libnl", "NIXL_MODULES"]
 
@@ -82,10 +70,6 @@ NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 #: a descriptor list is prepared for re-posting only from this many descriptors on: below it
 #: the per-post set-up it saves is smaller than the hashing that finds a repeated list
 _PREP_MIN_DESCS = 16
-
-#: at most this many prepared list pairs per peer for partial last pages (one per distinct set
-#: of tail sizes; never released before the peer is: a request may still use one)
-_PAGE_LISTS_MAX = 256
 
 #: the ``PeerInfo.extra`` key of a rank's registered regions (:func:`format_regions`)
 REGIONS_KEY = "nixl_regions"
@@ -135,22 +119,14 @@ def import_nixl() -> Any:
     raise ImportError("NIXL is not installed (pip install 'pdplug[nixl]'): " + "; ".join(errors))
 
 
-def _page_bytes(layout: KVLayout) -> list[int]:
-    return [layout.page_size * b for b in layout.entry_bytes_per_token]
-
-
 class _Peer(msgspec.Struct, kw_only=True):
     """A loaded remote agent; ``refs``: handles :meth:`NixlEngine.connect` gave out for it
-    (a re-handshake of the same decode rank loads the same agent again); ``space``: its
-    registered regions in page units (``None``: no whole-page lists for it); ``lists``: its
-    prepared remote lists by tail sizes; ``regions``: its published regions (text);
-    ``grids``: the direct templates' lists prepared toward it."""
+    (a re-handshake of the same decode rank loads the same agent again); ``regions``: its
+    published regions (text); ``grids``: the direct templates' lists prepared toward it."""
 
     name: str
     refs: int = 0
     seen: Counter[bytes] = msgspec.field(default_factory=Counter)
-    space: PairSpace | None = None
-    lists: dict[tuple[int, ...], Any] = msgspec.field(default_factory=dict)
     regions: str = ""
     grids: list[GridLists] = msgspec.field(default_factory=list)
 
@@ -164,11 +140,10 @@ class NixlEngine:
         progress through its polls), ``prep_cache`` (prepared descriptor-list pairs kept,
         default 32; 0 disables preparing), ``prep_max_desc_bytes`` (prepare only lists whose
         mean descriptor is at most this many bytes, default 4096), ``max_notifs``
-        (notifications buffered between two polls, default 65,536; more are lost and counted),
-        ``page_lists`` (``"1"``: whole-page writes from descriptor lists prepared once per peer,
-        see the module docstring; default ``"0"``: every write through ``initialize_xfer``).
+        (notifications buffered between two polls, default 65,536; more are lost and counted).
     :raises ImportError: NIXL missing.
-    :raises TransferError: the agent or backend could not be created.
+    :raises TransferError: the agent or backend could not be created, or ``extra`` sets the
+        removed ``page_lists`` option.
     """
 
     name = "nixl"
@@ -184,6 +159,12 @@ class NixlEngine:
             f"{uuid.uuid4().hex[:8]}"
         )
         extra = config.extra
+        if extra.get("page_lists", "0") != "0":
+            raise TransferError(
+                f"nixl: KVConfig.extra['page_lists']={extra['page_lists']!r}: the option was "
+                "removed (issue 24); direct templates post whole pages from lists prepared once "
+                "per peer without it: drop the key"
+            )
         try:
             cfg = api.nixl_agent_config(
                 # the session's engine thread polls check_xfer_state / get_new_notifs, which
@@ -216,12 +197,7 @@ class NixlEngine:
             getattr(bind, "nixlXferDList", None) if self._mem_kind is not None else None
         )
         self._max_notifs = int(extra.get("max_notifs", "65536"))
-        self._pages_on = extra.get("page_lists", "0") == "1"
-        self._layout = lay
         self._regions: list[tuple[int, int]] = []
-        self._spaces: dict[int, UnitSpace] = {}  # by unit
-        # by (local space, tails): a peer's indices are into the local space of its connect
-        self._local_lists: dict[tuple[UnitSpace, tuple[int, ...]], Any] = {}
         self._grid_local: dict[tuple[Any, ...], Any] = {}  # direct templates' local lists
         self.counts: Counter[str] = Counter()
 
@@ -238,7 +214,6 @@ class NixlEngine:
         except Exception as e:
             raise TransferError(f"nixl: register_memory({self._mem}) failed: {e}") from e
         self._regions.extend((int(a), int(n)) for a, n in regions)
-        self._spaces.clear()  # peers keep the space of their connect, with its lists
 
     def info_extra(self) -> dict[str, str]:
         """What a peer's engine reads from this rank's ``PeerInfo.extra``: its registered
@@ -268,55 +243,7 @@ class NixlEngine:
             p = self._peers[name] = _Peer(name=name)
         p.refs += 1
         p.regions = peer.extra.get(REGIONS_KEY, "")
-        if p.space is None and self._pages_on:
-            self._page_lists(p, peer)
         return p
-
-    def _page_lists(self, p: _Peer, info: PeerInfo) -> None:
-        """Prepare the whole-page lists of both sides for peer ``p`` (nothing when the peer did
-        not publish its regions, or a list is refused: its writes keep the general path)."""
-        text = info.extra.get(REGIONS_KEY, "")
-        unit = page_unit(_page_bytes(self._layout) + _page_bytes(info.layout))
-        if not text or unit <= 0 or not self._regions:
-            return
-        try:
-            p.space = PairSpace(self._local_space(unit), UnitSpace(parse_regions(text), unit))
-            if self._lists(p, ()) is None:
-                p.space = None
-        except Exception:
-            p.space = None
-            self.counts["page_lists_refused"] += 1
-
-    def _local_space(self, unit: int) -> UnitSpace:
-        sp = self._spaces.get(unit)
-        if sp is None:
-            sp = self._spaces[unit] = UnitSpace(self._regions, unit)
-        return sp
-
-    def _lists(self, p: _Peer, tails: tuple[int, ...]) -> tuple[Any, Any] | None:
-        """The (local, remote) prepared lists of peer ``p`` for partial tails ``tails``;
-        ``None`` past :data:`_PAGE_LISTS_MAX` of them.
-
-        :raises Exception: NIXL refused a list (a region the agent does not know).
-        """
-        space = p.space
-        assert space is not None
-        rh = p.lists.get(tails)
-        lh = self._local_lists.get((space.local, tails))
-        if rh is not None and lh is not None:
-            return lh, rh
-        if len(p.lists) >= _PAGE_LISTS_MAX:
-            return None
-        kinds = (space.unit, *tails)
-        if lh is None:
-            rows = space.local.rows(kinds, self._dev)
-            lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
-            self._local_lists[(space.local, tails)] = lh
-        rh = p.lists[tails] = self._agent.prep_xfer_dlist(
-            p.name, space.remote.rows(kinds, self._dev), self._mem
-        )
-        self.counts["page_lists"] += 1
-        return lh, rh
 
     def disconnect(self, peer: Any) -> None:
         """Drop one reference to a peer; the remote agent (and its prepared lists) is removed
@@ -328,9 +255,6 @@ class NixlEngine:
         if peer.refs > 0:
             return
         del self._peers[peer.name]
-        for rh in peer.lists.values():
-            self._release_dlist(rh)
-        peer.lists.clear()
         for g in peer.grids:
             g.release(self._release_dlist)
         peer.grids.clear()
@@ -350,10 +274,6 @@ class NixlEngine:
         :raises TransferError: NIXL refused the request (e.g. ``NIXL_ERR_NOT_FOUND``: an
             address outside the peer's registered memory) or the post returned ``ERR``.
         """
-        if peer.space is not None:
-            handle = self._post_pages(peer, src, dst, length, tag)
-            if handle is not None:
-                return handle
         n = int(length.shape[0])
         rows = self._rows.get(n)
         if rows is None:  # local and remote (address, bytes, device); device set once
@@ -384,29 +304,6 @@ class NixlEngine:
         if self._xfer_dlist is not None:
             return self._xfer_dlist(self._mem_kind, rows)
         return self._agent.get_xfer_descs(rows, self._mem)
-
-    def _post_pages(
-        self, peer: _Peer, src: np.ndarray, dst: np.ndarray, length: np.ndarray, tag: bytes
-    ) -> Any:
-        """Post a write whose runs are whole units (and partial tails) on both sides from the
-        prepared page lists; ``None`` when it does not map (the caller posts it generally).
-
-        :raises TransferError: NIXL refused the request or the post returned ``ERR``.
-        """
-        space = peer.space
-        assert space is not None
-        got = page_indices(space, src, dst, length)
-        if got is None:
-            return None
-        li, ri, tails = got
-        try:
-            pair = self._lists(peer, tails)
-        except Exception:  # a tail list NIXL refused: this write goes the general way
-            self.counts["page_lists_refused"] += 1
-            return None
-        if pair is None:
-            return None
-        return self._post_prepped(peer, (pair[0], li, pair[1], ri), tag, "page_xfer")
 
     def _start(self, peer: _Peer, handle: Any) -> Any:
         """Start a built request; raise when NIXL refuses it, release it when it says ``ERR``."""
@@ -458,7 +355,7 @@ class NixlEngine:
         except ValueError:
             raise
         except Exception:  # a tail list NIXL refused: this write goes the general way
-            self.counts["page_lists_refused"] += 1
+            self.counts["grid_lists_refused"] += 1
             return None
         if req is None:
             return None
@@ -586,15 +483,11 @@ class NixlEngine:
             self._release_dlist(rh)
         self._prep.clear()
         for p in self._peers.values():
-            for rh in p.lists.values():
-                self._release_dlist(rh)
-            p.lists.clear()
             for g in p.grids:
                 g.release(self._release_dlist)
             p.grids.clear()
-        for lh in [*self._local_lists.values(), *self._grid_local.values()]:
+        for lh in self._grid_local.values():
             self._release_dlist(lh)
-        self._local_lists.clear()
         self._grid_local.clear()
         for name in list(self._peers):
             try:

@@ -1,0 +1,173 @@
+"""The NIXL engine's general path and its regions: a write of addresses lands exactly its bytes
+(whole, merged and partial pages, runs off a page boundary), a rank's registered regions
+round-trip through their text form, ended transfer handles are released off the send path, and
+the removed ``page_lists`` option is refused by name. Real NIXL agents over UCX."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdplug import KVConfig, KVLayout
+from pdplug.testing import require
+from pdplug_nixl.regions import format_regions, parse_regions
+
+
+def test_regions_round_trip_and_refusals() -> None:
+    regions = [(4096, 1 << 20), (1 << 30, 12345)]
+    assert parse_regions(format_regions(regions)) == regions
+    assert parse_regions("") == []
+    with pytest.raises(ValueError, match="negative"):
+        parse_regions("-5:3")
+    with pytest.raises(ValueError, match="'12x:3' is not address:nbytes"):
+        parse_regions("1:2,12x:3")
+
+
+# ------------------------------------------------------------------ the engine, over NIXL
+PAGE, BPT = 8, (64, 32)  # page bytes 512 and 256: unit 256
+PAGES = 24
+
+
+def _engine(role: str, **extra: str) -> Any:
+    from pdplug_nixl.engine import NixlEngine
+
+    lay = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
+    return NixlEngine(KVConfig(instance=role[0], role=role, layout=lay, extra=extra)), lay
+
+
+def _run(a: Any, b: Any, peer: Any, src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> None:
+    h = a.post(peer, src, dst, ln, b"tag")
+    t_end = time.monotonic() + 10
+    got: list[tuple[str, bytes]] = []
+    while (st_ := a.check(h)) == "PROC" and time.monotonic() < t_end:
+        got.extend(b.poll_notifications())
+    a.release(h)
+    assert st_ == "DONE"
+    while not got and time.monotonic() < t_end:
+        got.extend(b.poll_notifications())
+    assert [m for _, m in got] == [b"tag"]  # the tag comes after the bytes
+
+
+class _Pair:
+    """A prefill engine over two entries of ``PAGES`` pages and a decode engine over the
+    same, which publishes its regions."""
+
+    def __init__(self) -> None:
+        require("nixl")
+        self.a, lay = _engine("prefill")
+        self.b, _ = _engine("decode")
+        g = torch.Generator().manual_seed(1)
+        self.src = [torch.randint(1, 256, (PAGES * PAGE * n,), generator=g, dtype=torch.uint8)
+                    for n in BPT]  # fmt: skip
+        self.dst = [torch.zeros(PAGES * PAGE * n, dtype=torch.uint8) for n in BPT]
+        self.a.register([(t.data_ptr(), t.numel()) for t in self.src])
+        self.b.register([(t.data_ptr(), t.numel()) for t in self.dst])
+        from pdplug.types import PeerInfo
+
+        extra = self.b.info_extra()
+        self.peer = self.a.connect(
+            PeerInfo(instance="d", role="decode", layout=lay, agent=self.b.agent(), extra=extra)
+        )
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Any:
+    got = _Pair()
+    yield got
+    got.close()
+
+
+@st.composite
+def _page_writes(draw: Any) -> list[tuple[int, int, int, int]]:
+    """Runs ``(entry, src page, dst page, bytes)``: whole pages, two adjacent pages merged, a
+    partial last page, and sometimes a run that starts inside a page (general path)."""
+    n = draw(st.integers(1, 5))
+    # even pages: a two-page run never meets another run
+    sp = [2 * x for x in draw(st.permutations(range(PAGES // 2)))[:n]]
+    dp = [2 * x for x in draw(st.permutations(range(PAGES // 2)))[:n]]
+    runs = []
+    for i in range(n):
+        e = draw(st.integers(0, 1))
+        pb = PAGE * BPT[e]
+        nbytes = draw(st.sampled_from([pb, pb, 2 * pb, BPT[e] * draw(st.integers(2, PAGE - 1))]))
+        runs.append((e, sp[i], dp[i], nbytes))
+    return runs
+
+
+@pytest.mark.nixl
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(runs=_page_writes(), off=st.sampled_from([0, 0, 0, 32]))
+def test_a_write_of_addresses_lands_exactly_its_bytes(pair: Any, runs: Any, off: int) -> None:
+    """Whole pages, merged pages, partial last pages and runs off a page boundary, posted as
+    addresses (``initialize_xfer``): every run's bytes land, nothing past them moves."""
+    for t in pair.dst:
+        t.fill_(0xA5)  # poison: any byte past a run shows
+    src = np.array([pair.src[e].data_ptr() + s * PAGE * BPT[e] + off for e, s, _, _ in runs])
+    dst = np.array([pair.dst[e].data_ptr() + d * PAGE * BPT[e] for e, _, d, _ in runs])
+    ln = np.array([n - off for *_, n in runs], dtype=np.int64)
+    _run(pair.a, pair.b, pair.peer, src.astype(np.int64), dst.astype(np.int64), ln)
+    want = [torch.full_like(t, 0xA5) for t in pair.dst]
+    for e, s, d, n in runs:
+        pb = PAGE * BPT[e]
+        want[e][d * pb : d * pb + n - off] = pair.src[e][s * pb + off : s * pb + n]
+    assert all(torch.equal(g, w) for g, w in zip(pair.dst, want))
+
+
+@pytest.mark.nixl
+def test_the_removed_page_lists_option_is_refused_by_name() -> None:
+    require("nixl")
+    from pdplug import TransferError
+
+    with pytest.raises(TransferError, match=r"extra\['page_lists'\]='1'.*removed"):
+        _engine("prefill", page_lists="1")
+    a, _ = _engine("prefill", page_lists="0")  # the old default still starts
+    a.close()
+
+
+@pytest.mark.nixl
+def test_ended_handles_are_released_off_the_send_path_and_at_close() -> None:
+    """``release`` of an ended write defers NIXL's release to the next progress round (neither
+    the host that reaped it nor the next send waits for it); every handle is released by then,
+    and ``close`` releases what is left; a write that ended inside its post reads ``DONE`` with
+    no status call."""
+    pair = _Pair()
+    try:
+        a = pair.a
+        base = [t.data_ptr() for t in pair.src], [t.data_ptr() for t in pair.dst]
+        one = (np.array([base[0][0]], dtype=np.int64), np.array([base[1][0]], dtype=np.int64),
+               np.array([PAGE * BPT[0]], dtype=np.int64))  # fmt: skip
+        handles = []
+        for _ in range(2):
+            h = a.post(pair.peer, *one, b"t")
+            t_end = time.monotonic() + 10
+            while a.check(h) == "PROC" and time.monotonic() < t_end:
+                pair.b.poll_notifications()
+            assert a.check(h) == "DONE"
+            a.release(h)
+            handles.append(h)
+        # neither the second post nor the reap released them: the next progress round does
+        assert not handles[0]._released and not handles[1]._released
+        a.progress()
+        assert handles[0]._released and handles[1]._released
+        h = a.post(pair.peer, *one, b"t")
+        t_end = time.monotonic() + 10
+        while a.check(h) == "PROC" and time.monotonic() < t_end:
+            pair.b.poll_notifications()
+        a.release(h)
+        assert not h._released
+        a.close()
+        assert h._released
+    finally:
+        pair.close()
