@@ -40,15 +40,19 @@ def _handshaken(snd: Any, peers: int = 1) -> None:
 
 
 @contextlib.contextmanager
-def _pair(backend: str, **prefill_kw: float) -> Iterator[tuple[Prefill, Decode]]:
-    """One prefill rank (bootstrap timeout 1 s: its rooms fail fast) and one decode rank
-    (waiting timeout 30 s; bootstrap timeout 10 s, the bound of its handshake, which took more
-    than 1 s on a loaded CI machine), handshaken before the test's first room."""
+def _pair(
+    backend: str, bootstrap_timeout_s: float = 1.0, **prefill_kw: float
+) -> Iterator[tuple[Prefill, Decode]]:
+    """One prefill rank (bootstrap timeout 1 s by default: its rooms fail fast; 10 s for the
+    tests whose rooms must reach ``WaitingForInput``, which a loaded CI machine did not within
+    1 s) and one decode rank (waiting timeout 30 s; bootstrap timeout 10 s, the bound of its
+    handshake), handshaken before the test's first room."""
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine")
     with rendezvous() as srv:
         pm = PluginManager()
-        pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=1.0, **prefill_kw)
+        pre = Prefill(pm, backend, srv.endpoint, pp=1, bootstrap_timeout_s=bootstrap_timeout_s,
+                      **prefill_kw)  # fmt: skip
         dec = Decode(pm, backend, srv.endpoint, dcp=1, bootstrap_timeout_s=10.0,
                      waiting_timeout_s=30.0)  # fmt: skip
         try:
@@ -151,7 +155,7 @@ def test_a_late_abort_of_a_cleared_failed_lease_leaves_the_rooms_next_lease_alon
     one: the new lease waits for its own DestInfo and succeeds."""
     from pdplug.transfer.messages import Abort
 
-    with _pair(backend) as (pre, dec):
+    with _pair(backend, bootstrap_timeout_s=10.0) as (pre, dec):
         snd, rc = pre.senders[0], dec.recvs[0]
         room, total = 9, 2 * P + 5
         dp = np.arange(4, dtype=np.int64)
@@ -183,7 +187,7 @@ def test_a_rank_refused_by_a_failed_lease_is_not_refused_again_for_the_rooms_nex
     room's *next* lease, arriving before the prefill host's ``start``, was then taken for a
     late one of the failed lease and refused with its reason. The refusal counts as telling
     the rank: its newer DestInfo waits for the next lease, which succeeds."""
-    with _pair(backend) as (pre, dec):
+    with _pair(backend, bootstrap_timeout_s=10.0) as (pre, dec):
         snd, rc = pre.senders[0], dec.recvs[0]
         room, total = 11, 2 * P + 5
         dp = np.arange(4, dtype=np.int64)
@@ -211,7 +215,7 @@ def test_a_ranks_next_destinfo_waits_while_the_failed_lease_is_not_cleared_yet(
     """A prefill host that clears a failed room a while after the decode did: the decode's
     DestInfo for the room's next lease reaches the failed lease, which had the rank's older
     DestInfo. It is kept for the next lease (not refused with the failed lease's reason)."""
-    with _pair(backend) as (pre, dec):
+    with _pair(backend, bootstrap_timeout_s=10.0) as (pre, dec):
         snd, rc = pre.senders[0], dec.recvs[0]
         room, total = 12, 2 * P + 5
         dp = np.arange(4, dtype=np.int64)
@@ -268,7 +272,7 @@ def test_an_older_destinfo_after_a_newer_one_is_dropped(backend: str) -> None:
     on one FIFO connection; delivered by hand here, as a redelivery would): the room's next
     lease takes the newer one, whether the older comes while the newer waits in the inbox or
     while a lease holds the newer."""
-    with _pair(backend) as (pre, dec):
+    with _pair(backend, bootstrap_timeout_s=10.0) as (pre, dec):
         snd, rc = pre.senders[0], dec.recvs[0]
         room, total = 14, 2 * P + 5
         table = snd._table
@@ -284,7 +288,8 @@ def test_an_older_destinfo_after_a_newer_one_is_dropped(backend: str) -> None:
                 time.sleep(0.3)
                 deliver(olds[0])
             snd.start(room)
-            assert snd.wait(room, (KVPoll.WaitingForInput,), 10) == KVPoll.WaitingForInput
+            st = snd.wait(room, (KVPoll.WaitingForInput,), 10)
+            assert st == KVPoll.WaitingForInput, (i, snd.failure_reason(room), snd.stats())
             got = snd.dest(room)[0]
             assert np.array_equal(pages_from_bytes(got.dst_pages), dp), (i, got)
             if i == 2:  # a lease holds the newer one when the older comes
