@@ -20,7 +20,7 @@ The indices come from the page ids the sender holds, not from addresses.
 
 A rank publishes its registered regions in ``PeerInfo.extra["nixl_regions"]``
 (:meth:`NixlEngine.info_extra`, :mod:`pdplug_nixl.regions`): the grids of its peers are built
-on them. Every other write (packed gathers, DCP relayouts) goes through ``initialize_xfer``.
+on them. Every other write (packed gathers, DCP relayouts) posts its addresses (above).
 (An older option, ``extra["page_lists"]``, mapped any write's addresses to indices into lists
 of every page prepared at connect; it cost more than it saved and was removed in favour of the
 grids, issue 24.) The agent is used by one thread at a time (the holder of the session's engine
