@@ -641,7 +641,7 @@ def cli(
     k_rows = max(step_list, default=1) * -(-min(small) // page_bytes) * page_bytes if small else 0
     need = max([*size_list, *small, k_rows])
     _check_memory(need, max(size_list))
-    console = Console(width=150)  # tables stay whole when piped
+    console = Console(width=190)  # tables stay whole when piped (15 columns)
     console.print(machine_line())
     console.print(
         f"KV: {len(BPT)} entries x {BPT[0]} B/token, page {PAGE} tokens "

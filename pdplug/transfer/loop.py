@@ -99,6 +99,9 @@ class EngineLoop:
         self._wake_open = True  # under _wake_lock: a closed fd number may be reused
         # a loop dropped without stop() (a session constructor failing after building it)
         self._close_pipe = weakref.finalize(self, _close_fds, self._wake_rx, self._wake_tx)
+        # not at interpreter exit: a loop thread still running then (a host interrupted before
+        # stop()) would read a closed, maybe reused, descriptor and die with EBADF
+        self._close_pipe.atexit = False
         self._wake_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
@@ -135,6 +138,11 @@ class EngineLoop:
         self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return  # still in its last round (or this is it): it closes the pipe as it ends
+        self._close_wake()
+
+    def _close_wake(self) -> None:
         with self._wake_lock:
             if self._wake_open:
                 self._wake_open = False
@@ -329,6 +337,8 @@ class EngineLoop:
             for _fn, fut in todo:
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(TransferError(f"{self.name}: {why}"))
+            if self._stop.is_set():  # a stop() that could not wait for this thread left it
+                self._close_wake()
 
     def _rounds(self) -> None:
         busy_since = 0.0

@@ -75,3 +75,23 @@ def test_a_loop_dropped_without_stop_closes_its_pipe() -> None:
         EngineLoop("loop-test", lambda now: None, lambda: False)
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_stop_that_cannot_wait_leaves_the_pipe_to_the_thread() -> None:
+    """``stop()`` whose join times out (the thread is still in a round: a host interrupted
+    mid-send) must not close the wake pipe under that thread, which would read a closed or
+    reused descriptor and die with EBADF (seen on Ctrl-C of ``pdplug bench transfer``); the
+    thread closes it as it ends. Interpreter exit does not close it either."""
+    gate = threading.Event()
+    lp = EngineLoop("loop-test", lambda now: gate.wait(5.0), lambda: True, idle_s=5.0)
+    lp.start()
+    time.sleep(0.05)  # the thread is inside its round, blocked on the gate
+    rx = lp._wake_rx
+    lp.stop(timeout_s=0.05)
+    assert lp._thread.is_alive()
+    os.fstat(rx)  # still open while the thread runs
+    assert not lp._close_pipe.atexit
+    gate.set()
+    lp._thread.join(5.0)
+    assert not lp._thread.is_alive() and lp.died is None, lp.death()
+    assert not lp._wake_open  # closed by the thread as it ended
