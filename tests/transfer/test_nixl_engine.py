@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _nixlpair import NixlPair, nixl_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdplug import KVConfig, KVLayout
+from pdplug import KVLayout
 from pdplug.testing import require
 from pdplug_nixl.regions import format_regions, parse_regions
 
@@ -34,55 +35,18 @@ PAGE, BPT = 8, (64, 32)  # page bytes 512 and 256: unit 256
 PAGES = 24
 
 
-def _engine(role: str, **extra: str) -> Any:
-    from pdplug_nixl.engine import NixlEngine
-
-    lay = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
-    return NixlEngine(KVConfig(instance=role[0], role=role, layout=lay, extra=extra)), lay
+_LAYOUT = KVLayout(page_size=PAGE, entry_bytes_per_token=BPT, dtype="uint8")
 
 
-def _run(a: Any, b: Any, peer: Any, src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> None:
-    h = a.post(peer, src, dst, ln, b"tag")
-    t_end = time.monotonic() + 10
-    got: list[tuple[str, bytes]] = []
-    while (st_ := a.check(h)) == "PROC" and time.monotonic() < t_end:
-        got.extend(b.poll_notifications())
-    a.release(h)
-    assert st_ == "DONE"
-    while not got and time.monotonic() < t_end:
-        got.extend(b.poll_notifications())
-    assert [m for _, m in got] == [b"tag"]  # the tag comes after the bytes
-
-
-class _Pair:
+def _pair() -> NixlPair:
     """A prefill engine over two entries of ``PAGES`` pages and a decode engine over the
     same, which publishes its regions."""
-
-    def __init__(self) -> None:
-        require("nixl")
-        self.a, lay = _engine("prefill")
-        self.b, _ = _engine("decode")
-        g = torch.Generator().manual_seed(1)
-        self.src = [torch.randint(1, 256, (PAGES * PAGE * n,), generator=g, dtype=torch.uint8)
-                    for n in BPT]  # fmt: skip
-        self.dst = [torch.zeros(PAGES * PAGE * n, dtype=torch.uint8) for n in BPT]
-        self.a.register([(t.data_ptr(), t.numel()) for t in self.src])
-        self.b.register([(t.data_ptr(), t.numel()) for t in self.dst])
-        from pdplug.types import PeerInfo
-
-        extra = self.b.info_extra()
-        self.peer = self.a.connect(
-            PeerInfo(instance="d", role="decode", layout=lay, agent=self.b.agent(), extra=extra)
-        )
-
-    def close(self) -> None:
-        self.a.close()
-        self.b.close()
+    return NixlPair(_LAYOUT, PAGES, PAGES, seed=1)
 
 
 @pytest.fixture(scope="module")
 def pair() -> Any:
-    got = _Pair()
+    got = _pair()
     yield got
     got.close()
 
@@ -117,7 +81,7 @@ def test_a_write_of_addresses_lands_exactly_its_bytes(pair: Any, runs: Any, off:
     src = np.array([pair.src[e].data_ptr() + s * PAGE * BPT[e] + off for e, s, _, _ in runs])
     dst = np.array([pair.dst[e].data_ptr() + d * PAGE * BPT[e] for e, _, d, _ in runs])
     ln = np.array([n - off for *_, n in runs], dtype=np.int64)
-    _run(pair.a, pair.b, pair.peer, src.astype(np.int64), dst.astype(np.int64), ln)
+    pair.finish(pair.a.post(pair.peer, src.astype(np.int64), dst.astype(np.int64), ln, b"tag"))
     want = [torch.full_like(t, 0xA5) for t in pair.dst]
     for e, s, d, n in runs:
         pb = PAGE * BPT[e]
@@ -131,8 +95,8 @@ def test_the_removed_page_lists_option_is_refused_by_name() -> None:
     from pdplug import TransferError
 
     with pytest.raises(TransferError, match=r"extra\['page_lists'\]='1'.*removed"):
-        _engine("prefill", page_lists="1")
-    a, _ = _engine("prefill", page_lists="0")  # the old default still starts
+        nixl_engine(_LAYOUT, "prefill", page_lists="1")
+    a = nixl_engine(_LAYOUT, "prefill", page_lists="0")  # the old default still starts
     a.close()
 
 
@@ -142,7 +106,7 @@ def test_ended_handles_are_released_off_the_send_path_and_at_close() -> None:
     the host that reaped it nor the next send waits for it); every handle is released by then,
     and ``close`` releases what is left; a write that ended inside its post reads ``DONE`` with
     no status call."""
-    pair = _Pair()
+    pair = _pair()
     try:
         a = pair.a
         base = [t.data_ptr() for t in pair.src], [t.data_ptr() for t in pair.dst]

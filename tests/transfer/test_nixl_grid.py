@@ -6,18 +6,17 @@ hold, refuses a bad last-page size, and stops using lists it released."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _nixlpair import NixlPair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdplug import KVConfig, KVLayout
-from pdplug.testing import require
-from pdplug.types import PageGrid, PeerInfo
+from pdplug import KVLayout
+from pdplug.types import PageGrid
 from pdplug_nixl import grid as gridmod
 from pdplug_nixl.grid import GridLists, pages_in
 
@@ -123,44 +122,18 @@ def test_pages_in_regions_tail_sizes_and_release() -> None:
 PAGE, ROW, PAGES = 8, 64, 24  # one entry class: 512 B per page
 
 
-class _Pair:
-    def __init__(self) -> None:
-        require("nixl")
-        from pdplug_nixl.engine import NixlEngine
+class _Pair(NixlPair):
+    """Two entries of ``ROW`` bytes per token; the decode holds fewer pages: ids the source
+    has may lie beyond its lists. ``grid``: the template of both sides' pages."""
 
+    def __init__(self) -> None:
         lay = KVLayout(page_size=PAGE, entry_bytes_per_token=(ROW, ROW), dtype="uint8")
-        self.a = NixlEngine(KVConfig(instance="p", role="prefill", layout=lay))
-        self.b = NixlEngine(KVConfig(instance="d", role="decode", layout=lay))
-        g = torch.Generator().manual_seed(3)
-        self.src = [torch.randint(1, 256, (PAGES * PAGE * ROW,), generator=g, dtype=torch.uint8)
-                    for _ in range(2)]  # fmt: skip
-        # the decode holds fewer pages: ids the source has may lie beyond its lists
-        self.dst = [torch.zeros((PAGES - 4) * PAGE * ROW, dtype=torch.uint8) for _ in range(2)]
-        self.a.register([(t.data_ptr(), t.numel()) for t in self.src])
-        self.b.register([(t.data_ptr(), t.numel()) for t in self.dst])
-        info = PeerInfo(instance="d", role="decode", layout=lay, agent=self.b.agent(),
-                        extra=self.b.info_extra())  # fmt: skip
-        self.peer = self.a.connect(info)
+        super().__init__(lay, PAGES, PAGES - 4, seed=3)
         self.grid = PageGrid(
             src_first=tuple(t.data_ptr() for t in self.src),
             dst_first=tuple(t.data_ptr() for t in self.dst),
             src_stride=PAGE * ROW, dst_stride=PAGE * ROW, run_bytes=PAGE * ROW,
         )  # fmt: skip
-
-    def run(self, h: Any) -> None:
-        t_end = time.monotonic() + 10
-        got: list[tuple[str, bytes]] = []
-        while (st_ := self.a.check(h)) == "PROC" and time.monotonic() < t_end:
-            got.extend(self.b.poll_notifications())
-        self.a.release(h)
-        assert st_ == "DONE"
-        while not got and time.monotonic() < t_end:
-            got.extend(self.b.poll_notifications())
-        assert [m for _, m in got] == [b"tag"]  # the tag comes after the bytes
-
-    def close(self) -> None:
-        self.a.close()
-        self.b.close()
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +158,7 @@ def test_posts_by_page_ids_land_exactly_their_bytes(pair: Any, data: Any) -> Non
         t.fill_(0xA5)  # poison: a byte past the last page's tail shows
     before = pair.a.counts["grid_xfer"]
     h = pair.a.post_pages(pair.peer, lists, sp, dp, tail * ROW, b"tag")
-    pair.run(h)
+    pair.finish(h)
     assert pair.a.counts["grid_xfer"] == before + 1
     pb = PAGE * ROW
     for s_t, d_t in zip(pair.src, pair.dst):
