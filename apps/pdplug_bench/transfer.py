@@ -465,7 +465,9 @@ def _bench_backend(
             checked = rep in (0, reps + 1)
             # pairs in ABBA order, so drift on a shared machine hits both modes alike, and
             # both runs after the room's bootstrap round trip with the decode: the run right
-            # after that wait runs cold (sendcost.py), so each mode comes first half the time
+            # after that wait runs cold (sendcost.py), so each mode comes first half the time;
+            # the fresh-request run sits between them (never right after the wait, so it never
+            # pays that cold start: its column is, if anything, slightly flattered)
             room = rig.room()
             rig.expect([room], c, POISON if checked else None)
             t_fresh = None
@@ -527,6 +529,18 @@ def _bench_backend(
                 }
             )
     return rows, failures
+
+
+def _why(e: BaseException) -> str:
+    """One line for a backend that could not run: the bench's own message, else the error's
+    type and text; a lost pipe or connection means the decode process the rig spawned ended
+    (a signal, Ctrl-C, reaches it too)."""
+    if isinstance(e, click.ClickException):
+        return e.format_message()
+    why = f"{type(e).__name__}: {e}"
+    if isinstance(e, (BrokenPipeError, EOFError, ConnectionError)):
+        why += " (the bench's decode process ended: interrupted, or see its lines above)"
+    return why
 
 
 def _not_run(errors: dict[str, str]) -> str:
@@ -660,7 +674,7 @@ def cli(
                 r, f = _bench_backend(rig, size_list, repeats, corrupt=inject_fault)
                 kr, kf = fixed_cost(rig, small, step_list, repeats) if small else ([], [])
         except Exception as e:
-            why = e.format_message() if isinstance(e, click.ClickException) else repr(e)
+            why = _why(e)
             errors[b] = why
             console.print(f"{b}: did not run: {why}")
             continue

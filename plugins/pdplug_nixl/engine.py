@@ -162,8 +162,8 @@ class NixlEngine:
         if extra.get("page_lists", "0") != "0":
             raise TransferError(
                 f"nixl: KVConfig.extra['page_lists']={extra['page_lists']!r}: the option was "
-                "removed (issue 24); direct templates post whole pages from lists prepared once "
-                "per peer without it: drop the key"
+                "removed (it cost more than it saved); direct templates post whole pages from "
+                "lists prepared once per peer without it: drop the key"
             )
         try:
             cfg = api.nixl_agent_config(
@@ -320,8 +320,9 @@ class NixlEngine:
 
     def prepare_pages(self, peer: _Peer, grid: PageGrid) -> GridLists | None:
         """Prepare the descriptors of every page of ``grid`` toward ``peer`` once
-        (:mod:`pdplug_nixl.grid`); ``None`` when the peer published no regions or a side holds
-        no whole page of some entry.
+        (:mod:`pdplug_nixl.grid`); ``None`` when the peer published no regions, published
+        malformed ones (counted as ``grid_regions_malformed``) or a side holds no whole page of
+        some entry (``grid_no_whole_page``); the sends then post addresses.
 
         :raises Exception: NIXL refused the lists.
         """
@@ -329,9 +330,15 @@ class NixlEngine:
             return None
         try:
             remote = parse_regions(peer.regions)
+        except ValueError:
+            # a peer that is not a pdplug rank of this version: its writes go by addresses
+            self.counts["grid_regions_malformed"] += 1
+            return None
+        try:
             gl = GridLists(self._agent, peer.name, grid, self._regions, remote, self._mem,
                            self._dev, self._grid_local)  # fmt: skip
         except ValueError:
+            self.counts["grid_no_whole_page"] += 1
             return None
         gl.lists(grid.run_bytes)  # the whole-page lists now, off the send path
         peer.grids.append(gl)

@@ -7,9 +7,12 @@ keeps ``PeerInfo.extra`` a flat string map on the wire.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 __all__ = ["format_regions", "parse_regions"]
+
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def format_regions(regions: Sequence[tuple[int, int]]) -> str:
@@ -20,16 +23,17 @@ def format_regions(regions: Sequence[tuple[int, int]]) -> str:
 def parse_regions(text: str) -> list[tuple[int, int]]:
     """Inverse of :func:`format_regions` (``""``: no regions).
 
+    Strict: each item is exactly two runs of ASCII digits around one ``:`` (what
+    :func:`format_regions` writes); ``int()``'s leniencies (signs, spaces, ``_``, other
+    scripts' digits) are refused, so a peer's text is either what a pdplug rank wrote or
+    rejected.
+
     :raises ValueError: a malformed item (not two non-negative decimal integers), named.
     """
     out = []
     for item in filter(None, text.split(",")):
-        a, _, n = item.partition(":")
-        try:
-            addr, size = int(a), int(n)
-        except ValueError:
-            raise ValueError(f"region {item!r} is not address:nbytes") from None
-        if addr < 0 or size < 0:
-            raise ValueError(f"region {item!r} is negative")
-        out.append((addr, size))
+        a, sep, n = item.partition(":")
+        if not (sep and _DIGITS.fullmatch(a) and _DIGITS.fullmatch(n)):
+            raise ValueError(f"region {item!r} is not address:nbytes (decimal digits)")
+        out.append((int(a), int(n)))
     return out

@@ -309,3 +309,17 @@ def test_bench_transfer_k_rows_get_whole_pages_and_e2e_hides_refused_options() -
     offered = [line.split()[0] for line in help_text.splitlines() if line.startswith("  --")]
     assert "--variants" in offered and "--decode-dcp" in offered, offered
     assert "--consensus" not in offered and "--kv-sender" not in offered, offered
+
+
+def test_a_backend_that_could_not_run_is_named_in_one_readable_line() -> None:
+    """An interrupted bench's decode process shows up as a lost pipe: the line says so, with
+    the error's text, not its repr (found by a fresh user's Ctrl-C)."""
+    import click
+
+    from pdplug_bench.transfer import _why
+
+    why = _why(BrokenPipeError(32, "Broken pipe"))
+    assert why.startswith("BrokenPipeError: [Errno 32] Broken pipe")
+    assert "decode process ended" in why
+    assert _why(click.ClickException("nixl is not installed")) == "nixl is not installed"
+    assert _why(RuntimeError("boom")) == "RuntimeError: boom"

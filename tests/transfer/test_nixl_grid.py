@@ -183,6 +183,14 @@ def test_pages_beyond_the_lists_bad_sizes_and_released_lists() -> None:
             a.post_pages(peer, lists, ok, ok, PAGE * ROW + 1, b"tag")
         # a peer that published no regions gets no lists (its sends post addresses)
         assert a.prepare_pages(type(peer)(name=peer.name), pair.grid) is None
+        # nor one whose regions are not what a pdplug rank writes: counted, not raised
+        bad = type(peer)(name=peer.name, regions="4096:+512")
+        assert a.prepare_pages(bad, pair.grid) is None
+        assert a.counts["grid_regions_malformed"] == 1
+        # nor one whose regions hold no whole page of an entry (a region of 1 byte)
+        tiny = type(peer)(name=peer.name, regions=f"{pair.dst[0].data_ptr()}:1")
+        assert a.prepare_pages(tiny, pair.grid) is None
+        assert a.counts["grid_no_whole_page"] == 1
         a.disconnect(peer)  # its lists go with its agent
         assert lists.released
         assert a.post_pages(peer, lists, ok, ok, PAGE * ROW, b"tag") is None
