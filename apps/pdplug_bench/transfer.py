@@ -537,7 +537,7 @@ def _why(e: BaseException) -> str:
     (a signal, Ctrl-C, reaches it too)."""
     if isinstance(e, click.ClickException):
         return e.format_message()
-    why = f"{type(e).__name__}: {e}"
+    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     if isinstance(e, (BrokenPipeError, EOFError, ConnectionError)):
         why += " (the bench's decode process ended: interrupted, or see its lines above)"
     return why

@@ -303,7 +303,7 @@ def test_bench_transfer_k_rows_get_whole_pages_and_e2e_hides_refused_options() -
         mp.undo()
     # the rig's error ends the run as a reported failure of that backend, no table printed
     assert res.exit_code == 1, res.output
-    assert "nixl did not run: _Stop()" in res.output and "┃" not in res.output, res.output
+    assert "nixl did not run: _Stop\n" in res.output and "┃" not in res.output, res.output
     assert seen == [32 * 256 * 1024], seen
     help_text = CliRunner().invoke(main, ["bench", "e2e", "--help"]).output
     offered = [line.split()[0] for line in help_text.splitlines() if line.startswith("  --")]
@@ -323,3 +323,4 @@ def test_a_backend_that_could_not_run_is_named_in_one_readable_line() -> None:
     assert "decode process ended" in why
     assert _why(click.ClickException("nixl is not installed")) == "nixl is not installed"
     assert _why(RuntimeError("boom")) == "RuntimeError: boom"
+    assert _why(RuntimeError()) == "RuntimeError"
