@@ -531,6 +531,11 @@ def _bench_backend(
     return rows, failures
 
 
+#: what the rig's pipe to its decode process raises once that process ended (a Ctrl-C of the
+#: terminal reaches it too): the run stops there instead of going on to the next backend
+_LOST = (BrokenPipeError, EOFError, ConnectionError)
+
+
 def _why(e: BaseException) -> str:
     """One line for a backend that could not run: the bench's own message, else the error's
     type and text; a lost pipe or connection means the decode process the rig spawned ended
@@ -538,7 +543,7 @@ def _why(e: BaseException) -> str:
     if isinstance(e, click.ClickException):
         return e.format_message()
     why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    if isinstance(e, (BrokenPipeError, EOFError, ConnectionError)):
+    if isinstance(e, _LOST):
         why += " (the bench's decode process ended: interrupted, or see its lines above)"
     return why
 
@@ -677,6 +682,8 @@ def cli(
             why = _why(e)
             errors[b] = why
             console.print(f"{b}: did not run: {why}")
+            if isinstance(e, _LOST):  # an interrupt reached the decode process: stop here
+                raise click.ClickException(_not_run(errors)) from None
             continue
         ran.append(b)
         rows.extend(r)
@@ -736,9 +743,9 @@ def cli(
         )
     console.print(
         "hop ms: an empty round trip host -> sender's engine thread -> host right after a raw "
-        "transfer of the size (median; KVSenderSession.ping): the two thread hand-offs every "
-        "send pays before planning or posting anything; hop/raw: that floor as a share of the "
-        "raw time"
+        "transfer of the size (median; KVSenderSession.ping): the two thread hand-offs a send "
+        "pays when the engine thread must post it (a send the host thread posts itself, the "
+        "usual lane, skips them); hop/raw: that cost as a share of the raw time"
     )
     fixed: dict[str, dict[str, float]] = {}
     if small_rows:

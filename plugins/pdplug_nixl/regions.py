@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 __all__ = ["format_regions", "parse_regions"]
 
-_DIGITS = re.compile(r"[0-9]+")
+_NUMBER = re.compile(r"0|[1-9][0-9]*")  # ASCII digits, no leading zero
 
 
 def format_regions(regions: Sequence[tuple[int, int]]) -> str:
@@ -23,17 +23,20 @@ def format_regions(regions: Sequence[tuple[int, int]]) -> str:
 def parse_regions(text: str) -> list[tuple[int, int]]:
     """Inverse of :func:`format_regions` (``""``: no regions).
 
-    Strict: each item is exactly two runs of ASCII digits around one ``:`` (what
-    :func:`format_regions` writes); ``int()``'s leniencies (signs, spaces, ``_``, other
-    scripts' digits) are refused, so a peer's text is either what a pdplug rank wrote or
-    rejected.
+    Strict about form: each item is two runs of ASCII digits around one ``:``, without
+    leading zeros, as :func:`format_regions` writes them; ``int()``'s leniencies (signs,
+    spaces, ``_``, other scripts' digits), empty items and a region that ends past 2**64 are
+    refused. (Whether the regions are sensible for a grid is :mod:`pdplug_nixl.grid`'s check.)
 
-    :raises ValueError: a malformed item (not two non-negative decimal integers), named.
+    :raises ValueError: a malformed item, named.
     """
     out = []
-    for item in filter(None, text.split(",")):
+    for item in text.split(",") if text else ():
         a, sep, n = item.partition(":")
-        if not (sep and _DIGITS.fullmatch(a) and _DIGITS.fullmatch(n)):
+        if not (sep and _NUMBER.fullmatch(a) and _NUMBER.fullmatch(n)):
             raise ValueError(f"region {item!r} is not address:nbytes (decimal digits)")
-        out.append((int(a), int(n)))
+        addr, size = int(a), int(n)
+        if addr + size > 1 << 64:
+            raise ValueError(f"region {item!r} ends past 2**64")
+        out.append((addr, size))
     return out

@@ -324,3 +324,28 @@ def test_a_backend_that_could_not_run_is_named_in_one_readable_line() -> None:
     assert _why(click.ClickException("nixl is not installed")) == "nixl is not installed"
     assert _why(RuntimeError("boom")) == "RuntimeError: boom"
     assert _why(RuntimeError()) == "RuntimeError"
+
+
+def test_bench_transfer_stops_when_its_decode_process_is_gone() -> None:
+    """A Ctrl-C of the terminal reaches the bench's decode process too: the rig's pipe breaks
+    and the run stops there (exit 1, the lost pipe named) instead of benchmarking the next
+    backend (found by a fresh user: the interrupt was swallowed and Mooncake ran on)."""
+    from pdplug_bench import transfer
+
+    seen: list[str] = []
+
+    def fake_rig(backend: str, need: int) -> None:
+        seen.append(backend)
+        raise BrokenPipeError(32, "Broken pipe")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(transfer, "Rig", fake_rig)
+    try:
+        res = CliRunner().invoke(
+            main, ["bench", "transfer", "--backend", "nixl,mooncake", "--sizes", "1"]
+        )
+    finally:
+        mp.undo()
+    assert res.exit_code == 1, res.output
+    assert seen == ["nixl"], seen
+    assert "nixl did not run: BrokenPipeError: [Errno 32] Broken pipe" in res.output, res.output

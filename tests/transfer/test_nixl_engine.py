@@ -27,9 +27,15 @@ def test_regions_round_trip_and_refusals() -> None:
     with pytest.raises(ValueError, match="'12x:3' is not address:nbytes"):
         parse_regions("1:2,12x:3")
     # only what format_regions writes: int()'s leniencies are refused, each named
-    for item in ("-5:3", "+1:2", " 1:2", "1:2 ", "1_0:2", "1:", ":2", "1", "1:2:3", "\u0661:2"):
+    for item in ("-5:3", "+1:2", " 1:2", "1:2 ", "1_0:2", "1:", ":2", "1", "1:2:3", "\u0661:2",
+                 "", "04096:512"):  # fmt: skip
         with pytest.raises(ValueError, match="is not address:nbytes"):
             parse_regions(f"1:2,{item}")
+    with pytest.raises(ValueError, match="is not address:nbytes"):
+        parse_regions("4096:512,")  # a trailing empty item
+    with pytest.raises(ValueError, match="ends past 2"):
+        parse_regions(f"{1 << 63}:{1 << 63 + 1}")
+    assert parse_regions(f"0:0,{(1 << 64) - 1}:1") == [(0, 0), ((1 << 64) - 1, 1)]
 
 
 # ------------------------------------------------------------------ the engine, over NIXL
