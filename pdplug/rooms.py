@@ -436,10 +436,13 @@ class Rooms:
             self._changed.notify_all()
 
     def _set(self, r: _Room, status: KVPoll) -> None:
+        # _deadline and _notify written out: every send sets a status twice (issue 24)
         if status != r.status:
             r.status = status
-            r.deadline = self._deadline(status)
-            self._notify()
+            spec = self._timeouts.get(status)
+            r.deadline = 0.0 if spec is None else self._clock() + spec[0]
+            if self._waiting:
+                self._changed.notify_all()
 
     def _deadline(self, status: KVPoll) -> float:
         spec = self._timeouts.get(status)

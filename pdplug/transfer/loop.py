@@ -216,7 +216,9 @@ class EngineLoop:
         if not self.lock.acquire(blocking=False):
             return False
         try:
-            self._call(fn)
+            fn()  # _call written out: a host's send runs this
+        except Exception as e:
+            self._error(e)
         finally:
             self.lock.release()
         return True

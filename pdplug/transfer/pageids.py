@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from pdplug.packing.pages import ids_below, int64_ids
+from pdplug.packing.pages import ids_below
+
+_INT64 = np.dtype(np.int64)
 
 __all__ = ["check_span", "page_ids"]
 
@@ -32,8 +34,8 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         an id outside ``[0, num_pages)`` (the first one is named with its exact value, unsigned
         ones and Python ints beyond 64 bits included).
     """
-    if int64_ids(value):
-        arr = value.copy()  # the usual case (a host's int64 page list)
+    if type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1:
+        arr = value.copy()  # the usual case (a host's int64 page list: int64_ids written out)
         if ids_below(arr, num_pages):
             return arr
         value = arr

@@ -258,7 +258,10 @@ class WritePoster:
                 if not self._engine.notifications:
                     self._on_written(job, tag)
             self._settle(job, peer, region)
-            self._release(handle)
+            try:  # _release written out: a direct-lane send ends here
+                self._engine.release(handle)
+            except Exception:
+                pass
             return
         wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
         self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)

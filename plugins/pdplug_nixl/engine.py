@@ -366,18 +366,11 @@ class NixlEngine:
             return None
         if req is None:
             return None
-        return self._post_prepped(peer, req, tag, "grid_xfer")
-
-    def _post_prepped(
-        self, peer: _Peer, req: tuple[Any, Any, Any, Any], tag: bytes, count: str
-    ) -> Any:
-        """Start one WRITE of ``(local list, local indices, remote list, remote indices)``,
-        counted as ``count``."""
         try:
             handle = self._agent.make_prepped_xfer("WRITE", *req, tag)
         except Exception as e:
             raise _refused(peer, e) from e
-        self.counts[count] += 1
+        self.counts["grid_xfer"] += 1
         return self._start(peer, handle)
 
     def _prepped(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> Any:

@@ -14,6 +14,9 @@ Index of page ``p`` of entry ``i`` in a list of kinds ``(whole, tail)``: ``(k * 
 with ``k`` 0 for a whole page and 1 for the tail, ``E`` entries and ``C`` pages per entry on
 that side (:func:`pages_in`). A page id at or beyond ``C`` would index another entry's page, so
 :meth:`GridLists.request` refuses it (the sender then posts addresses, which NIXL checks).
+NIXL takes its indices as int32: ``C`` is bounded so that every index fits (:data:`INDEX_MAX`;
+pages beyond it go by addresses), and large sends hand NIXL int32 arrays, which it reads
+without converting them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = ["GridLists", "pages_in"]
 MAX_TAILS = 256
 #: a send of at most this many descriptors computes its indices as Python ints
 LIST_MAX = 64
+#: the largest index a list may hold: NIXL reads its indices as int32
+INDEX_MAX = 2**31 - 1
 
 _MAX = np.maximum.reduce
 
@@ -75,8 +80,11 @@ class GridLists:
         local_lists: dict[tuple[Any, ...], Any],
     ) -> None:
         e = len(grid.src_first)
-        self.src_pages = pages_in(local, grid.src_first, grid.src_stride, grid.run_bytes)
-        self.dst_pages = pages_in(remote, grid.dst_first, grid.dst_stride, grid.run_bytes)
+        # two kinds (whole, tail) of every page of every entry must be int32-indexable: a peer
+        # that declares huge regions gets lists of that many pages, its other pages go by address
+        cap = INDEX_MAX // max(2 * e, 1)
+        self.src_pages = min(pages_in(local, grid.src_first, grid.src_stride, grid.run_bytes), cap)
+        self.dst_pages = min(pages_in(remote, grid.dst_first, grid.dst_stride, grid.run_bytes), cap)
         if e == 0 or e != len(grid.dst_first) or not self.src_pages or not self.dst_pages:
             raise ValueError(
                 f"PageGrid: no whole page of every entry is registered on both sides "
@@ -86,8 +94,8 @@ class GridLists:
         self._mem, self._dev, self._local = mem, dev, local_lists
         self._entries = e
         # index of page 0 of each entry (whole pages); a tail adds E * C
-        self._src0 = (np.arange(e, dtype=np.int64) * self.src_pages)[:, None]
-        self._dst0 = (np.arange(e, dtype=np.int64) * self.dst_pages)[:, None]
+        self._src0 = (np.arange(e, dtype=np.int32) * self.src_pages)[:, None]
+        self._dst0 = (np.arange(e, dtype=np.int32) * self.dst_pages)[:, None]
         self._remote: dict[int, Any] = {}  # by last-page bytes (run_bytes: whole pages only)
         self._pairs: dict[int, tuple[Any, Any]] = {}  # (local, remote) by last-page bytes
         self.released = False
@@ -129,7 +137,8 @@ class GridLists:
     ) -> tuple[Any, Any, Any, Any] | None:
         """``(local list, local indices, remote list, remote indices)`` of a send of pages
         ``src_pages`` -> ``dst_pages`` (int64 ``[P]`` each, ids >= 0), entry-major, for
-        ``make_prepped_xfer``; ``None`` when a page id lies beyond the pages the lists hold or
+        ``make_prepped_xfer`` (indices as a list of Python ints up to :data:`LIST_MAX`, else an
+        int32 ``[E * P]`` array); ``None`` when a page id lies beyond the pages the lists hold or
         no list can be had for ``last_bytes`` (the caller posts addresses).
 
         :raises ValueError: ``last_bytes`` outside ``(0, run_bytes]``.
@@ -158,8 +167,9 @@ class GridLists:
             return pair[0], li, pair[1], ri
         if int(_MAX(src_pages)) >= cs or int(_MAX(dst_pages)) >= cd:
             return None
-        la = np.add(self._src0, src_pages)
-        ra = np.add(self._dst0, dst_pages)
+        # int32 out (every id is below C, so every index fits): NIXL reads int32 arrays as they are
+        la = np.add(self._src0, src_pages, dtype=np.int32, casting="same_kind")
+        ra = np.add(self._dst0, dst_pages, dtype=np.int32, casting="same_kind")
         if last_bytes != run:
             la[:, -1] += e * cs
             ra[:, -1] += e * cd

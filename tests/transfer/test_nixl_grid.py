@@ -76,6 +76,8 @@ def test_every_index_names_its_pages_bytes(case: Any, numpy_path: bool, monkeypa
             m.setattr(gridmod, "LIST_MAX", 0)
         lh, li, rh, ri = gl.request(sp, dp, last)
     assert isinstance(li, np.ndarray) == (numpy_path or e * len(sp) > gridmod.LIST_MAX)
+    if isinstance(li, np.ndarray):  # NIXL reads int32 indices as they are
+        assert li.dtype == np.int32 and ri.dtype == np.int32
     want_s = [(src_first[i] + q * stride, last if k == len(sp) - 1 else run)
               for i in range(e) for k, q in enumerate(sp.tolist())]  # fmt: skip
     want_d = [(dst_first[i] + q * stride, last if k == len(dp) - 1 else run)
@@ -116,6 +118,27 @@ def test_pages_in_regions_tail_sizes_and_release() -> None:
     released: list[Any] = []
     gl.release(released.append)
     assert len(released) == 64 and gl.request(one, one, 64) is None
+
+
+def test_a_peer_declaring_huge_regions_gets_int32_indexable_lists() -> None:
+    """A peer whose regions span 2**62 bytes would make lists of 2**56 pages per entry, whose
+    indices NIXL (int32) cannot hold: the lists stop at what int32 indexes, a page beyond them
+    is refused (the send goes by addresses), every index the lists give fits."""
+    e, run = 3, 64
+    src_first, dst_first = tuple(i << 20 for i in range(e)), tuple(i << 58 for i in range(e))
+    g = PageGrid(src_first=src_first, dst_first=dst_first, src_stride=run, dst_stride=run,
+                 run_bytes=run)  # fmt: skip
+    agent = _Agent()
+    gl = GridLists(agent, "peer", g, [(0, e << 20)], [(0, 1 << 62)], "DRAM", 0, {})
+    assert gl.src_pages == (1 << 20) // run
+    assert gl.dst_pages == gridmod.INDEX_MAX // (2 * e)
+    sp = np.arange(100, dtype=np.int64)
+    dp = np.full(100, gl.dst_pages - 1, dtype=np.int64)
+    _lh, _li, _rh, ri = gl.request(sp, dp, 32)  # tail kind: the largest indices
+    assert ri.dtype == np.int32 and int(ri.max()) <= gridmod.INDEX_MAX
+    assert int(ri.max()) == (2 * e - 1) * gl.dst_pages + gl.dst_pages - 1
+    dp[0] = gl.dst_pages
+    assert gl.request(sp, dp, 32) is None
 
 
 # ------------------------------------------------------------------ the engine, over NIXL
