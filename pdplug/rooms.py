@@ -366,7 +366,7 @@ class Rooms:
                 return None, r.status
             r.pending += 1
             if r.status != KVPoll.Transferring:
-                self._set(r, KVPoll.Transferring)
+                self._set(r, KVPoll.Transferring)  # the room's first send
             if is_last:
                 r.success_held = True
             return r.generation, r.status
@@ -381,8 +381,9 @@ class Rooms:
         :raises ValueError: more chunks completed than were pending.
         """
         with self._lock:
-            r = self._get(room, generation)
-            if r is None:
+            r = self._rooms.get(room)  # _get written out: every send ends here (issue 24)
+            if r is None or (generation is not None and generation != r.generation):
+                self.ignored += 1
                 return None
             if n > r.pending:
                 raise ValueError(f"room {room}: done_pending({n}) but only {r.pending} pending")
