@@ -4,6 +4,7 @@ before anything is spawned or allocated, never a traceback later."""
 from __future__ import annotations
 
 import math
+import re
 
 import click
 
@@ -55,14 +56,27 @@ def component_name(value: str, point: str, option: str) -> str:
     return names[0]
 
 
+#: a number as people type it: ASCII digits, an optional point and exponent (``float`` also
+#: takes ``1_6`` and non-ASCII digits, which a size on a command line never means); nan and
+#: inf pass here to be refused by name
+_NUMBER = re.compile(
+    r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)",
+    re.ASCII | re.IGNORECASE,
+)
+
+
 def number_list(value: str, option: str, unit: str, minimum: float) -> list[float]:
     """A comma list of numbers, each at least ``minimum``.
 
-    :raises click.BadParameter: an empty entry, an entry that is not a number, one below
-        ``minimum``, or one given twice (it would print one measurement as two rows).
+    :raises click.BadParameter: an empty entry, an entry that is not a number (ASCII digits,
+        optional point and exponent), one below ``minimum``, or one given twice (it would
+        print one measurement as two rows).
     """
     try:
-        out = [float(x) for x in value.split(",")]
+        parts = [x.strip() for x in value.split(",")]
+        if not all(_NUMBER.fullmatch(x) for x in parts):
+            raise ValueError(value)
+        out = [float(x) for x in parts]
     except ValueError:
         raise click.BadParameter(
             f"{value!r}: expected comma-separated numbers ({unit})", param_hint=f"'{option}'"
