@@ -161,6 +161,10 @@ def _worker(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -
 def _main(conn: Any, backend: str, endpoint: str, prefill: str, spec: bytes) -> None:
     try:
         _worker(conn, backend, endpoint, prefill, spec)
+    except KeyboardInterrupt:
+        # a terminal's Ctrl-C reaches this process too: the bench, its parent, says so (it
+        # stops at the lost pipe); a traceback from here would only bury that line
+        return
     except BaseException as e:
         _send(conn, event="error", error=f"{type(e).__name__}: {e}")
         raise

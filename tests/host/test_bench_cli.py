@@ -4,6 +4,7 @@ spawns a rank, opens an engine or allocates a buffer (never a traceback)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -352,3 +353,28 @@ def test_bench_transfer_stops_when_its_decode_process_is_gone() -> None:
     assert res.exit_code == 1, res.output
     assert seen == ["nixl"], seen
     assert "nixl did not run: BrokenPipeError: [Errno 32] Broken pipe" in res.output, res.output
+
+
+def test_the_decode_process_ends_quietly_on_a_terminal_interrupt(monkeypatch: Any) -> None:
+    """A terminal's Ctrl-C reaches the bench's decode process too: it ends without a traceback
+    (the bench names the lost process in one line; found by a fresh user: the child's
+    ``KeyboardInterrupt`` traceback buried it); any other error still reaches the bench."""
+    from pdplug_bench import _kvpeer
+
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(_kvpeer, "_send", lambda conn, **kw: sent.append(kw))
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_kvpeer, "_worker", interrupted)
+    _kvpeer._main(None, "nixl", "tcp://127.0.0.1:1", "p", b"")
+    assert sent == []
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_kvpeer, "_worker", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        _kvpeer._main(None, "nixl", "tcp://127.0.0.1:1", "p", b"")
+    assert sent == [{"event": "error", "error": "RuntimeError: boom"}]

@@ -34,8 +34,19 @@ def test_regions_round_trip_and_refusals() -> None:
     with pytest.raises(ValueError, match="is not address:nbytes"):
         parse_regions("4096:512,")  # a trailing empty item
     with pytest.raises(ValueError, match="ends past 2"):
-        parse_regions(f"{1 << 63}:{1 << 63 + 1}")
+        parse_regions(f"{1 << 63}:{(1 << 63) + 1}")  # ends one byte past
     assert parse_regions(f"0:0,{(1 << 64) - 1}:1") == [(0, 0), ((1 << 64) - 1, 1)]
+    # from a fresh user: a size of 2**64 passed (it ends at 2**64), and a 5,000-digit number
+    # raised int()'s own error without the item, in a message as long as the number
+    for item in (f"0:{1 << 64}", f"{1 << 64}:0"):
+        with pytest.raises(ValueError, match="must fit 64 bits"):
+            parse_regions(item)
+    with pytest.raises(ValueError, match="is not address:nbytes") as err:
+        parse_regions("1" * 5000 + ":1")
+    assert "'111" in str(err.value) and "(5002 characters)" in str(err.value)
+    assert len(str(err.value)) < 120
+    with pytest.raises(ValueError, match="is not address:nbytes"):
+        parse_regions(f"{10**20}:1")  # 21 digits
 
 
 # ------------------------------------------------------------------ the engine, over NIXL
