@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from pdplug_bench.machine import json_option
+from pdplug_bench.options import StrictIntRange
 
 __all__ = ["cli", "JSON_KEYS", "json_row"]
 
@@ -125,14 +126,14 @@ def _fmt(v: float | None, scale: float = 1.0, nd: int = 2) -> str:
     "--concurrency",
     default=4,
     show_default=True,
-    type=click.IntRange(1, 64),
+    type=StrictIntRange(1, 64),
     help="Rooms in flight per decode host at most.",
 )
 @click.option(
     "--max-dst-dcp",
     default=8,
     show_default=True,
-    type=click.IntRange(2, 64),
+    type=StrictIntRange(2, 64),
     help="Decode DCP size each prefill rank's pack buffer is sized for (2 pack regions per "
     "rank plus 2 kept for another decode instance; KVConfig's default). 2 (the decode DCP "
     "size) is the tightest: scenario 3 there checks a stuck instance cannot starve the other.",

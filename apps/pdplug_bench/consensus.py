@@ -41,6 +41,7 @@ import click
 
 from pdplug.ports import free_endpoints
 from pdplug_bench.machine import json_option
+from pdplug_bench.options import StrictIntRange
 
 __all__ = ["cli", "run_one"]
 
@@ -306,7 +307,7 @@ def _parse_pp(value: str) -> list[int]:
 @click.option("--pp", "pp", default="2,4,8", show_default=True, help="pp_size values, comma list")
 @click.option("--iter-ms", default=5.0, show_default=True, help="loop iteration (ms)",
               type=click.FloatRange(min=0, min_open=True, max=1000))  # fmt: skip
-@click.option("--requests", default=200, show_default=True, type=click.IntRange(1, 100_000),
+@click.option("--requests", default=200, show_default=True, type=StrictIntRange(1, 100_000),
               help="requests per run")  # fmt: skip
 @click.option("--impl", "impls", default="pp0,ring", show_default=True, help="consensus names")
 @click.option("--seed", default=0, show_default=True, type=int,

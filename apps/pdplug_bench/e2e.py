@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from pdplug_bench.machine import json_option
+from pdplug_bench.options import StrictIntRange
 from pdplug_host.cli import demo_options
 
 
@@ -21,7 +22,7 @@ from pdplug_host.cli import demo_options
     "--requests",
     default=64,
     show_default=True,
-    type=click.IntRange(min=1),
+    type=StrictIntRange(min=1),
     help="Requests from the trace.",
 )
 @click.option("--variants", default="pp0+nixl,ring+nixl,pp0+mooncake", show_default=True,

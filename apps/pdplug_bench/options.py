@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import click
 
@@ -63,6 +64,20 @@ _NUMBER = re.compile(
     r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)",
     re.ASCII | re.IGNORECASE,
 )
+
+
+class StrictIntRange(click.IntRange):
+    """:class:`click.IntRange` over a whole number in ASCII digits (``int()``, which click
+    uses, also takes ``1_0`` and other scripts' digits: ``--repeats 1_0`` ran 10 repeats)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, str) and not WHOLE_NUMBER.fullmatch(value):
+            self.fail(f"{value!r}: expected a whole number (ASCII digits)", param, ctx)
+        return int(super().convert(value, param, ctx))
+
+
+#: a whole number as people type it (spaces around and a sign, as ``int()`` takes them)
+WHOLE_NUMBER = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
 
 
 def number_list(value: str, option: str, unit: str, minimum: float) -> list[float]:

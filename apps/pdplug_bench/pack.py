@@ -38,6 +38,7 @@ from typing import Any
 import click
 
 from pdplug_bench.machine import json_option
+from pdplug_bench.options import StrictIntRange
 
 SHAPES = ((83_264, 6_720), (163_840, 6_720), (0, 32_768))
 PAGE = 64
@@ -247,16 +248,16 @@ def _run(
     "--layers",
     default=4,
     show_default=True,
-    type=click.IntRange(1, 128),
+    type=StrictIntRange(1, 128),
     help="Layers of 576 B/token (the field used 61; fewer keep each mode to seconds).",
 )
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
+@click.option("--repeats", default=3, show_default=True, type=StrictIntRange(1, 100),
               help="Timed runs per mode and shape.")  # fmt: skip
 @click.option(
     "--pack-threads",
     default=0,
     show_default=True,
-    type=click.IntRange(0, 64),
+    type=StrictIntRange(0, 64),
     help="CPU gather threads of the sender's packer (0: the default, torch's thread count "
     "less one, left to the engine's copy).",
 )

@@ -43,6 +43,7 @@ from typing import Any
 import click
 
 from pdplug_bench.machine import json_option
+from pdplug_bench.options import WHOLE_NUMBER, StrictIntRange
 
 
 def _p50(xs: list[float]) -> float:
@@ -202,7 +203,10 @@ class IntList(click.ParamType):
         if isinstance(value, list):
             return value
         try:
-            vals = [int(x) for x in str(value).split(",") if x.strip()]
+            parts = [x for x in str(value).split(",") if x.strip()]
+            if not all(WHOLE_NUMBER.fullmatch(x) for x in parts):  # int() takes 1_0, other digits
+                raise ValueError(value)
+            vals = [int(x) for x in parts]
         except ValueError:
             self.fail(f"{value!r} is not integers separated by commas", param, ctx)
         bad = [v for v in vals if not self.lo <= v <= self.hi]
@@ -313,19 +317,19 @@ def _summary(device: str, shapes: list[dict[str, Any]]) -> None:
     show_default=True,
     help="Where KV and the pack buffer live for the packer benchmark.",
 )
-@click.option("--repeats", default=200, show_default=True, type=click.IntRange(1, 100_000),
+@click.option("--repeats", default=200, show_default=True, type=StrictIntRange(1, 100_000),
               help="Timed planner sends.")  # fmt: skip
-@click.option("--pack-repeats", default=31, show_default=True, type=click.IntRange(1, 10_000),
+@click.option("--pack-repeats", default=31, show_default=True, type=StrictIntRange(1, 10_000),
               help="Timed packs/copies.")  # fmt: skip
-@click.option("--cached", default=83_264, show_default=True, type=click.IntRange(0, 1 << 22),
+@click.option("--cached", default=83_264, show_default=True, type=StrictIntRange(0, 1 << 22),
               help="Cached-prefix tokens.")  # fmt: skip
-@click.option("--unique", default=6_720, show_default=True, type=click.IntRange(1, 1 << 22),
+@click.option("--unique", default=6_720, show_default=True, type=StrictIntRange(1, 1 << 22),
               help="New tokens.")  # fmt: skip
 @click.option("--dcp", default="4", show_default=True, type=IntList(1, 64),
               help="Decode DCP size(s), e.g. 1,2,4,8.")  # fmt: skip
-@click.option("--page", default=64, show_default=True, type=click.IntRange(1, 4096),
+@click.option("--page", default=64, show_default=True, type=StrictIntRange(1, 4096),
               help="Page size (tokens).")  # fmt: skip
-@click.option("--layers", default=61, show_default=True, type=click.IntRange(1, 1024),
+@click.option("--layers", default=61, show_default=True, type=StrictIntRange(1, 1024),
               help="KV entries (MLA: one per layer).")  # fmt: skip
 @click.option(
     "--row-bytes",
@@ -338,13 +342,13 @@ def _summary(device: str, shapes: list[dict[str, Any]]) -> None:
     "--chunk-bound",
     default=8192,
     show_default=True,
-    type=click.IntRange(1, 1 << 22),
+    type=StrictIntRange(1, 1 << 22),
     help="Chunk bound (tokens) sizing the regions: chunk_bound/dcp per rank.",
 )
 @click.option(
     "--pack-layers",
     default=None,
-    type=click.IntRange(1, 1024),
+    type=StrictIntRange(1, 1024),
     help="Entries in the packer benchmark [default: 16 on cpu, --layers on cuda].",
 )
 @click.option("--planner", default="dcp", show_default=True, help="Pack planner name.")
@@ -363,14 +367,14 @@ def _summary(device: str, shapes: list[dict[str, Any]]) -> None:
     show_default=True,
     help="Prefill page / decode page (2: decode pages half the size; 0.5: twice).",
 )
-@click.option("--kv-heads", default=8, show_default=True, type=click.IntRange(1, 4096),
+@click.option("--kv-heads", default=8, show_default=True, type=StrictIntRange(1, 4096),
               help="KV heads (nhd/hnd).")  # fmt: skip
-@click.option("--head-bytes", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
+@click.option("--head-bytes", default=512, show_default=True, type=StrictIntRange(1, 1 << 20),
               help="Bytes of one K|V head sub-row.")  # fmt: skip
 @click.option(
     "--prep-repeats", default=200, show_default=True, help="Timed host preparations (triton)."
 )
-@click.option("--pack-runs", default=1, show_default=True, type=click.IntRange(1, 100),
+@click.option("--pack-runs", default=1, show_default=True, type=StrictIntRange(1, 100),
               help="Consecutive packer runs per shape (each a p50 of --pack-repeats pairs); "
               "the count meeting the goal is printed.")  # fmt: skip
 def cli(

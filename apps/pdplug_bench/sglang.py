@@ -25,6 +25,7 @@ from typing import Any
 import click
 
 from pdplug_bench.machine import json_option, writable_dir
+from pdplug_bench.options import StrictIntRange
 
 __all__ = ["cli", "admission_latencies"]
 
@@ -87,13 +88,13 @@ def _row(res: Any, rnd: int, admission: list[float]) -> dict[str, Any]:
 
 
 @click.command("sglang")
-@click.option("--requests", type=click.IntRange(1, 64), default=16, show_default=True,
+@click.option("--requests", type=StrictIntRange(1, 64), default=16, show_default=True,
               help="Prompts from the bundled trace.")  # fmt: skip
-@click.option("--scale", type=click.IntRange(1, 512), default=32, show_default=True,
+@click.option("--scale", type=StrictIntRange(1, 512), default=32, show_default=True,
               help="Trace scale (a 512-token trace block becomes 512/scale tokens).")  # fmt: skip
-@click.option("--max-tokens", type=click.IntRange(1, 256), default=16, show_default=True)
-@click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True)
-@click.option("--rounds", type=click.IntRange(1, 10), default=3, show_default=True,
+@click.option("--max-tokens", type=StrictIntRange(1, 256), default=16, show_default=True)
+@click.option("--concurrency", type=StrictIntRange(1, 64), default=4, show_default=True)
+@click.option("--rounds", type=StrictIntRange(1, 10), default=3, show_default=True,
               help="Alternations of each pdplug / SGLang pair.")  # fmt: skip
 @click.option("--pairs", default="mooncake-pp1,mooncake-pp2,nixl-pp1", show_default=True,
               help="Comma-separated transport-ppN pairs to run.")  # fmt: skip

@@ -40,6 +40,7 @@ import numpy as np
 
 from pdplug import hookimpl
 from pdplug_bench.machine import json_option
+from pdplug_bench.options import StrictIntRange
 
 __all__ = ["cli", "run_soak"]
 
@@ -604,14 +605,14 @@ CHECKS = ("ended", "once", "bytes", "poison", "leaks", "errors")
     "--rooms",
     default=2000,
     show_default=True,
-    type=click.IntRange(1, 10**6),
+    type=StrictIntRange(1, 10**6),
     help="Rooms per backend.",
 )
 @click.option(
     "--concurrency",
     default=48,
     show_default=True,
-    type=click.IntRange(1, 4096),
+    type=StrictIntRange(1, 4096),
     help="Rooms in flight.",
 )
 @click.option(
@@ -642,7 +643,7 @@ CHECKS = ("ended", "once", "bytes", "poison", "leaks", "errors")
     "--reconnect-every",
     default=200,
     show_default=True,
-    type=click.IntRange(1),
+    type=StrictIntRange(1),
     help="Rooms between two re-handshakes of a decode rank.",
 )
 @json_option

@@ -52,6 +52,7 @@ from typing import Any
 import click
 
 from pdplug_bench.machine import json_option
+from pdplug_bench.options import StrictIntRange
 
 MIB = 1 << 20
 PAGE = 64
@@ -605,7 +606,7 @@ def _check_memory(need: int, largest: int) -> None:
 )
 @click.option("--sizes", default="16,64,256", show_default=True,
               help="Sizes in MiB, comma-separated (each at least one page).")  # fmt: skip
-@click.option("--repeats", default=9, show_default=True, type=click.IntRange(1, 40),
+@click.option("--repeats", default=9, show_default=True, type=StrictIntRange(1, 40),
               help="Timed pairs per size: large sends at least 256 MiB / size (at most 40), "
                    "small sends at least 20.")  # fmt: skip
 @click.option("--small-sizes", default="0.0625,1,16", show_default=True,

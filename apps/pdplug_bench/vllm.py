@@ -20,17 +20,18 @@ from typing import Any
 import click
 
 from pdplug_bench.machine import json_option, writable_dir
+from pdplug_bench.options import StrictIntRange
 
 __all__ = ["cli"]
 
 
 @click.command("vllm")
-@click.option("--requests", type=click.IntRange(1, 64), default=16, show_default=True,
+@click.option("--requests", type=StrictIntRange(1, 64), default=16, show_default=True,
               help="Prompts from the bundled trace.")  # fmt: skip
-@click.option("--scale", type=click.IntRange(1, 512), default=32, show_default=True,
+@click.option("--scale", type=StrictIntRange(1, 512), default=32, show_default=True,
               help="Trace scale (a 512-token trace block becomes 512/scale tokens).")  # fmt: skip
-@click.option("--max-tokens", type=click.IntRange(1, 256), default=16, show_default=True)
-@click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--max-tokens", type=StrictIntRange(1, 256), default=16, show_default=True)
+@click.option("--concurrency", type=StrictIntRange(1, 64), default=4, show_default=True)
 @click.option("--connectors", default="pdplug,nixl", show_default=True,
               help="Comma-separated: pdplug (PdplugConnector), nixl (NixlConnector).")  # fmt: skip
 @click.option("--prefill-pp", "prefill_pps", default="1", show_default=True,
