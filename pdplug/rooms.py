@@ -366,7 +366,7 @@ class Rooms:
                 return None, r.status
             r.pending += 1
             if r.status != KVPoll.Transferring:
-                self._set(r, KVPoll.Transferring)  # the room's first send
+                self._set(r, KVPoll.Transferring)
             if is_last:
                 r.success_held = True
             return r.generation, r.status
@@ -381,9 +381,8 @@ class Rooms:
         :raises ValueError: more chunks completed than were pending.
         """
         with self._lock:
-            r = self._rooms.get(room)  # _get written out: every send ends here (issue 24)
-            if r is None or (generation is not None and generation != r.generation):
-                self.ignored += 1
+            r = self._get(room, generation)
+            if r is None:
                 return None
             if n > r.pending:
                 raise ValueError(f"room {room}: done_pending({n}) but only {r.pending} pending")
@@ -437,13 +436,10 @@ class Rooms:
             self._changed.notify_all()
 
     def _set(self, r: _Room, status: KVPoll) -> None:
-        # _deadline and _notify written out: every send sets a status twice (issue 24)
         if status != r.status:
             r.status = status
-            spec = self._timeouts.get(status)
-            r.deadline = 0.0 if spec is None else self._clock() + spec[0]
-            if self._waiting:
-                self._changed.notify_all()
+            r.deadline = self._deadline(status)
+            self._notify()
 
     def _deadline(self, status: KVPoll) -> float:
         spec = self._timeouts.get(status)

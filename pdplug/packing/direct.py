@@ -88,12 +88,7 @@ class DirectRuns:
         rel = token_start - decode_prefix_len
         if rel < 0 or rel % ps or decode_prefix_len % ps:
             return None
-        # _span written out (a direct-lane send calls this once per destination)
-        q0, n = rel // ps, num_tokens
-        pages = -(-n // ps)
-        if n <= 0 or src_pages.shape[0] < pages or dst_pages.shape[0] < q0 + pages:
-            return None
-        return src_pages[:pages], dst_pages[q0 : q0 + pages], n - (pages - 1) * ps
+        return self._span(src_pages, dst_pages, rel // ps, num_tokens)
 
     def _span(self, sp: np.ndarray, dp: np.ndarray, q0: int, n: int) -> Span | None:
         ps = self.template.page_size

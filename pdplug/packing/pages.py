@@ -18,7 +18,7 @@ __all__ = ["MAX_PAGE_ID", "page_array"]
 MAX_PAGE_ID = 1 << 40
 #: page lists up to this long are range-checked with ``min``/``max`` over a Python list
 #: instead of a ufunc reduction, whose set-up costs more than a few comparisons (issue 24)
-SHORT_IDS = 32
+_SHORT_IDS = 32
 _INT64 = np.dtype(np.int64)
 _MAX = np.maximum.reduce
 
@@ -35,7 +35,7 @@ def ids_below(ids: np.ndarray, bound: int) -> bool:
     32 ids by the builtins over a list (issue 24: the send path checks three short lists).
     """
     n = ids.shape[0]
-    if n > SHORT_IDS:
+    if n > _SHORT_IDS:
         return int(_MAX(ids.view(np.uint64))) < bound
     if not n:
         return True

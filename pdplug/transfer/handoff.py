@@ -128,9 +128,8 @@ class Handoff:
 
         # writes in flight are reaped by whoever polls or waits first, the loop thread at its
         # next round at the latest; work still queued (regions busy, budget spent) needs it now
-        loop = self._loop
-        if (loop.try_run(run) or loop.run_here_or_submit(run)) and self._pipe.has_queued():
-            loop.kick()
+        if self._loop.run_here_or_submit(run) and self._pipe.has_queued():
+            self._loop.kick()
 
     def poll(self, room: int) -> KVPoll:
         """The room's status, reaping the session's finished writes first when it is

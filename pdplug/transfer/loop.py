@@ -216,9 +216,7 @@ class EngineLoop:
         if not self.lock.acquire(blocking=False):
             return False
         try:
-            fn()  # _call written out: a host's send runs this
-        except Exception as e:
-            self._error(e)
+            self._call(fn)
         finally:
             self.lock.release()
         return True

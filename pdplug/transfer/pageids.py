@@ -13,10 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pdplug.packing.pages import SHORT_IDS
-
-_INT64 = np.dtype(np.int64)
-_MAX = np.maximum.reduce
+from pdplug.packing.pages import ids_below, int64_ids
 
 __all__ = ["check_span", "page_ids"]
 
@@ -35,20 +32,10 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         an id outside ``[0, num_pages)`` (the first one is named with its exact value, unsigned
         ones and Python ints beyond 64 bits included).
     """
-    # the usual case, a host's int64 page list: int64_ids and ids_below written out (issue 24:
-    # every call on the send path runs cold after a large write, see the README)
-    if type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1:
-        arr = value.copy()
-        n = arr.shape[0]
-        if n > SHORT_IDS:
-            if int(_MAX(arr.view(np.uint64))) < num_pages:  # a negative id reads as above it
-                return arr
-        elif not n:
+    if int64_ids(value):
+        arr = value.copy()  # the usual case (a host's int64 page list)
+        if ids_below(arr, num_pages):
             return arr
-        else:
-            listed = arr.tolist()
-            if min(listed) >= 0 and max(listed) < num_pages:
-                return arr
         value = arr
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword

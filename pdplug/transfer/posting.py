@@ -258,10 +258,7 @@ class WritePoster:
                 if not self._engine.notifications:
                     self._on_written(job, tag)
             self._settle(job, peer, region)
-            try:  # _release written out: a direct-lane send ends here
-                self._engine.release(handle)
-            except Exception:
-                pass
+            self._release(handle)
             return
         wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
         self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)
