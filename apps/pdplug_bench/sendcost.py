@@ -4,13 +4,15 @@
 host's ordinary ``sender.poll(room)``, called in a loop, first answers ``Success``, minus the raw
 engine's post-to-completion time on the same prepared descriptors and size (NIXL: one
 transfer handle made once and re-posted, polled with ``check_xfer_state``; Mooncake:
-``batch_transfer_sync_write`` in the caller's thread), paired (ABBA order) and reported as the
-median of the paired differences in microseconds. The room's bootstrap (the decode's DestInfo,
+``batch_transfer_sync_write`` in the caller's thread), paired (the order of a round's runs
+rotates by one each round) and reported as the median of the paired differences in
+microseconds. The room's bootstrap (the decode's DestInfo,
 ``WaitingForInput``) happens before the clock starts, as in a real step, and before *both*
 runs of the pair: the host thread sleeps while it waits for the decode, and the first work
 after a sleep runs slower than the same work hot (caches, a descheduled virtual CPU), so the
-run that comes first after the bootstrap pays for it; the order alternates, so both do equally
-(before 2026-12-03 only pdplug's run followed the bootstrap, and paid for it every time). Each
+run that comes first after the bootstrap pays for it; the order rotates, so every mode does
+equally (before 2026-12-03 only pdplug's run followed the bootstrap, and paid for it every
+time). Each
 run ends once its bytes have landed at the decode, untimed: pdplug's with the decode's verdict
 on the room, the raw one when the decode took the raw write's notification (NIXL; a Mooncake
 call returns only then). Before 2026-12-04 a raw run did not wait for that, and a pdplug run
@@ -30,6 +32,13 @@ the rows that landed against the source's) for pdplug and raw; a mismatch fails 
 send on descriptor lists prepared once (``make_prepped_xfer`` + ``transfer``, polled, released
 after the timing; run between the two others of each round): the part of the fixed cost that is
 pdplug's own, beside the engine's per-request cost that a re-posted handle skips.
+
+**Python floor** (NIXL, K = 1): the least any Python send does on the same prepared lists, with
+nothing of a session: its page ids copied and bounds-checked, the request's indices computed,
+``make_prepped_xfer`` + ``transfer`` polled, the status published under a lock with waiters
+notified; ``floor us`` is its paired difference to raw. Where it is above the 100 us goal, no
+Python send path meets the goal on this machine: the first work after a sleep or a copy runs
+with cold caches, whatever it is (README, "Fixed cost per send").
 """
 
 from __future__ import annotations
@@ -60,6 +69,14 @@ def _spin(sender: Any, rooms: list[int], backend: str) -> None:
             raise click.ClickException(f"{backend}: {sender.failure_reason(r)}")
 
 
+#: the NIXL raw engine's other modes, by the name a byte-check failure gives them
+_EXTRA = {"raw fresh-request": "fresh", "python floor": "floor"}
+
+
+def _median_us(xs: list[float]) -> float | None:
+    return statistics.median(xs) * 1e6 if xs else None
+
+
 def _post_step(sender: Any, items: list[tuple[int, Any, Any]]) -> None:
     from pdplug.protocols import send_step
 
@@ -73,7 +90,7 @@ def fixed_cost(
     rig: Any, sizes: list[int], steps: list[int], repeats: int
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows ``{backend, bytes, k, pairs, pdplug_us, raw_us, fixed_us, q1_us, q3_us,
-    fixed_vs_fresh_us}`` (per send; the last ``None`` but for NIXL at K = 1)
+    fixed_vs_fresh_us, floor_us}`` (per send; the last two ``None`` but for NIXL at K = 1)
     for every size at K = 1 and, at the smallest size, for every K in ``steps``; and the
     byte-check failures.
 
@@ -119,7 +136,7 @@ def fixed_cost(
                 for c in cases:
                     rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
             if mode != "raw":
-                dt = float(cases[0]["raw"].fresh())
+                dt = float(getattr(cases[0]["raw"], _EXTRA[mode])())
             elif len(cases) == 1:
                 dt = float(cases[0]["raw"]())
             else:
@@ -134,40 +151,42 @@ def fixed_cost(
                     rig.check(c, f"{tag} {mode} round {rep} send {i}", failures)
             return dt
 
-        # NIXL, one send: also the raw engine making a request per send (between the others)
-        fresh = k == 1 and hasattr(cases[0]["raw"], "fresh")
+        # NIXL, one send: also the raw engine making a request per send, and the Python floor
+        modes = ["pdplug", "raw"]
+        if k == 1:
+            modes += [m for m, attr in _EXTRA.items() if hasattr(cases[0]["raw"], attr)]
 
         reps = max(20, repeats)
         pd: list[float] = []
         raw: list[float] = []
         diff: list[float] = []
         diff_fresh: list[float] = []
+        diff_floor: list[float] = []
         for rep in range(reps + 2):
             checked = rep in (0, reps + 1)  # warm-up and last round: checked, untimed
-            # both runs of a pair follow the same bootstrap round trip with the decode (its
-            # rooms' DestInfos, WaitingForInput): the first of the two starts cold after it,
-            # the second warm after the first, and the order alternates
+            # every run of a round follows the same bootstrap round trip with the decode (its
+            # rooms' DestInfos, WaitingForInput): the first one starts cold after it, the
+            # others right after another mode's copy; the order rotates by one mode a round,
+            # so each mode comes first, and after each other one, equally often
             rooms = bootstrap(checked)
-            t_f = 0.0
-            if rep % 2:
-                t_p = run_pdplug(checked, rep, rooms)
-                if fresh:
-                    t_f = run_raw(checked, rep, mode="raw fresh-request")
-                t_r = run_raw(checked, rep)
-            else:
-                t_r = run_raw(checked, rep)
-                if fresh:
-                    t_f = run_raw(checked, rep, mode="raw fresh-request")
-                if checked:  # the raw writes' bytes must not pass for pdplug's
+            t: dict[str, float] = {}
+            turn = rep % len(modes)
+            for i, m in enumerate(modes[turn:] + modes[:turn]):
+                if m != "pdplug":
+                    t[m] = run_raw(checked, rep, mode=m)
+                    continue
+                if checked and i:  # another mode's bytes must not pass for pdplug's
                     for c in cases:
                         rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
-                t_p = run_pdplug(checked, rep, rooms)
+                t[m] = run_pdplug(checked, rep, rooms)
             if not checked:
-                pd.append(t_p)
-                raw.append(t_r)
-                diff.append((t_p - t_r) / k)
-                if fresh:
-                    diff_fresh.append(t_p - t_f)
+                pd.append(t["pdplug"])
+                raw.append(t["raw"])
+                diff.append((t["pdplug"] - t["raw"]) / k)
+                if "raw fresh-request" in t:
+                    diff_fresh.append(t["pdplug"] - t["raw fresh-request"])
+                if "python floor" in t:
+                    diff_floor.append(t["python floor"] - t["raw"])
         q = statistics.quantiles(diff, n=4, method="inclusive")
         rows.append(
             {
@@ -180,7 +199,8 @@ def fixed_cost(
                 "fixed_us": statistics.median(diff) * 1e6,
                 "q1_us": q[0] * 1e6,
                 "q3_us": q[2] * 1e6,
-                "fixed_vs_fresh_us": statistics.median(diff_fresh) * 1e6 if fresh else None,
+                "fixed_vs_fresh_us": _median_us(diff_fresh),
+                "floor_us": _median_us(diff_floor),
             }
         )
     return rows, failures

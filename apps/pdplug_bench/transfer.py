@@ -20,30 +20,41 @@ Per size, interleaved, each timed over ``repeats`` runs after one warm-up:
   (``make_prepped_xfer`` on descriptor lists prepared once from the same descriptors, posted,
   polled, released after the timing): what any connector pays when a send's page ids are new
   (vLLM's NixlConnector posts its block lists this way), so ``vs fresh`` separates pdplug's own
-  cost from the engine's per-request cost that the re-posted handle of ``raw`` skips; it runs
-  between the two others of each pair (always right after a copy);
+  cost from the engine's per-request cost that the re-posted handle of ``raw`` skips;
+* ``py floor`` (NIXL): ``raw fresh`` plus the least any Python send does around it, with
+  nothing of a session: the page ids copied and bounds-checked, the request's indices computed
+  (int32 arrays, as pdplug's lists take them), the status published under a lock with waiters
+  notified. ``floor`` is its overhead over ``raw``; ``overhead`` minus ``floor`` is the share of
+  pdplug's session (rooms, leases, plans, tags, bookkeeping), the part a faster send path can
+  remove;
 * ``memcpy``: ``dst.copy_(src)`` of the same bytes in this process.
 
-Runs are paired (pdplug and raw back to back, ABBA order, so drift on a shared machine hits
-both alike); per size ``overhead = 1 - median(t_raw / t_pdplug)`` over the pairs (goal <= 5% at
-16, 64 and 256 MiB), with the pairs' interquartile range as the spread; the GB/s columns are
+Runs are paired (every mode once per round, back to back, the order rotating by one mode
+each round, so each mode runs first after the room's bootstrap, and right after each other
+mode's copy, equally often, and drift on a shared machine hits all alike); per size
+``overhead = 1 - median(t_raw / t_pdplug)`` over the pairs (goal <= 5% at 16, 64 and 256 MiB),
+with the pairs' interquartile range as the spread; the GB/s columns are
 size / median time. ``plan ms`` is the pack planner's time for the send's plan (part of
 pdplug's time). ``hop ms`` is the floor of pdplug's threading model: the median of empty round
 trips to the sender's engine thread (:meth:`pdplug.transfer.session.RoomSession.ping`), each
 right after a raw transfer of the size (caches as a finished send leaves them); ``hop/raw`` is
 that floor as a share of the raw time, to compare with the overhead.
 
-Bytes: the warm-up round and one extra untimed round at the end are checked for both pdplug
-and raw: the decode side poisons the expected pages, the run lands, and a digest of the rows
-that landed (:mod:`pdplug_bench.bytecheck`) must equal the digest of the source rows; the
-memcpy is compared too. Any mismatch exits non-zero. JSON: ``{"rows": [{"backend", "bytes",
-"mode", "gbps"}], "pairs": [{..., "hop_ms", "raw_ms", "pdplug_over_fresh"}], "overhead": {backend:
-{MiB: x}}, "overhead_vs_fresh_request": {backend: {MiB: x}} (NIXL), ...}``.
+Bytes: the warm-up round and one extra untimed round at the end are checked for every mode
+(pdplug, raw, raw fresh, py floor): the decode side poisons the expected pages, the run
+lands, and a digest of the rows that landed (:mod:`pdplug_bench.bytecheck`) must equal the
+digest of the source rows; the memcpy is compared too. Any mismatch exits non-zero.
+JSON: ``{"rows": [{"backend", "bytes", "mode", "gbps"}], "pairs": [{..., "hop_ms", "raw_ms",
+"pdplug_over_fresh", "pdplug_over_floor", "floor_over_raw"}], "overhead": {backend: {MiB: x}},
+"overhead_vs_fresh_request": {backend: {MiB: x}} (NIXL), "overhead_python_floor": {backend:
+{MiB: x}} (NIXL), "fixed_cost_us": {backend: {MiB: us}}, "fixed_cost_python_floor_us":
+{backend: {MiB: us}} (NIXL), ...}``.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -149,8 +160,44 @@ def _raw_nixl(
                 raise click.ClickException(f"raw nixl transfer (fresh request) ended {st}")
             return dt
 
+        # the least any Python send does on these prepared lists, with nothing of a session:
+        # its page ids copied and bounds-checked, the request's indices computed (Python ints
+        # up to 64, else one int32 array per side, as pdplug's lists take them), the request
+        # made, posted and polled, the status published under a lock with waiters notified
+        n = int(ln.shape[0])
+        ids = np.arange(n, dtype=np.int64)
+        base = np.zeros(1, dtype=np.int32)
+        published = threading.Condition()
+        status: list[str] = [""]
+
+        def floor() -> float:
+            t0 = time.perf_counter()
+            pages = ids.copy()
+            if int(np.maximum.reduce(pages)) >= n:
+                raise click.ClickException("python floor: a page id beyond the lists")
+            if n <= 64:
+                li: Any = pages.tolist()
+                ri: Any = list(li)
+            else:
+                li = np.add(base, pages, dtype=np.int32, casting="same_kind")
+                ri = np.add(base, pages, dtype=np.int32, casting="same_kind")
+            x = agent.make_prepped_xfer("WRITE", sides[0], li, sides[1], ri, _NOTIF)
+            st = agent.transfer(x)
+            while st == "PROC":
+                st = agent.check_xfer_state(x)
+            with published:
+                status[0] = st
+                published.notify_all()
+            dt = time.perf_counter() - t0
+            agent.release_xfer_handle(x)
+            posted[0] += 1
+            if st != "DONE":
+                raise click.ClickException(f"raw nixl transfer (python floor) ended {st}")
+            return dt
+
         run.post = post  # type: ignore[attr-defined]
         run.fresh = fresh  # type: ignore[attr-defined]
+        run.floor = floor  # type: ignore[attr-defined]
         return run
 
     def close() -> None:
@@ -222,7 +269,14 @@ def _raw_mooncake(
 
 
 _PAIR_KEYS = ("backend", "bytes", "repeats", "pdplug_over_raw", "ratio_q1", "ratio_q3", "plan_ms",
-              "hop_ms", "raw_ms", "pdplug_over_fresh")  # fmt: skip
+              "hop_ms", "raw_ms", "pdplug_over_fresh", "pdplug_over_floor",
+              "floor_over_raw")  # fmt: skip
+#: how a mode is named in byte-check failures
+_MODE_NAMES = {"raw": "raw", "raw_fresh": "raw fresh-request", "python_floor": "python floor"}
+
+
+def _median(xs: list[float] | None) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -426,7 +480,8 @@ def _bench_backend(
         plan, plan_ms, raw = c["plan"], c["plan_ms"], c["raw"]
         src_t = torch.randint(1, 256, (size,), dtype=torch.uint8, generator=g)
         dst_t = torch.zeros(size, dtype=torch.uint8)
-        reps = min(40, max(repeats, (256 * MIB) // size))
+        # a 16 MiB median over 16 pairs moved by +-4 points between runs on a 2-vCPU VM
+        reps = min(40, max(repeats, (1024 * MIB) // size))
         tag = f"{backend} {size / MIB:g} MiB"
 
         def run_pdplug(checked: bool, rep: int, room: int, c: dict[str, Any] = c,
@@ -455,35 +510,36 @@ def _bench_backend(
                 rig.check(c, f"{tag} {mode} round {rep}", failures)
             return dt
 
-        # NIXL: also the raw engine with a request made per send (between the two others)
-        fresh: Callable[[], float] | None = getattr(raw, "fresh", None)
-        times: dict[str, list[float]] = {"pdplug": [], "raw": [], "memcpy": [], "raw_fresh": []}
-        pair_ratio: list[float] = []
-        fresh_ratio: list[float] = []
+        # NIXL: also the raw engine with a request made per send, and the Python floor
+        extra: dict[str, Callable[[], float]] = {
+            m: getattr(raw, attr)
+            for m, attr in (("raw_fresh", "fresh"), ("python_floor", "floor"))
+            if hasattr(raw, attr)
+        }
+        modes = ["pdplug", "raw", *extra]
+        times: dict[str, list[float]] = {m: [] for m in [*modes, "memcpy"]}
+        ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}  # t_mode / t_pdplug
         for rep in range(reps + 2):
             # the first round warms connections and pages up, the last is an extra check;
             # both are checked and untimed
             checked = rep in (0, reps + 1)
-            # pairs in ABBA order, so drift on a shared machine hits both modes alike, and
-            # both runs after the room's bootstrap round trip with the decode: the run right
-            # after that wait runs cold (sendcost.py), so each mode comes first half the time;
-            # the fresh-request run sits between them (never right after the wait, so it never
-            # pays that cold start: its column is, if anything, slightly flattered)
+            # every run of a round follows the room's bootstrap round trip with the decode:
+            # the run right after that wait runs cold (sendcost.py), the others right after
+            # another mode's copy; the order rotates by one mode each round, so every mode
+            # comes first, and after each other one, equally often, and drift on a shared
+            # machine hits all alike
             room = rig.room()
             rig.expect([room], c, POISON if checked else None)
-            t_fresh = None
-            if rep % 2:
-                dt = run_pdplug(checked, rep, room)
-                if fresh is not None:
-                    t_fresh = run_raw(checked, rep, fresh, "raw fresh-request")
-                t_raw = run_raw(checked, rep)
-            else:
-                t_raw = run_raw(checked, rep)
-                if fresh is not None:
-                    t_fresh = run_raw(checked, rep, fresh, "raw fresh-request")
-                if checked:  # the raw write's bytes must not pass for pdplug's
+            got: dict[str, float] = {}
+            turn = rep % len(modes)
+            for i, m in enumerate(modes[turn:] + modes[:turn]):
+                if m != "pdplug":
+                    fn = raw if m == "raw" else extra[m]
+                    got[m] = run_raw(checked, rep, fn, _MODE_NAMES[m])
+                    continue
+                if checked and i:  # another mode's bytes must not pass for pdplug's
                     peer.fill("bench-decode", [c["dp"].tolist()], POISON)
-                dt = run_pdplug(checked, rep, room)
+                got[m] = run_pdplug(checked, rep, room)
             dst_t.zero_()
             t0 = time.perf_counter()
             dst_t.copy_(src_t)
@@ -491,13 +547,15 @@ def _bench_backend(
             if checked and not torch.equal(dst_t, src_t):
                 failures.append(f"{tag} memcpy round {rep}: copy differs from its source")
             if not checked:
-                times["pdplug"].append(dt)
-                times["raw"].append(t_raw)
+                for m in modes:
+                    times[m].append(got[m])
                 times["memcpy"].append(t_cpy)
-                pair_ratio.append(t_raw / dt)
-                if t_fresh is not None:
-                    times["raw_fresh"].append(t_fresh)
-                    fresh_ratio.append(t_fresh / dt)
+                for m in ratios:
+                    ratios[m].append(got[m] / got["pdplug"])
+        pair_ratio = ratios["raw"]
+        # the Python floor against raw, paired the same way (its overhead: what any Python
+        # send adds here before a session does anything)
+        floor_ratio = [r / f for r, f in zip(times["raw"], times.get("python_floor", []))]
         q1, q3 = _quartiles(pair_ratio)
         # the floor of pdplug's design: an empty round trip to the sender's engine thread
         # right after a transfer of this size (caches as a finished send leaves them)
@@ -526,7 +584,9 @@ def _bench_backend(
                     "plan_ms": plan_ms,
                     "hop_ms": hop_ms,
                     "raw_ms": statistics.median(times["raw"]) * 1e3,
-                    "pdplug_over_fresh": statistics.median(fresh_ratio) if fresh_ratio else None,
+                    "pdplug_over_fresh": _median(ratios.get("raw_fresh")),
+                    "pdplug_over_floor": _median(ratios.get("python_floor")),
+                    "floor_over_raw": _median(floor_ratio),
                 }
             )
     return rows, failures
@@ -607,7 +667,7 @@ def _check_memory(need: int, largest: int) -> None:
 @click.option("--sizes", default="16,64,256", show_default=True,
               help="Sizes in MiB, comma-separated (each at least one page).")  # fmt: skip
 @click.option("--repeats", default=9, show_default=True, type=StrictIntRange(1, 40),
-              help="Timed pairs per size: large sends at least 256 MiB / size (at most 40), "
+              help="Timed pairs per size: large sends at least 1 GiB / size (at most 40), "
                    "small sends at least 20.")  # fmt: skip
 @click.option("--small-sizes", default="0.0625,1,16", show_default=True,
               help="Sizes in MiB of the fixed-cost table (one send alone), comma-separated; "
@@ -693,12 +753,13 @@ def cli(
     if not ran:
         raise click.ClickException(_not_run(errors))
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
-    for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "raw fresh", "memcpy",
-                "pdplug/raw", "IQR", "overhead", "vs fresh", "plan ms", "hop ms",
-                "hop/raw"):  # fmt: skip
+    for col in ("backend", "size", "descriptors", "pairs", "pdplug", "raw", "raw fresh",
+                "py floor", "memcpy", "pdplug/raw", "IQR", "overhead", "vs fresh", "floor",
+                "plan ms", "hop ms", "hop/raw"):  # fmt: skip
         t.add_column(col, justify="right")
     overhead: dict[str, dict[str, float]] = {}
     over_fresh: dict[str, dict[str, float]] = {}
+    floor: dict[str, dict[str, float]] = {}  # the Python floor's own overhead over raw
     for b in ran:
         for size in size_list:
             g = {r["mode"]: r for r in rows if r["backend"] == b and r["bytes"] == size}
@@ -708,6 +769,9 @@ def cli(
             fr = p["pdplug_over_fresh"]
             if fr is not None:
                 over_fresh.setdefault(b, {})[f"{size / MIB:g}"] = 1.0 - fr
+            fl = p["floor_over_raw"]
+            if fl is not None:
+                floor.setdefault(b, {})[f"{size / MIB:g}"] = 1.0 - fl
             t.add_row(
                 b,
                 f"{size / MIB:g} MiB",
@@ -716,11 +780,13 @@ def cli(
                 f"{p['gbps']:.2f}",
                 f"{g['raw']['gbps']:.2f}",
                 f"{g['raw_fresh']['gbps']:.2f}" if "raw_fresh" in g else "-",
+                f"{g['python_floor']['gbps']:.2f}" if "python_floor" in g else "-",
                 f"{g['memcpy']['gbps']:.2f}",
                 f"{ratio:.3f}",
                 f"{p['ratio_q1']:.3f}-{p['ratio_q3']:.3f}",
                 f"{1.0 - ratio:+.1%}",
                 "-" if fr is None else f"{1.0 - fr:+.1%}",
+                "-" if fl is None else f"{1.0 - fl:+.1%}",
                 f"{p['plan_ms']:.2f}",
                 "-" if p["hop_ms"] is None else f"{p['hop_ms']:.3f}",
                 "-" if p["hop_ms"] is None else f"{p['hop_ms'] / p['raw_ms']:.1%}",
@@ -734,6 +800,18 @@ def cli(
             + ", ".join(f"{k} MiB {v:+.1%}" for k, v in per.items())
             + f" (goal <= 5% at every size: {verdict})"
         )
+    for b, per in floor.items():
+        above = [f"{k} MiB" for k, v in per.items() if v > 0.05]
+        console.print(
+            f"{b}: floor = 1 - median(t_raw / t_py_floor): the least any Python send adds on "
+            "the same prepared lists, with nothing of a session (page ids copied and checked, "
+            "the request's indices computed, make_prepped_xfer + transfer polled, the status "
+            "published under a lock), run in the same rotation: "
+            + ", ".join(f"{k} MiB {v:+.1%}" for k, v in per.items())
+            + (f"; the floor itself is above the 5% goal at {', '.join(above)}: no Python send "
+               "path meets it on this machine" if above else "")
+            + "; overhead minus floor is the session's own work"
+        )  # fmt: skip
     for b, per in over_fresh.items():
         console.print(
             f"{b}: vs fresh = 1 - median(t_raw_fresh / t_pdplug): the raw engine with a request "
@@ -749,20 +827,25 @@ def cli(
         "usual lane, skips them); hop/raw: that cost as a share of the raw time"
     )
     fixed: dict[str, dict[str, float]] = {}
+    floor_us: dict[str, dict[str, float]] = {}
     if small_rows:
         ft = Table(title="fixed cost per send (us; median of paired differences send() -> "
                    "poll() Success minus raw post -> completion)")  # fmt: skip
         for col in ("backend", "size", "K per step", "pairs", "pdplug us", "raw us",
-                    "fixed us / send", "IQR", "vs fresh us"):  # fmt: skip
+                    "fixed us / send", "IQR", "vs fresh us", "floor us"):  # fmt: skip
             ft.add_column(col, justify="right")
         for sr in small_rows:
             if sr["k"] == 1:
-                fixed.setdefault(sr["backend"], {})[f"{sr['bytes'] / MIB:g}"] = sr["fixed_us"]
+                key = f"{sr['bytes'] / MIB:g}"
+                fixed.setdefault(sr["backend"], {})[key] = sr["fixed_us"]
+                if sr["floor_us"] is not None:
+                    floor_us.setdefault(sr["backend"], {})[key] = sr["floor_us"]
             ft.add_row(
                 sr["backend"], f"{sr['bytes'] / MIB:g} MiB", str(sr["k"]), str(sr["pairs"]),
                 f"{sr['pdplug_us']:.1f}", f"{sr['raw_us']:.1f}", f"{sr['fixed_us']:.1f}",
                 f"{sr['q1_us']:.1f}-{sr['q3_us']:.1f}",
                 "-" if sr["fixed_vs_fresh_us"] is None else f"{sr['fixed_vs_fresh_us']:.1f}",
+                "-" if sr["floor_us"] is None else f"{sr['floor_us']:.1f}",
             )  # fmt: skip
         console.print(ft)
         spread = {(r["backend"], f"{r['bytes'] / MIB:g}"): (r["q1_us"], r["q3_us"])
@@ -775,6 +858,11 @@ def cli(
             verdict = f"above it at {', '.join(below)}" if below else "met"
             if wide:
                 verdict += f"; pairs spread over more than 100 us at {', '.join(wide)}: rerun"
+            floor_above = [_label(k) for k, v in floor_us.get(b, {}).items()
+                           if float(k) <= 1 and v > 100]  # fmt: skip
+            if floor_above:
+                verdict += (f"; the Python floor itself is above it at {', '.join(floor_above)}: "
+                            "no Python send path meets it on this machine")  # fmt: skip
             console.print(
                 f"{b}: fixed cost per send (K = 1): "
                 + ", ".join(
@@ -787,12 +875,13 @@ def cli(
         if any(r["fixed_vs_fresh_us"] is not None for r in small_rows):
             console.print(
                 "vs fresh us: pdplug minus the raw engine making a request per send on lists "
-                "prepared once (not one handle re-posted): pdplug's own share of the fixed cost"
+                "prepared once (not one handle re-posted): pdplug's own share of the fixed cost; "
+                "floor us: the Python floor (as in the floor line above) minus raw"
             )
     console.print(
         f"bytes: {'all checked rounds identical' if not failures else 'MISMATCH'} (pdplug, raw, "
-        "raw fresh-request where run, and memcpy; warm-up and final round per size, destination "
-        "poisoned first)"
+        "raw fresh-request and python floor where run, and memcpy; warm-up and final round per "
+        "size, destination poisoned first)"
     )
     if json_path:
         write_json(
@@ -802,7 +891,9 @@ def cli(
                 "pairs": [{k: r[k] for k in _PAIR_KEYS} for r in rows if r["mode"] == "pdplug"],
                 "overhead": overhead,
                 "overhead_vs_fresh_request": over_fresh,
+                "overhead_python_floor": floor,
                 "fixed_cost_us": fixed,
+                "fixed_cost_python_floor_us": floor_us,
                 "small_sends": small_rows,
                 "byte_failures": failures,
                 "backend_errors": errors,

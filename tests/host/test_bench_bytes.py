@@ -72,6 +72,7 @@ def test_bench_transfer_checks_the_bytes(backend: str, fault: bool, tmp_path: Pa
         assert res.returncode == 1, out
         assert "byte check failed" in out and "pdplug round 0" in out, out
         assert "raw round" not in out and "raw fresh-request round" not in out, out
+        assert "python floor round" not in out, out
     else:
         assert res.returncode == 0, out
         assert "all checked rounds identical" in out, out
@@ -81,6 +82,9 @@ def test_bench_transfer_checks_the_bytes(backend: str, fault: bool, tmp_path: Pa
         assert (backend in fresh) == (backend == "nixl"), fresh
         modes = {r["mode"] for r in doc["rows"]}
         assert ("raw_fresh" in modes) == (backend == "nixl"), modes
+        # the least a Python send adds, beside pdplug's, in the same rotation (NIXL only)
+        assert ("python_floor" in modes) == (backend == "nixl"), modes
+        assert (backend in doc["overhead_python_floor"]) == (backend == "nixl"), doc
 
 
 @pytest.mark.slow
@@ -134,6 +138,13 @@ with Rig("nixl", 1 << 20) as rig:
     rig.raw_landed()
     failures = []
     rig.check(c, "raw fresh-request", failures)
+    assert not failures, failures
+    # and the Python floor's run (the same request with a send's least Python around it)
+    rig.peer.fill("bench-decode", [c["dp"].tolist()], POISON)
+    assert c["raw"].floor() > 0
+    rig.raw_landed()
+    failures = []
+    rig.check(c, "python floor", failures)
     assert not failures, failures
     print("OK")
 """
