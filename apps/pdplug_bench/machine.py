@@ -126,8 +126,13 @@ def json_option(fn: _F) -> _F:
 
 
 def write_json(path: str, results: dict[str, Any]) -> None:
-    """Write ``results`` with this machine's :func:`machine_info` under ``"machine"``, and say
-    where."""
+    """Write ``results`` with this machine's :func:`machine_info` under ``"machine"`` and the
+    command's options as parsed under ``"options"`` unless ``results`` has its own (so a file
+    says how it was made), and say where."""
+    ctx = click.get_current_context(silent=True)
+    options = {} if ctx is None else {"command": ctx.command_path, **ctx.params}
     with open(path, "w") as f:
-        json.dump({**results, "machine": machine_info()}, f, indent=2)
+        json.dump(
+            {"options": options, **results, "machine": machine_info()}, f, indent=2, default=str
+        )
     click.echo(f"wrote {path}")

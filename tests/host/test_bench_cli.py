@@ -3,6 +3,7 @@ spawns a rank, opens an engine or allocates a buffer (never a traceback)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -187,7 +188,12 @@ def test_bench_e2e_exits_nonzero_when_a_variant_is_not_token_identical(
     assert res.exit_code == (1 if lost else 0), res.output
     assert ("ring+nixl 3/4" in res.output) == bool(lost), res.output
     with open(out) as f:
-        assert '"parity_ok"' in f.read()
+        doc = json.load(f)
+    assert "parity_ok" in json.dumps(doc["rows"]), doc
+    # the file says how it was made: the command and its options as parsed
+    opts = doc["options"]
+    assert opts["command"].endswith("bench e2e") and opts["requests"] == 4, opts
+    assert opts["variants"] == "pp0+nixl,ring+nixl" and opts["json_path"] == out, opts
 
 
 def test_bench_e2e_refuses_consensus_and_kv_sender_which_the_variants_set() -> None:
