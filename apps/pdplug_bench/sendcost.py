@@ -4,20 +4,19 @@
 host's ordinary ``sender.poll(room)``, called in a loop, first answers ``Success``, minus the raw
 engine's post-to-completion time on the same prepared descriptors and size (NIXL: one
 transfer handle made once and re-posted, polled with ``check_xfer_state``; Mooncake:
-``batch_transfer_sync_write`` in the caller's thread), paired (the order of a round's runs
-rotates by one each round) and reported as the median of the paired differences in
-microseconds. The room's bootstrap (the decode's DestInfo,
-``WaitingForInput``) happens before the clock starts, as in a real step, and before *both*
-runs of the pair: the host thread sleeps while it waits for the decode, and the first work
-after a sleep runs slower than the same work hot (caches, a descheduled virtual CPU), so the
-run that comes first after the bootstrap pays for it; the order rotates, so every mode does
-equally (before 2026-12-03 only pdplug's run followed the bootstrap, and paid for it every
-time). Each
-run ends once its bytes have landed at the decode, untimed: pdplug's with the decode's verdict
-on the room, the raw one when the decode took the raw write's notification (NIXL; a Mooncake
-call returns only then). Before 2026-12-04 a raw run did not wait for that, and a pdplug run
-right after it paid for the decode still taking in the raw write's bytes (a NIXL "DONE" on UCX
-over TCP is the sender's; README, "Fixed cost per send", has the measurement).
+``batch_transfer_sync_write`` in the caller's thread), paired (every mode once per round) and
+reported as the median of the paired differences in microseconds. The room's bootstrap (the
+decode's DestInfo, ``WaitingForInput``) happens before the clock starts, as in a real step, and
+before every run of the round: the host thread sleeps while it waits for the decode, and the
+first work after a sleep runs slower than the same work hot (caches, a descheduled virtual
+CPU), so the run that comes first after the bootstrap pays for it; the order rotates by one
+mode each round, so every mode does equally (before 2026-12-03 only pdplug's run followed the
+bootstrap, and paid for it every time). Each run ends once its bytes have landed at the decode,
+untimed: pdplug's with the decode's verdict on the room, the raw one when the decode took the
+raw write's notification (NIXL; a Mooncake call returns only then). Before 2026-12-04 a raw run
+did not wait for that, and a pdplug run right after it paid for the decode still taking in the
+raw write's bytes (a NIXL "DONE" on UCX over TCP is the sender's; README, "Fixed cost per
+send", has the measurement).
 
 **K sends per step**: a step posts K rooms of the same size at once (``send_many`` when the
 sender has it, else K ``send`` calls) and polls them all to ``Success``; the raw baseline posts
@@ -26,19 +25,20 @@ on each; Mooncake: K ``batch_transfer_async_write`` and ``get_batch_transfer_sta
 gives ``(t_pdplug - t_raw) / K``: what one send costs when a step posts K.
 
 Bytes: the first and last round of each size are checked (destination poisoned first, digest of
-the rows that landed against the source's) for pdplug and raw; a mismatch fails the run.
+the rows that landed against the source's) for every mode; a mismatch fails the run.
 
 **vs fresh** (NIXL, K = 1): pdplug's time minus the raw engine's with a request made for each
 send on descriptor lists prepared once (``make_prepped_xfer`` + ``transfer``, polled, released
-after the timing; run between the two others of each round): the part of the fixed cost that is
-pdplug's own, beside the engine's per-request cost that a re-posted handle skips.
+after the timing): the part of the fixed cost that is pdplug's own, beside the engine's
+per-request cost that a re-posted handle skips.
 
 **Python floor** (NIXL, K = 1): the least any Python send does on the same prepared lists, with
 nothing of a session: its page ids copied and bounds-checked, the request's indices computed,
 ``make_prepped_xfer`` + ``transfer`` polled, the status published under a lock with waiters
-notified; ``floor us`` is its paired difference to raw. Where it is above the 100 us goal, no
-Python send path meets the goal on this machine: the first work after a sleep or a copy runs
-with cold caches, whatever it is (README, "Fixed cost per send").
+notified; ``floor us`` is its paired difference to raw, in the same rounds. ``fixed us`` minus
+``floor us`` is what pdplug's session adds (room and lease state, checks, tags, bookkeeping);
+where the floor itself is above the 100 us goal, no Python send path would meet it on that
+machine, and the verdict line says so.
 """
 
 from __future__ import annotations
