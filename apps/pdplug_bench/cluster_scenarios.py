@@ -307,19 +307,31 @@ def partition(c: Any, dep: Deployment, opts: Options) -> Row:
     return row
 
 
+#: rooms to d0 before and after the kill in scenario 4, at least: enough that the p99 of
+#: their TTFTs is not simply the slowest room
+D0_ROOMS = 101
+
+
 def decode_dies(c: Any, dep: Deployment, opts: Options) -> Row:
     """4. Decode host ``d1`` killed while ``d0`` is healthy: no room to ``d0`` fails and
     their TTFT p99 stays within 2x that of the same traffic before the kill (``d0`` gets half
-    the rate throughout: its share while both decoded); the rooms in
-    flight to ``d1`` fail on the prefill within 2 x transfer_timeout_s."""
+    the rate throughout: its share while both decoded; each phase lasts until d0 had
+    :data:`D0_ROOMS`, in the short version too); the rooms in flight to ``d1`` fail on the
+    prefill within 2 x transfer_timeout_s."""
     t0 = time.monotonic()
     probs: list[str] = []
     to = opts.timeouts.transfer_s
     run = _traffic(dep, opts, prompt_cycle(), paced=["d1"])
-    run(opts.phase(6.0), ["d0", "d1"])
+    # each phase long enough for D0_ROOMS rooms to d0: the p99 of 30 rooms (the short
+    # version's 3 s) is their slowest one, and one room slowed once when the prefill fails the
+    # dead host's rooms (45-90 ms against 10-35, both backends; again about 8.5 s after the
+    # kill; cause not found) failed it in two CI runs of three. The "before" window starts
+    # with the deployment's first rooms, whose warm-up is slower still (80-200 ms)
+    d0_s = max(opts.phase(6.0), D0_ROOMS / (opts.rate / 2))
+    run(d0_s, ["d0", "d1"])
     t_kill = dep.kill("d1")
     # d0 keeps its share of the rate: the same traffic as before the kill, not d1's on top
-    run(opts.phase(6.0), ["d0"], rate=opts.rate / 2)
+    run(d0_s, ["d0"], rate=opts.rate / 2)
     _settle(dep, probs, 3 * to + 5.0, drained=False)
     # writes to a vanished host may stay in flight (TCP retransmits for minutes): the prefill
     # must not call those rooms drained; once the host reboots its RST ends them

@@ -6,7 +6,8 @@ same code ``pdplug bench cluster`` runs).
 
 Every room is byte-checked or, when it failed, released only once drained and its pages
 watched for late bytes; each scenario checks the decode links carried at least the KV bytes
-that moved. The short version (traffic phases halved; the faults keep the issue's lengths:
+that moved. The short version (traffic phases halved, but scenario 4's, which need 101 rooms to d0
+each for a p99; the faults keep the issue's lengths:
 a 5 s partition, 10 s of starvation) runs in CI, each scenario on one backend (the partition
 on both); the full one and the other pairs with ``-m long``.
 
