@@ -37,8 +37,8 @@ nothing of a session: its page ids copied and bounds-checked, the request's indi
 ``make_prepped_xfer`` + ``transfer`` polled, the status published under a lock with waiters
 notified; ``floor us`` is its paired difference to raw, in the same rounds. ``fixed us`` minus
 ``floor us`` is what pdplug's session adds (room and lease state, checks, tags, bookkeeping);
-where the floor itself is above the 100 us goal, no Python send path would meet it on that
-machine, and the verdict line says so.
+where the floor itself is above the 100 us goal in a run, the verdict line says so (one run's
+median: read it over several).
 """
 
 from __future__ import annotations
