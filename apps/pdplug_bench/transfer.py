@@ -145,19 +145,28 @@ def _raw_nixl(
 
             return done
 
+        def request(li: Any, ri: Any) -> tuple[Any, str]:
+            # a request made on the prepared dlists, posted and polled to its end
+            x = agent.make_prepped_xfer("WRITE", sides[0], li, sides[1], ri, _NOTIF)
+            st = agent.transfer(x)
+            while st == "PROC":
+                st = agent.check_xfer_state(x)
+            return x, st
+
+        def ended(x: Any, st: str, what: str) -> None:
+            # released after the timing; every request notifies the decode
+            agent.release_xfer_handle(x)
+            posted[0] += 1
+            if st != "DONE":
+                raise click.ClickException(f"raw nixl transfer ({what}) ended {st}")
+
         def fresh() -> float:
             # a request made for this send on the prepared dlists, posted once, released after
             # the timing: what a connector pays that cannot re-post one handle (new page ids)
             t0 = time.perf_counter()
-            x = agent.make_prepped_xfer("WRITE", sides[0], idx, sides[1], idx, _NOTIF)
-            st = agent.transfer(x)
-            while st == "PROC":
-                st = agent.check_xfer_state(x)
+            x, st = request(idx, idx)
             dt = time.perf_counter() - t0
-            agent.release_xfer_handle(x)
-            posted[0] += 1
-            if st != "DONE":
-                raise click.ClickException(f"raw nixl transfer (fresh request) ended {st}")
+            ended(x, st, "fresh request")
             return dt
 
         # the least any Python send does on these prepared lists, with nothing of a session:
@@ -181,18 +190,12 @@ def _raw_nixl(
             else:
                 li = np.add(base, pages, dtype=np.int32, casting="same_kind")
                 ri = np.add(base, pages, dtype=np.int32, casting="same_kind")
-            x = agent.make_prepped_xfer("WRITE", sides[0], li, sides[1], ri, _NOTIF)
-            st = agent.transfer(x)
-            while st == "PROC":
-                st = agent.check_xfer_state(x)
+            x, st = request(li, ri)
             with published:
                 status[0] = st
                 published.notify_all()
             dt = time.perf_counter() - t0
-            agent.release_xfer_handle(x)
-            posted[0] += 1
-            if st != "DONE":
-                raise click.ClickException(f"raw nixl transfer (python floor) ended {st}")
+            ended(x, st, "python floor")
             return dt
 
         run.post = post  # type: ignore[attr-defined]
