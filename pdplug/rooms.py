@@ -137,6 +137,7 @@ class Rooms:
             KVPoll.WaitingForInput: (float(waiting_timeout_s), "waiting_timeout_s"),
             KVPoll.Transferring: (float(transfer_timeout_s), "transfer_timeout_s"),
         }
+        self._transfer_s = float(transfer_timeout_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -365,8 +366,11 @@ class Rooms:
             if r.status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 return None, r.status
             r.pending += 1
-            if r.status != KVPoll.Transferring:
-                self._set(r, KVPoll.Transferring)
+            if r.status != KVPoll.Transferring:  # _set inline: every room's first send
+                r.status = KVPoll.Transferring
+                r.deadline = self._clock() + self._transfer_s
+                if self._waiting:
+                    self._changed.notify_all()
             if is_last:
                 r.success_held = True
             return r.generation, r.status
@@ -381,15 +385,19 @@ class Rooms:
         :raises ValueError: more chunks completed than were pending.
         """
         with self._lock:
-            r = self._get(room, generation)
-            if r is None:
+            r = self._rooms.get(room)  # _get inline: every completed write comes here
+            if r is None or (generation is not None and generation != r.generation):
+                self.ignored += 1
                 return None
             if n > r.pending:
                 raise ValueError(f"room {room}: done_pending({n}) but only {r.pending} pending")
             r.pending -= n
             if r.pending == 0 and r.success_held and r.status != KVPoll.Failed:
                 r.success_held = False
-                self._set(r, KVPoll.Success)  # with its own deadline
+                r.status = KVPoll.Success  # _set inline; Success has no deadline
+                r.deadline = 0.0
+                if self._waiting:
+                    self._changed.notify_all()
             elif touch and r.deadline:
                 r.deadline = self._deadline(r.status)
             return r.status

@@ -203,6 +203,19 @@ class EngineLoop:
                 f"{self.name}: no answer from the engine thread in {timeout_s:g} s"
             ) from e
 
+    def try_hold(self) -> bool:
+        """Take :attr:`lock` for a host thread if the engine is free now (non-blocking): the
+        one-send lane's :meth:`try_run` without a closure (issue 24). ``False`` on the loop
+        thread, once the loop stopped or died, or while a round holds the lock. The caller
+        releases the lock and passes an exception of its work to :meth:`failed`."""
+        if self.died is not None or self._stopping or threading.get_ident() == self._ident:
+            return False
+        return self.lock.acquire(blocking=False)
+
+    def failed(self, e: Exception) -> None:
+        """Count and log ``e`` from work run under :meth:`try_hold` as a round's error."""
+        self._error(e)
+
     def try_run(self, fn: Callable[[], None]) -> bool:
         """Run ``fn`` on the calling thread if the engine is free now (non-blocking; on the
         loop thread: at once). Returns whether it ran; then ``fn`` held :attr:`lock`, as a

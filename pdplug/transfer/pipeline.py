@@ -111,7 +111,8 @@ class SendPipeline:
         self.clock = self._packing.clock
         self.counts: Counter[str] = Counter()
         self.timings = dict.fromkeys(("plan_s", "pack_s", "post_s", "write_s"), 0.0)
-        self._poster = WritePoster(
+        #: posts and reaps the writes (:class:`~pdplug.transfer.posting.WritePoster`)
+        self.poster = WritePoster(
             engine=engine,  # also whether (and for which writes) it wakes the loop
             rank=rank,
             tags=tags,
@@ -125,21 +126,21 @@ class SendPipeline:
             settle=self._settle,
             waker=waker,
         )
-        self._inflight = self._poster.inflight
+        self._inflight = self.poster.inflight
 
     @property
     def engine(self) -> TransferEngine:
         """The backend adapter."""
-        return self._poster.engine
+        return self.poster.engine
 
     @engine.setter
     def engine(self, engine: TransferEngine) -> None:
-        self._poster.engine = engine
+        self.poster.engine = engine
 
     @property
     def progress_at(self) -> float:
         """Last write completion, or work arriving at an idle pipeline (monotonic seconds)."""
-        return self._poster.progress_at
+        return self.poster.progress_at
 
     def set_memory(
         self,
@@ -154,7 +155,7 @@ class SendPipeline:
         and its region table."""
         self._entries = entries
         self._pack = pack
-        self._poster.set_memory(src_base, 0 if pack is None else int(pack.data_ptr()))
+        self.poster.set_memory(src_base, 0 if pack is None else int(pack.data_ptr()))
         self.regions = regions
         self.pool = RegionPool(len(regions), depth)
         self.packer = packer
@@ -220,7 +221,7 @@ class SendPipeline:
         write starts at once (planned and posted on this thread: the direct lane, no queue
         round trip); every other job waits in its destination's FIFO for :meth:`step`."""
         if not self.has_work():
-            self._poster.progress_at = now
+            self.poster.progress_at = now
         if ready is not None or self._gate.parked:
             jobs = self._gate.admit(jobs, ready, now)
         queues, unpacked = self._queues, self._unpacked
@@ -355,11 +356,11 @@ class SendPipeline:
         t0 = time.perf_counter()
         direct = peer.direct
         if direct is None:  # bound at the peer's first send (the planner's, off the send path)
-            direct = peer.direct = self._poster.bind_direct(peer, self.planner, self.layout)
+            direct = peer.direct = self.poster.bind_direct(peer, self.planner, self.layout)
         span = direct.chunk_pages(job.chunk) if direct else None
         if span is not None:  # the planner's closed form: no plan, no gather per run
             self.timings["plan_s"] += time.perf_counter() - t0
-            self._poster.post_direct(job, peer, direct, span, now)
+            self.poster.post_direct(job, peer, direct, span, now)
             return
         try:
             plan = self.planner.plan(job.chunk, self.layout, peer.info.layout, job.dst_rank, None)
@@ -370,9 +371,9 @@ class SendPipeline:
         self.timings["plan_s"] += time.perf_counter() - t0
         if plan.num_runs == 0:
             self._settle(job, peer, region)
-            self._poster.notify_only(job, peer, self._poster.tag(job, plan))
+            self.poster.notify_only(job, peer, self.poster.tag(job, plan))
             return
-        self._poster.post(job, peer, region, plan, now)
+        self.poster.post(job, peer, region, plan, now)
 
     def send_direct(
         self, lease: Lease, keys: list[PeerKey], seg: Segment, pages: np.ndarray, now: float
@@ -404,7 +405,7 @@ class SendPipeline:
                 return False
             spans.append((key, peer, span))
         if not (self._inflight.writes or self._queues):
-            self._poster.progress_at = now
+            self.poster.progress_at = now
         lease.segments[seg.chunk_id] = len(spans)
         lease.posted = True
         for key, peer, span in spans:
@@ -414,7 +415,7 @@ class SendPipeline:
             peer.inflight += 1
             self._unpacked[key] += 1
             job = Job(lease=lease, key=key, dst_rank=key[2], chunk=seg)
-            self._poster.post_direct(job, peer, peer.direct, span, now)
+            self.poster.post_direct(job, peer, peer.direct, span, now)
         if not self._inflight.writes:  # each ended inside its post
             self.clock.writes_idle(time.perf_counter())
         return True
@@ -444,15 +445,15 @@ class SendPipeline:
             if not peer.alive:
                 self._on_fail(lease, f"{describe(job.key)} is gone")
             else:
-                self._poster.notify_only(job, peer, self._poster.tag(job, plan))
+                self.poster.notify_only(job, peer, self.poster.tag(job, plan))
             return
         if peer is not p.peer:  # the write uses the current connection's handle
             peer.inflight += 1
             p.peer.inflight -= 1
             if p.peer.gone and p.peer.inflight == 0:
                 self._on_idle(p.peer)
-        self._poster.post(job, peer, p.region, plan, now)
+        self.poster.post(job, peer, p.region, plan, now)
 
     def reap(self, now: float) -> None:
         """Ask the engine about every write in flight now (finished, failed, stuck)."""
-        self._poster.reap(now)
+        self.poster.reap(now)

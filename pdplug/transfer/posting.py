@@ -96,6 +96,15 @@ class WritePoster:
         self._pack_base = 0
         self._src_tables: dict[tuple[int, ...], np.ndarray] = {}
 
+    def outcomes(
+        self, on_done: Callable[[Job], None], on_written: Callable[[Job, ChunkTag], None]
+    ) -> None:
+        """Replace ``on_done`` and ``on_written`` (a session passes its lease table's methods
+        once the table exists, instead of the closures it had to start with: a frame less on
+        every completion)."""
+        self._on_done = on_done
+        self._on_written = on_written
+
     @property
     def engine(self) -> TransferEngine:
         """The backend adapter."""
@@ -258,7 +267,10 @@ class WritePoster:
                 if not self._engine.notifications:
                     self._on_written(job, tag)
             self._settle(job, peer, region)
-            self._release(handle)
+            try:  # _release inline: this is every small write's path
+                self._engine.release(handle)
+            except Exception:
+                pass
             return
         wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
         self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)

@@ -181,6 +181,8 @@ class KVSenderSession(RoomSession):
             counts=self.counts,
             after=self._loop.after_round,
         )
+        # the table's own methods, not lambdas over it: a frame less on every completion
+        self._pipe.poster.outcomes(self._table.job_done, self._table.written)
         self._handoff = Handoff(
             rooms=self.rooms,
             loop=self._loop,
@@ -296,9 +298,7 @@ class KVSenderSession(RoomSession):
             page id is outside the registered KV (named), or ``src_pages`` does not hold
             integers (:func:`pdplug.transfer.pageids.page_ids`).
         """
-        job = self._handoff.accept(room, segment, src_pages, ready)
-        if job is not None:
-            self._handoff.post((job,))
+        self._handoff.send(room, segment, src_pages, ready)
 
     def send_many(self, sends: Sequence[tuple[Any, ...]]) -> None:
         """:meth:`send` for every ``(room, segment, src_pages[, ready])`` of one engine step,
@@ -456,4 +456,4 @@ class KVSenderSession(RoomSession):
         if self._emit is None:
             return
         fields.update(rank=self.rank, generation=lease.generation, dests=len(lease.dests))
-        self._queue_event(kind, lease.room, fields)
+        self._events.append((kind, lease.room, fields))  # built into an event at the flush

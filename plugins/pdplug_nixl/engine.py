@@ -366,12 +366,19 @@ class NixlEngine:
             return None
         if req is None:
             return None
+        agent = self._agent
         try:
-            handle = self._agent.make_prepped_xfer("WRITE", *req, tag)
+            handle = agent.make_prepped_xfer("WRITE", *req, tag)
+            state = agent.transfer(handle)
         except Exception as e:
             raise _refused(peer, e) from e
         self.counts["grid_xfer"] += 1
-        return self._start(peer, handle)
+        if state == "DONE":
+            self._done_at_post.add(handle)
+        elif state == "ERR":
+            agent.release_xfer_handle(handle)
+            raise TransferError(f"nixl: WRITE to {peer.name} failed at post (state ERR)")
+        return handle
 
     def _prepped(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> Any:
         h = hashlib.blake2b(digest_size=16)

@@ -32,8 +32,10 @@ __all__ = ["GridLists", "pages_in"]
 
 #: at most this many last-page sizes prepared per grid (each one more pair of lists)
 MAX_TAILS = 256
-#: a send of at most this many descriptors computes its indices as Python ints
-LIST_MAX = 64
+#: a send of at most this many descriptors computes its indices as Python ints: numpy's
+#: calls run cold (after the host's forward, or a CPU copy that emptied the caches) cost more
+#: than a list of this many ints (README, "Fixed cost per send"; issue 24)
+LIST_MAX = 1024
 #: the largest index a list may hold: NIXL reads its indices as int32
 INDEX_MAX = 2**31 - 1
 
@@ -158,8 +160,10 @@ class GridLists:
             sl, dl = src_pages.tolist(), dst_pages.tolist()
             if max(sl) >= cs or max(dl) >= cd:
                 return None
-            li = [i * cs + q for i in range(e) for q in sl]
-            ri = [i * cd + q for i in range(e) for q in dl]
+            li, ri = sl, dl  # entry i: entry 0's ids + i * pages (map: no comprehension frame)
+            for i in range(1, e):
+                li = li + list(map((i * cs).__add__, sl))
+                ri = ri + list(map((i * cd).__add__, dl))
             if last_bytes != run:  # the last page of each entry: the tail kind
                 for k in range(p - 1, e * p, p):
                     li[k] += e * cs

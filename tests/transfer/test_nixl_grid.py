@@ -120,10 +120,16 @@ def test_pages_in_regions_tail_sizes_and_release() -> None:
     assert len(released) == 64 and gl.request(one, one, 64) is None
 
 
-def test_a_peer_declaring_huge_regions_gets_int32_indexable_lists() -> None:
+@pytest.mark.parametrize("numpy_path", [False, True])
+def test_a_peer_declaring_huge_regions_gets_int32_indexable_lists(
+    numpy_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A peer whose regions span 2**62 bytes would make lists of 2**56 pages per entry, whose
     indices NIXL (int32) cannot hold: the lists stop at what int32 indexes, a page beyond them
-    is refused (the send goes by addresses), every index the lists give fits."""
+    is refused (the send goes by addresses), every index the lists give fits (as Python ints
+    and as the int32 array of a send of more than ``LIST_MAX`` descriptors)."""
+    if numpy_path:
+        monkeypatch.setattr(gridmod, "LIST_MAX", 0)
     e, run = 3, 64
     src_first, dst_first = tuple(i << 20 for i in range(e)), tuple(i << 58 for i in range(e))
     g = PageGrid(src_first=src_first, dst_first=dst_first, src_stride=run, dst_stride=run,
@@ -135,7 +141,9 @@ def test_a_peer_declaring_huge_regions_gets_int32_indexable_lists() -> None:
     sp = np.arange(100, dtype=np.int64)
     dp = np.full(100, gl.dst_pages - 1, dtype=np.int64)
     _lh, _li, _rh, ri = gl.request(sp, dp, 32)  # tail kind: the largest indices
-    assert ri.dtype == np.int32 and int(ri.max()) <= gridmod.INDEX_MAX
+    assert isinstance(ri, np.ndarray) == numpy_path
+    ri = np.asarray(ri, dtype=np.int64)
+    assert int(ri.max()) <= gridmod.INDEX_MAX
     assert int(ri.max()) == (2 * e - 1) * gl.dst_pages + gl.dst_pages - 1
     dp[0] = gl.dst_pages
     assert gl.request(sp, dp, 32) is None

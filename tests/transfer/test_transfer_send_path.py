@@ -7,7 +7,9 @@ lane), by page ids into the engine's prepared lists."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -101,21 +103,19 @@ def test_a_write_ended_at_post_completes_in_send_and_is_never_polled() -> None:
             pre.close()
 
 
-@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
-def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly(
-    backend: str,
-) -> None:
-    """One class of whole rows, equal page sizes, no DCP: a page-aligned segment is posted
-    from the planner's direct template (``stats()["direct_plans"]``), a segment that starts
-    inside a page is planned as before, and every byte lands where the reference says."""
+@contextlib.contextmanager
+def _direct_pair(backend: str) -> Iterator[tuple[Any, Any, list[Any], list[Any]]]:
+    """A sender and a receiver of one class of whole rows (3 entries of 32 B per token, page
+    ``P``, 64 pages each side, no DCP: the commonest pair), registered and connected:
+    ``(sender, receiver, source tensors, destination tensors)``."""
     require(backend)
+    import torch
+
     from pdplug import KVConfig, KVLayout
     from pdplug.bootstrap import resolve
-    from pdplug.types import Segment
 
     lay = KVLayout(page_size=P, entry_bytes_per_token=(32, 32, 32), dtype="uint8")
     pm = PluginManager()
-    rng = np.random.default_rng(11)
     with rendezvous() as server:
         cfg = dict(bootstrap_endpoint=server.endpoint, bootstrap_timeout_s=20.0,
                    waiting_timeout_s=20.0, transfer_timeout_s=5.0)  # fmt: skip
@@ -125,43 +125,114 @@ def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly(
         )
         recv = pm.make_kv_receiver(KVConfig(instance="d", role="decode", layout=lay, **cfg),
                                    name=backend)  # fmt: skip
-        import torch
-
         src = [torch.randint(0, 256, (64 * P, 32), dtype=torch.uint8) for _ in range(3)]
         dst = [torch.zeros((64 * P, 32), dtype=torch.uint8) for _ in range(3)]
         try:
             sender.register_kv(src)
             recv.register_kv(dst)
             recv.connect(resolve(server.endpoint, "p", timeout_s=20))
-            total, room = 5 * P + 7, 42
-            sp = rng.permutation(64)[:6].astype(np.int64)
-            dp = rng.permutation(64)[:6].astype(np.int64)
-            recv.expect(room, dp, num_tokens=total)
-            sender.start(room)
-            assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
-            # [0, 2P) aligned, [2P, 2P + 5) aligned, [2P + 5, total) starts inside a page
-            cuts = [(0, 2 * P), (2 * P, 2 * P + 5), (2 * P + 5, total)]
-            for i, (a, b) in enumerate(cuts):
-                seg = Segment(token_start=a, token_end=b, page_start=a // P, num_tokens=b - a,
-                              chunk_id=i, is_last=i == len(cuts) - 1)  # fmt: skip
-                sender.send(room, seg, sp[a // P :])
-            assert sender.wait(room, timeout_s=10) == KVPoll.Success, sender.failure_reason(room)
-            assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
-            tok = np.arange(total)
-            s_rows = sp[tok // P] * P + tok % P
-            d_rows = dp[tok // P] * P + tok % P
-            for s_t, d_t in zip(src, dst):
-                assert np.array_equal(d_t.numpy()[d_rows], s_t.numpy()[s_rows])
-            st = sender.stats()
-            assert st["direct_plans"] == 2 and st["posts"] == 3, st
-            # the first binds the template on the general path, the second takes the lane;
-            # both by page ids (NIXL: into its prepared lists; the second's last page a 5-token
-            # tail)
-            pages = "engine_grid_xfer" if backend == "nixl" else "engine_page_posts"
-            assert st["direct_lane"] == 1 and st[pages] == 2, st
+            yield sender, recv, src, dst
         finally:
             recv.close()
             sender.close()
+
+
+def _landed(src: list[Any], dst: list[Any], sp: np.ndarray, dp: np.ndarray, total: int) -> bool:
+    """Whether tokens ``[0, total)`` of source pages ``sp`` sit in destination pages ``dp``."""
+    tok = np.arange(total)
+    s_rows = sp[tok // P] * P + tok % P
+    d_rows = dp[tok // P] * P + tok % P
+    return all(np.array_equal(d.numpy()[d_rows], s.numpy()[s_rows]) for s, d in zip(src, dst))
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly(
+    backend: str,
+) -> None:
+    """One class of whole rows, equal page sizes, no DCP: a page-aligned segment is posted
+    from the planner's direct template (``stats()["direct_plans"]``), a segment that starts
+    inside a page is planned as before, and every byte lands where the reference says."""
+    from pdplug.types import Segment
+
+    rng = np.random.default_rng(11)
+    with _direct_pair(backend) as (sender, recv, src, dst):
+        total, room = 5 * P + 7, 42
+        sp = rng.permutation(64)[:6].astype(np.int64)
+        dp = rng.permutation(64)[:6].astype(np.int64)
+        recv.expect(room, dp, num_tokens=total)
+        sender.start(room)
+        assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+        # [0, 2P) aligned, [2P, 2P + 5) aligned, [2P + 5, total) starts inside a page
+        cuts = [(0, 2 * P), (2 * P, 2 * P + 5), (2 * P + 5, total)]
+        for i, (a, b) in enumerate(cuts):
+            seg = Segment(token_start=a, token_end=b, page_start=a // P, num_tokens=b - a,
+                          chunk_id=i, is_last=i == len(cuts) - 1)  # fmt: skip
+            sender.send(room, seg, sp[a // P :])
+        assert sender.wait(room, timeout_s=10) == KVPoll.Success, sender.failure_reason(room)
+        assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
+        assert _landed(src, dst, sp, dp, total)
+        st = sender.stats()
+        assert st["direct_plans"] == 2 and st["posts"] == 3, st
+        # the first binds the template on the general path, the second takes the lane;
+        # both by page ids (NIXL: into its prepared lists; the second's last page a 5-token
+        # tail)
+        pages = "engine_grid_xfer" if backend == "nixl" else "engine_page_posts"
+        assert st["direct_lane"] == 1 and st[pages] == 2, st
+
+
+def test_the_one_pass_send_checks_what_accept_checks_and_waits_for_a_busy_engine() -> None:
+    """``KVSender.send``'s one-pass lane (an int64 page array, no ready marker): an id below 0
+    or past the registered pages is refused by name, in a short list and past the lane's
+    list bound alike, and the room is untouched; a send while a round holds the engine lock
+    is posted once it is free; a page list that is not an int64 array takes the general
+    checks; every byte lands."""
+    import threading
+
+    from pdplug.transfer import handoff
+    from pdplug.types import Segment
+
+    with _direct_pair("nixl") as (sender, recv, src, dst):
+        rooms = {1: (2 * P, 0), 2: (3 * P + 5, 10), 3: (P, 20)}
+        for room, (total, first) in rooms.items():
+            recv.expect(room, np.arange(first, first + 4, dtype=np.int64), num_tokens=total)
+            sender.start(room)
+            assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+
+        def seg(total: int, i: int = 0) -> Segment:
+            return Segment(token_start=0, token_end=total, page_start=0, num_tokens=total,
+                           chunk_id=i, is_last=True)  # fmt: skip
+
+        long = np.zeros(handoff._SHORT_IDS + 1, dtype=np.int64)
+        for bad, page in ((np.array([3, -1], dtype=np.int64), -1),
+                          (np.array([3, 64], dtype=np.int64), 64)):  # fmt: skip
+            with pytest.raises(ValueError, match=f"src_pages has page {page}, outside"):
+                sender.send(1, seg(2 * P), bad)
+            long[-1] = page
+            with pytest.raises(ValueError, match=f"src_pages has page {page}, outside"):
+                sender.send(1, seg(2 * P), long)
+        assert sender.poll(1) == KVPoll.WaitingForInput  # nothing was counted
+        sp = {1: np.array([5, 9], dtype=np.int64), 2: np.array([7, 1, 30, 2], dtype=np.int64),
+              3: [44]}  # fmt: skip
+        held, go = threading.Event(), threading.Event()
+
+        def round_in_progress() -> None:
+            with sender._loop.lock:  # what a round of the loop thread holds
+                held.set()
+                go.wait(5)
+
+        t = threading.Thread(target=round_in_progress)
+        t.start()
+        held.wait(5)
+        sender.send(2, seg(3 * P + 5), sp[2])  # engine busy: handed to the loop thread
+        go.set()
+        t.join()
+        sender.send(1, seg(2 * P), sp[1])
+        sender.send(3, seg(P), sp[3])  # a list: the general checks
+        for room, (total, first) in rooms.items():
+            assert sender.wait(room, timeout_s=10) == KVPoll.Success, sender.failure_reason(room)
+            assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
+            dp = np.arange(first, first + 4, dtype=np.int64)
+            assert _landed(src, dst, np.asarray(sp[room], dtype=np.int64), dp, total)
 
 
 def test_mooncake_page_posts_refuse_bad_sizes_and_leave_long_writes_to_addresses() -> None:
