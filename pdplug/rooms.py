@@ -137,7 +137,6 @@ class Rooms:
             KVPoll.WaitingForInput: (float(waiting_timeout_s), "waiting_timeout_s"),
             KVPoll.Transferring: (float(transfer_timeout_s), "transfer_timeout_s"),
         }
-        self._transfer_s = float(transfer_timeout_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -366,11 +365,8 @@ class Rooms:
             if r.status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 return None, r.status
             r.pending += 1
-            if r.status != KVPoll.Transferring:  # _set inline: every room's first send
-                r.status = KVPoll.Transferring
-                r.deadline = self._clock() + self._transfer_s
-                if self._waiting:
-                    self._changed.notify_all()
+            if r.status != KVPoll.Transferring:
+                self._set(r, KVPoll.Transferring)
             if is_last:
                 r.success_held = True
             return r.generation, r.status
@@ -385,19 +381,15 @@ class Rooms:
         :raises ValueError: more chunks completed than were pending.
         """
         with self._lock:
-            r = self._rooms.get(room)  # _get inline: every completed write comes here
-            if r is None or (generation is not None and generation != r.generation):
-                self.ignored += 1
+            r = self._get(room, generation)
+            if r is None:
                 return None
             if n > r.pending:
                 raise ValueError(f"room {room}: done_pending({n}) but only {r.pending} pending")
             r.pending -= n
             if r.pending == 0 and r.success_held and r.status != KVPoll.Failed:
                 r.success_held = False
-                r.status = KVPoll.Success  # _set inline; Success has no deadline
-                r.deadline = 0.0
-                if self._waiting:
-                    self._changed.notify_all()
+                self._set(r, KVPoll.Success)  # with its own deadline
             elif touch and r.deadline:
                 r.deadline = self._deadline(r.status)
             return r.status
@@ -444,10 +436,12 @@ class Rooms:
             self._changed.notify_all()
 
     def _set(self, r: _Room, status: KVPoll) -> None:
-        if status != r.status:
+        if status != r.status:  # _deadline and _notify written out: every send comes here
             r.status = status
-            r.deadline = self._deadline(status)
-            self._notify()
+            spec = self._timeouts.get(status)
+            r.deadline = 0.0 if spec is None else self._clock() + spec[0]
+            if self._waiting:
+                self._changed.notify_all()
 
     def _deadline(self, status: KVPoll) -> float:
         spec = self._timeouts.get(status)

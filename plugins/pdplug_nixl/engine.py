@@ -366,19 +366,12 @@ class NixlEngine:
             return None
         if req is None:
             return None
-        agent = self._agent
         try:
-            handle = agent.make_prepped_xfer("WRITE", *req, tag)
-            state = agent.transfer(handle)
+            handle = self._agent.make_prepped_xfer("WRITE", *req, tag)
         except Exception as e:
             raise _refused(peer, e) from e
         self.counts["grid_xfer"] += 1
-        if state == "DONE":
-            self._done_at_post.add(handle)
-        elif state == "ERR":
-            agent.release_xfer_handle(handle)
-            raise TransferError(f"nixl: WRITE to {peer.name} failed at post (state ERR)")
-        return handle
+        return self._start(peer, handle)
 
     def _prepped(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> Any:
         h = hashlib.blake2b(digest_size=16)
