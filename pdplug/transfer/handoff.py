@@ -34,7 +34,7 @@ from pdplug.transfer.pageids import page_ids
 from pdplug.transfer.pipeline import SendPipeline
 from pdplug.types import KVPoll, Segment
 
-__all__ = ["Handoff", "Job", "REAP_S", "WATCH_S"]
+__all__ = ["Handoff", "Job", "REAP_S", "WATCH_S", "malformed"]
 
 _NO_PAGES = np.zeros(0, dtype=np.int64)
 _INT64 = np.dtype(np.int64)
@@ -50,6 +50,26 @@ REAP_S = 20e-6
 #: a host that reaped within this many seconds watches its writes: the loop thread only checks
 #: back this often instead of polling beside it
 WATCH_S = 1e-3
+
+
+def malformed(seg: Segment) -> str:
+    """Why ``seg``'s fields disagree (``""`` when they do not): ``num_tokens`` must equal
+    ``token_end - token_start`` (the tokens written are counted by it: a segment that says 10 of
+    35 would land 10 and complete the room), ``token_start`` and ``chunk_id`` must be >= 0, and
+    only the last segment may hold no token (its metadata-only end; :class:`~pdplug.Segment`)."""
+    n = seg.num_tokens
+    if n != seg.token_end - seg.token_start:
+        return (
+            f"segment num_tokens={n} but token_end - token_start = {seg.token_end} - "
+            f"{seg.token_start} = {seg.token_end - seg.token_start}"
+        )
+    if seg.token_start < 0 or n < 0:
+        return f"segment tokens [{seg.token_start}, {seg.token_end}) must not be negative"
+    if seg.chunk_id < 0:
+        return f"segment chunk_id={seg.chunk_id} must be >= 0"
+    if n == 0 and not seg.is_last:
+        return f"segment chunk_id={seg.chunk_id} holds no token but is not the last one"
+    return ""
 
 
 class Handoff:
@@ -88,6 +108,9 @@ class Handoff:
         if ready is not None:
             check_ready(ready)
         try:
+            bad = malformed(segment)
+            if bad:
+                raise ValueError(f"KVSender.send: {bad} (room {room})")
             pages = page_ids(src_pages, "src_pages", self.num_pages, "KVSender.send", room)
         except ValueError:
             if self._rooms.status(room) != KVPoll.Failed:  # a failed room ignores the send
@@ -118,7 +141,13 @@ class Handoff:
         inline; anything else takes :meth:`accept` + :meth:`post`, which name the problem."""
         pages = None
         v = src_pages
-        if ready is None and type(v) is np.ndarray and v.ndim == 1 and v.dtype == _INT64:
+        if (
+            ready is None
+            and type(v) is np.ndarray
+            and v.ndim == 1
+            and v.dtype == _INT64
+            and not malformed(segment)
+        ):
             pages = v.copy()  # checked after the copy: the caller may reuse its array
             n = pages.shape[0]
             if n > _SHORT_IDS:

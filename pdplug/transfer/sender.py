@@ -294,9 +294,10 @@ class KVSenderSession(RoomSession):
             fails.
         :raises KeyError: ``room`` is not leased.
         :raises TypeError: ``ready`` has no ``query()``.
-        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, a source
-            page id is outside the registered KV (named), or ``src_pages`` does not hold
-            integers (:func:`pdplug.transfer.pageids.page_ids`).
+        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, the
+            segment's fields disagree (:func:`~pdplug.transfer.handoff.malformed`), a source
+            page id is outside the registered KV (named) or ``src_pages`` does not hold integers
+            (:func:`pdplug.transfer.pageids.page_ids`); a failed room ignores the send.
         """
         self._handoff.send(room, segment, src_pages, ready)
 

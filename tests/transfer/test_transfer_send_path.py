@@ -210,6 +210,17 @@ def test_the_one_pass_send_checks_what_accept_checks_and_waits_for_a_busy_engine
             long[-1] = page
             with pytest.raises(ValueError, match=f"src_pages has page {page}, outside"):
                 sender.send(1, seg(2 * P), long)
+        # a segment whose fields disagree (num_tokens would decide the tokens written)
+        for bad_seg, what in (
+            (Segment(token_start=0, token_end=2 * P, page_start=0, num_tokens=10, chunk_id=0,
+                     is_last=True), f"num_tokens=10 but token_end - token_start = {2 * P}"),
+            (seg(2 * P, -1), "chunk_id=-1 must be >= 0"),
+            (Segment(token_start=0, token_end=0, page_start=0, num_tokens=0, chunk_id=0,
+                     is_last=False), "holds no token but is not the last one"),
+        ):  # fmt: skip
+            for pages in (np.array([5, 9], dtype=np.int64), [5, 9]):  # the lane, the general path
+                with pytest.raises(ValueError, match=what):
+                    sender.send(1, bad_seg, pages)
         assert sender.poll(1) == KVPoll.WaitingForInput  # nothing was counted
         sp = {1: np.array([5, 9], dtype=np.int64), 2: np.array([7, 1, 30, 2], dtype=np.int64),
               3: [44]}  # fmt: skip
