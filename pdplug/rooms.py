@@ -436,12 +436,10 @@ class Rooms:
             self._changed.notify_all()
 
     def _set(self, r: _Room, status: KVPoll) -> None:
-        if status != r.status:  # _deadline and _notify written out: every send comes here
+        if status != r.status:
             r.status = status
-            spec = self._timeouts.get(status)
-            r.deadline = 0.0 if spec is None else self._clock() + spec[0]
-            if self._waiting:
-                self._changed.notify_all()
+            r.deadline = self._deadline(status)
+            self._notify()
 
     def _deadline(self, status: KVPoll) -> float:
         spec = self._timeouts.get(status)

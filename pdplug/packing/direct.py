@@ -88,11 +88,7 @@ class DirectRuns:
         rel = token_start - decode_prefix_len
         if rel < 0 or rel % ps or decode_prefix_len % ps:
             return None
-        # _span inline (every direct send comes here)
-        q0, pages = rel // ps, -(-num_tokens // ps)
-        if num_tokens <= 0 or src_pages.shape[0] < pages or dst_pages.shape[0] < q0 + pages:
-            return None
-        return src_pages[:pages], dst_pages[q0 : q0 + pages], num_tokens - (pages - 1) * ps
+        return self._span(src_pages, dst_pages, rel // ps, num_tokens)
 
     def _span(self, sp: np.ndarray, dp: np.ndarray, q0: int, n: int) -> Span | None:
         ps = self.template.page_size

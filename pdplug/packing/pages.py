@@ -17,8 +17,9 @@ __all__ = ["MAX_PAGE_ID", "page_array"]
 #: offsets (and no engine has that many pages)
 MAX_PAGE_ID = 1 << 40
 #: page lists up to this long are range-checked with ``min``/``max`` over a Python list
-#: instead of a ufunc reduction, whose set-up costs more than a few comparisons (issue 24)
-_SHORT_IDS = 32
+#: instead of a ufunc reduction, whose set-up costs more than a few comparisons, the more so
+#: run cold after a CPU copy; beyond about a hundred ids the reduction wins (issue 24; README)
+_SHORT_IDS = 64
 _INT64 = np.dtype(np.int64)
 _MAX = np.maximum.reduce
 
@@ -32,7 +33,7 @@ def ids_below(ids: np.ndarray, bound: int) -> bool:
     """Whether every id of int64 ``[n]`` ``ids`` lies in ``[0, bound)`` (``True`` when empty).
 
     One reduction over the ids read as uint64 (a negative id is then above any bound); up to
-    32 ids by the builtins over a list (issue 24: the send path checks three short lists).
+    64 ids by the builtins over a list (issue 24: the send path checks three short lists).
     """
     n = ids.shape[0]
     if n > _SHORT_IDS:

@@ -4,8 +4,7 @@ On a host whose own loop runs Python between polls (every serving engine's sched
 hand-off costs more than a small write: a thread that must wake another one (or wait for the
 GIL) adds tens of microseconds to milliseconds per send (vLLM RFC #50913: hand-off
 orchestration, not the wire, set the TTFT of a step). So a send is checked on the host's
-thread (:meth:`Handoff.accept`; one send with an int64 page array and no ready marker in one
-pass, :meth:`Handoff.send`), and the step's sends are planned and posted on that same
+thread (:meth:`Handoff.accept`), and the step's sends are planned and posted on that same
 thread when the engine is free (:meth:`Handoff.post`: a segment whose destinations all have a
 bound direct template straight to the engine, :meth:`SendLeases.send_direct
 <pdplug.transfer.leases.SendLeases.send_direct>`; holding the engine lock of
@@ -37,11 +36,6 @@ from pdplug.types import KVPoll, Segment
 __all__ = ["Handoff", "Job", "REAP_S", "WATCH_S", "malformed"]
 
 _NO_PAGES = np.zeros(0, dtype=np.int64)
-_INT64 = np.dtype(np.int64)
-_UMAX = np.maximum.reduce
-#: page lists up to this long are range-checked by the builtins over a Python list: a ufunc
-#: reduction run cold (after the host's forward or a CPU copy) costs more (issue 24)
-_SHORT_IDS = 1024
 
 #: a step's job: (room, generation, segment, source page ids, ready marker)
 Job = tuple[int, int, Segment, np.ndarray, Any]
@@ -117,73 +111,15 @@ class Handoff:
                 raise
             pages = _NO_PAGES
         gen, status = self._rooms.begin_send(room, segment.is_last)
-        if gen is None:
-            self._not_sendable(room, status)
-            return None
-        return room, gen, segment, pages, ready
-
-    def _not_sendable(self, room: int, status: KVPoll) -> None:
-        """A send ``begin_send`` did not count: ignored for a failed room, else refused."""
         if status == KVPoll.Failed:
             self._counts["send_after_failure"] += 1
-            return
-        raise ValueError(
-            f"KVSender.send: room {room} is {status.name}; send only once it is "
-            "WaitingForInput (every decode DestInfo arrived)"
-        )
-
-    def send(self, room: int, segment: Segment, src_pages: Any, ready: Any = None) -> None:
-        """``KVSender.send`` of one segment: :meth:`accept` and :meth:`post` in one pass for
-        the usual send (an int64 ``[n]`` page array whose ids are in range, no ready marker),
-        posted on this thread when the engine is free (:meth:`EngineLoop.try_hold
-        <pdplug.transfer.loop.EngineLoop.try_hold>`). A send's fixed cost is paid in frames
-        and first uses after the host's forward (issue 24), so this lane runs the checks
-        inline; anything else takes :meth:`accept` + :meth:`post`, which name the problem."""
-        pages = None
-        v = src_pages
-        if (
-            ready is None
-            and type(v) is np.ndarray
-            and v.ndim == 1
-            and v.dtype == _INT64
-            and not malformed(segment)
-        ):
-            pages = v.copy()  # checked after the copy: the caller may reuse its array
-            n = pages.shape[0]
-            if n > _SHORT_IDS:
-                if int(_UMAX(pages.view(np.uint64))) >= self.num_pages:
-                    pages = None
-            elif n:
-                ids = pages.tolist()
-                if min(ids) < 0 or max(ids) >= self.num_pages:
-                    pages = None
-        if pages is None:
-            job = self.accept(room, segment, src_pages, ready)
-            if job is not None:
-                self.post((job,))
-            return
-        gen, status = self._rooms.begin_send(room, segment.is_last)
+            return None
         if gen is None:
-            self._not_sendable(room, status)
-            return
-        loop = self._loop
-        if not loop.try_hold():
-            self.post(((room, gen, segment, pages, None),))
-            return
-        pipe = self._pipe
-        try:
-            now = time.monotonic()
-            table = self._table
-            if not table.send_direct(room, gen, segment, pages, now):
-                table.enqueue(room, gen, segment, pages, now, None)
-            if pipe.has_work():
-                pipe.step(now)
-        except Exception as e:
-            loop.failed(e)
-        finally:
-            loop.lock.release()
-        if pipe.has_queued():
-            loop.kick()
+            raise ValueError(
+                f"KVSender.send: room {room} is {status.name}; send only once it is "
+                "WaitingForInput (every decode DestInfo arrived)"
+            )
+        return room, gen, segment, pages, ready
 
     def accept_all(self, sends: Sequence[tuple[Any, ...]]) -> None:
         """:meth:`accept` every ``(room, segment, src_pages[, ready])`` and :meth:`post` them in
@@ -200,23 +136,34 @@ class Handoff:
 
     def post(self, jobs: Sequence[Job]) -> None:
         """Enqueue a step's jobs and run a pipeline round: on this thread when the engine is
-        free or frees within 0.5 ms, else as one closure on the engine thread."""
+        free (taken with :meth:`EngineLoop.try_hold
+        <pdplug.transfer.loop.EngineLoop.try_hold>`, no closure: issue 24) or frees within
+        0.5 ms, else as one closure on the engine thread."""
         now = time.monotonic()
-
-        def run() -> None:
-            table = self._table
-            for room, gen, seg, pages, ready in jobs:
-                # a segment whose KV is complete goes straight out when every destination has
-                # a direct template and nothing queued before it; any other goes through a round
-                if ready is not None or not table.send_direct(room, gen, seg, pages, now):
-                    table.enqueue(room, gen, seg, pages, now, ready)
-            if self._pipe.has_work():
-                self._pipe.step(now)
-
+        loop = self._loop
+        if loop.try_hold():
+            try:
+                self._start(jobs, now)
+            except Exception as e:
+                loop.failed(e)
+            finally:
+                loop.lock.release()
+        elif not loop.run_here_or_submit(lambda: self._start(jobs, now)):
+            return
         # writes in flight are reaped by whoever polls or waits first, the loop thread at its
         # next round at the latest; work still queued (regions busy, budget spent) needs it now
-        if self._loop.run_here_or_submit(run) and self._pipe.has_queued():
-            self._loop.kick()
+        if self._pipe.has_queued():
+            loop.kick()
+
+    def _start(self, jobs: Sequence[Job], now: float) -> None:
+        table = self._table
+        for room, gen, seg, pages, ready in jobs:
+            # a segment whose KV is complete goes straight out when every destination has a
+            # direct template and nothing queued before it; any other goes through a round
+            if ready is not None or not table.send_direct(room, gen, seg, pages, now):
+                table.enqueue(room, gen, seg, pages, now, ready)
+        if self._pipe.has_work():
+            self._pipe.step(now)
 
     def poll(self, room: int) -> KVPoll:
         """The room's status, reaping the session's finished writes first when it is

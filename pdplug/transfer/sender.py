@@ -181,8 +181,7 @@ class KVSenderSession(RoomSession):
             counts=self.counts,
             after=self._loop.after_round,
         )
-        # the table's own methods, not lambdas over it: a frame less on every completion
-        self._pipe.poster.outcomes(self._table.job_done, self._table.written)
+        self._pipe.poster.outcomes(self._table.job_done, self._table.written)  # not lambdas
         self._handoff = Handoff(
             rooms=self.rooms,
             loop=self._loop,
@@ -294,12 +293,13 @@ class KVSenderSession(RoomSession):
             fails.
         :raises KeyError: ``room`` is not leased.
         :raises TypeError: ``ready`` has no ``query()``.
-        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, the
-            segment's fields disagree (:func:`~pdplug.transfer.handoff.malformed`), a source
-            page id is outside the registered KV (named) or ``src_pages`` does not hold integers
-            (:func:`pdplug.transfer.pageids.page_ids`); a failed room ignores the send.
+        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, the segment's
+            fields disagree (:func:`~pdplug.transfer.handoff.malformed`), a source page id is
+            outside the KV or not an integer (:func:`~pdplug.transfer.pageids.page_ids`).
         """
-        self._handoff.send(room, segment, src_pages, ready)
+        job = self._handoff.accept(room, segment, src_pages, ready)
+        if job is not None:
+            self._handoff.post((job,))
 
     def send_many(self, sends: Sequence[tuple[Any, ...]]) -> None:
         """:meth:`send` for every ``(room, segment, src_pages[, ready])`` of one engine step,

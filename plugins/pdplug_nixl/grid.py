@@ -34,8 +34,9 @@ __all__ = ["GridLists", "pages_in"]
 MAX_TAILS = 256
 #: a send of at most this many descriptors computes its indices as Python ints: numpy's
 #: calls run cold (after the host's forward, or a CPU copy that emptied the caches) cost more
-#: than a list of this many ints (README, "Fixed cost per send"; issue 24)
-LIST_MAX = 1024
+#: than a list of this many ints, measured in place up to here (README, "Fixed cost per
+#: send"; issue 24)
+LIST_MAX = 128
 #: the largest index a list may hold: NIXL reads its indices as int32
 INDEX_MAX = 2**31 - 1
 

@@ -180,15 +180,15 @@ def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly(
         assert st["direct_lane"] == 1 and st[pages] == 2, st
 
 
-def test_the_one_pass_send_checks_what_accept_checks_and_waits_for_a_busy_engine() -> None:
-    """``KVSender.send``'s one-pass lane (an int64 page array, no ready marker): an id below 0
-    or past the registered pages is refused by name, in a short list and past the lane's
-    list bound alike, and the room is untouched; a send while a round holds the engine lock
-    is posted once it is free; a page list that is not an int64 array takes the general
-    checks; every byte lands."""
+def test_a_send_checks_its_pages_and_segment_and_waits_for_a_busy_engine() -> None:
+    """``KVSender.send`` with an int64 page array, no ready marker: an id below 0 or past the
+    registered pages is refused by name, in a short list and past the check's list bound
+    alike, and the room is untouched; so is a segment whose fields disagree; a send while a
+    round holds the engine lock is posted once it is free; a page list that is not an int64
+    array takes the general checks; every byte lands."""
     import threading
 
-    from pdplug.transfer import handoff
+    from pdplug.packing import pages as pagesmod
     from pdplug.types import Segment
 
     with _direct_pair("nixl") as (sender, recv, src, dst):
@@ -202,7 +202,7 @@ def test_the_one_pass_send_checks_what_accept_checks_and_waits_for_a_busy_engine
             return Segment(token_start=0, token_end=total, page_start=0, num_tokens=total,
                            chunk_id=i, is_last=True)  # fmt: skip
 
-        long = np.zeros(handoff._SHORT_IDS + 1, dtype=np.int64)
+        long = np.zeros(pagesmod._SHORT_IDS + 1, dtype=np.int64)
         for bad, page in ((np.array([3, -1], dtype=np.int64), -1),
                           (np.array([3, 64], dtype=np.int64), 64)):  # fmt: skip
             with pytest.raises(ValueError, match=f"src_pages has page {page}, outside"):
@@ -218,7 +218,7 @@ def test_the_one_pass_send_checks_what_accept_checks_and_waits_for_a_busy_engine
             (Segment(token_start=0, token_end=0, page_start=0, num_tokens=0, chunk_id=0,
                      is_last=False), "holds no token but is not the last one"),
         ):  # fmt: skip
-            for pages in (np.array([5, 9], dtype=np.int64), [5, 9]):  # the lane, the general path
+            for pages in (np.array([5, 9], dtype=np.int64), [5, 9]):  # an int64 array, a list
                 with pytest.raises(ValueError, match=what):
                     sender.send(1, bad_seg, pages)
         assert sender.poll(1) == KVPoll.WaitingForInput  # nothing was counted
