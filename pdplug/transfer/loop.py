@@ -205,7 +205,7 @@ class EngineLoop:
 
     def try_hold(self) -> bool:
         """Take :attr:`lock` for a host thread if the engine is free now (non-blocking): the
-        one-send lane's :meth:`try_run` without a closure (issue 24). ``False`` on the loop
+        send path's :meth:`try_run` without a closure (issue 24). ``False`` on the loop
         thread, once the loop stopped or died, or while a round holds the lock. The caller
         releases the lock and passes an exception of its work to :meth:`failed`."""
         if self.died is not None or self._stopping or threading.get_ident() == self._ident:
