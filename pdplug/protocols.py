@@ -310,8 +310,10 @@ class KVSender(Protocol):
             (and usually ``synchronize()``): a ``torch.cuda.Event`` recorded after the KV
             writes of this segment, or the ``torch.cuda.Stream`` that writes them.
         :raises TypeError: ``ready`` has no ``query()``.
-        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, or a page id
-            is outside the registered KV.
+        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``; a page id
+            is outside the registered KV; the segment's fields disagree; or its ``chunk_id`` is
+            not the room's next one (a gap, a repeat, or a segment after the last: the decode
+            could never complete the room). The room is unchanged.
         """
         ...
 

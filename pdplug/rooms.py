@@ -105,6 +105,7 @@ class _Room(msgspec.Struct, kw_only=True):
     pending: int = 0
     success_held: bool = False
     deadline: float = 0.0
+    chunks: int = 0  # segments handed to the sender (begin_send), in chunk_id order
 
 
 class Rooms:
@@ -348,15 +349,22 @@ class Rooms:
             r.pending += n
             return True
 
-    def begin_send(self, room: int, is_last: bool) -> tuple[int | None, KVPoll]:
+    def begin_send(self, room: int, chunk_id: int, is_last: bool) -> tuple[int | None, KVPoll]:
         """One segment of ``room`` is handed to the sender, in one step (the send path's
         ``status`` + ``add_pending`` + ``advance(Transferring)`` [+ ``advance(Success)``, held
         until nothing is pending when ``is_last``]).
+
+        Segments go in ``chunk_id`` order, ``0, 1, ...``, none after the last
+        (:meth:`pdplug.KVSender.send`): a decode completes a room only once chunks ``0..last``
+        all arrived and drops a chunk after the last, so a gap, a repeat or a segment after
+        the last would leave this rank ``Success`` and the decode waiting until its timeout.
 
         :returns: ``(generation, Transferring)`` when it was counted pending; ``(None,
             status)`` when nothing was counted because the room is not ``WaitingForInput`` or
             ``Transferring`` (its current status says why).
         :raises KeyError: ``room`` is not leased.
+        :raises ValueError: ``chunk_id`` out of order or after the last segment (named; the
+            room is unchanged).
         """
         with self._lock:
             r = self._rooms.get(room)
@@ -364,6 +372,9 @@ class Rooms:
                 raise KeyError(f"room {room} is not leased on this rank (never leased or cleared)")
             if r.status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 return None, r.status
+            if r.success_held or chunk_id != r.chunks:
+                raise ValueError(_out_of_order(room, r, chunk_id))
+            r.chunks += 1
             r.pending += 1
             if r.status != KVPoll.Transferring:
                 self._set(r, KVPoll.Transferring)
@@ -444,3 +455,16 @@ class Rooms:
     def _deadline(self, status: KVPoll) -> float:
         spec = self._timeouts.get(status)
         return 0.0 if spec is None else self._clock() + spec[0]
+
+
+def _out_of_order(room: int, r: _Room, chunk_id: int) -> str:
+    if r.success_held:
+        return (
+            f"room {room}: segment chunk_id={chunk_id} comes after the room's last segment "
+            f"(chunk_id={r.chunks - 1}); nothing follows the last"
+        )
+    sent = "no segment" if not r.chunks else f"chunk_id 0..{r.chunks - 1}"
+    return (
+        f"room {room}: segment chunk_id={chunk_id} out of order: {sent} sent so far, so the "
+        f"next one is chunk_id={r.chunks} (segments go in chunk_id order 0, 1, ...)"
+    )

@@ -110,7 +110,10 @@ class Handoff:
             if self._rooms.status(room) != KVPoll.Failed:  # a failed room ignores the send
                 raise
             pages = _NO_PAGES
-        gen, status = self._rooms.begin_send(room, segment.is_last)
+        try:
+            gen, status = self._rooms.begin_send(room, segment.chunk_id, segment.is_last)
+        except ValueError as e:
+            raise ValueError(f"KVSender.send: {e}") from None
         if status == KVPoll.Failed:
             self._counts["send_after_failure"] += 1
             return None

@@ -49,8 +49,9 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     if arr.dtype.kind not in "iu":
         bad = _int_outside(value, num_pages)
         if bad is None:
+            got = f"dtype {arr.dtype}" if arr.ndim else type(value).__name__  # None, an object
             raise ValueError(
-                f"{where}: {field} must hold integer page ids, got dtype {arr.dtype} (room {room})"
+                f"{where}: {field} must hold integer page ids, got {got} (room {room})"
             )
     else:
         arr = arr.reshape(-1)

@@ -50,7 +50,7 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         (np.array([0.0, 1.0]), "must hold integer page ids, got dtype float64"),
         ([True, False], "must hold integer page ids, got dtype bool"),
         (["0"], "must hold integer page ids, got dtype <U1"),
-        (None, "must hold integer page ids, got dtype object"),
+        (None, "must hold integer page ids, got NoneType"),
         ([[0, 1], [2]], "must be integer page ids, got list"),
     ],
 )

@@ -246,6 +246,62 @@ def test_a_send_checks_its_pages_and_segment_and_waits_for_a_busy_engine() -> No
             assert _landed(src, dst, np.asarray(sp[room], dtype=np.int64), dp, total)
 
 
+def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
+    """A gap, a repeat or a segment after the last is refused by name with the room unchanged
+    (the decode completes a room only with chunks ``0..last`` and drops what follows the last:
+    each used to leave the prefill ``Success`` and the decode waiting until its timeout); the
+    segments sent in order then complete both sides with every byte in place."""
+    import threading
+
+    from pdplug.types import Segment
+
+    def seg(i: int, a: int, b: int, last: bool) -> Segment:
+        return Segment(token_start=a, token_end=b, page_start=a // P, num_tokens=b - a,
+                       chunk_id=i, is_last=last)  # fmt: skip
+
+    with _direct_pair("nixl") as (sender, recv, src, dst):
+        room, total = 5, 3 * P
+        sp = np.array([9, 3, 17], dtype=np.int64)
+        dp = np.array([4, 40, 11], dtype=np.int64)
+        recv.expect(room, dp, num_tokens=total)
+        sender.start(room)
+        assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+        with pytest.raises(ValueError, match="chunk_id=1 out of order: no segment sent so far"):
+            sender.send(room, seg(1, P, total, True), sp[1:])
+        assert sender.poll(room) == KVPoll.WaitingForInput
+        sender.send(room, seg(0, 0, P, False), sp)
+        for bad in (seg(0, 0, P, False), seg(2, 2 * P, total, True)):  # a repeat, a gap
+            with pytest.raises(
+                ValueError,
+                match=f"chunk_id={bad.chunk_id} out of order: "
+                "chunk_id 0..0 sent so far, so the next one is chunk_id=1",
+            ):
+                sender.send(room, bad, sp[bad.page_start :])
+        held, go = threading.Event(), threading.Event()
+
+        def round_in_progress() -> None:
+            with sender._loop.lock:  # the last segment stays pending while a round holds it
+                held.set()
+                go.wait(5)
+
+        t = threading.Thread(target=round_in_progress)
+        t.start()
+        try:
+            held.wait(5)
+            sender.send(room, seg(1, P, total, True), sp[1:])
+            with pytest.raises(
+                ValueError, match="chunk_id=2 comes after the room's last segment \\(chunk_id=1\\)"
+            ):
+                sender.send(room, seg(2, total, total, True), sp[3:])
+        finally:
+            go.set()
+            t.join()
+        assert sender.wait(room, timeout_s=10) == KVPoll.Success, sender.failure_reason(room)
+        assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
+        assert _landed(src, dst, sp, dp, total)
+        assert sender.stats()["posts"] == 2
+
+
 def test_mooncake_page_posts_refuse_bad_sizes_and_leave_long_writes_to_addresses() -> None:
     """``post_pages`` names a bad last-page size, and returns ``None`` (the session posts the
     addresses it computes) for a write of more runs than it builds as Python ints."""
