@@ -295,7 +295,9 @@ class Segment(msgspec.Struct, frozen=True, kw_only=True):
 
     :ivar token_start: first logical token (inclusive).
     :ivar token_end: end logical token (exclusive); ``token_end - token_start == num_tokens``.
-    :ivar page_start: index of the first page within the send's source page list.
+    :ivar page_start: index of the first page within the request's source page list (for the
+        host's slicing: ``KVSender.send`` takes ``src_pages`` from this page on and does not
+        read it).
     :ivar num_tokens: exact tokens (may be 0 only for the final, metadata-only segment).
     :ivar chunk_id: index of this segment among all chunks of the request.
     :ivar is_last: carries state and metadata; completes the room.

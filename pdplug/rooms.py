@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from pdplug.types import KVPoll, merge_poll
+from pdplug.types import KVPoll, Segment, merge_poll
 
 if TYPE_CHECKING:
     from pdplug.config import KVConfig
@@ -106,6 +106,7 @@ class _Room(msgspec.Struct, kw_only=True):
     success_held: bool = False
     deadline: float = 0.0
     chunks: int = 0  # segments handed to the sender (begin_send), in chunk_id order
+    token_end: int = 0  # where the last of them ended (the next one starts there)
 
 
 class Rooms:
@@ -349,22 +350,25 @@ class Rooms:
             r.pending += n
             return True
 
-    def begin_send(self, room: int, chunk_id: int, is_last: bool) -> tuple[int | None, KVPoll]:
+    def begin_send(self, room: int, seg: Segment) -> tuple[int | None, KVPoll]:
         """One segment of ``room`` is handed to the sender, in one step (the send path's
         ``status`` + ``add_pending`` + ``advance(Transferring)`` [+ ``advance(Success)``, held
         until nothing is pending when ``is_last``]).
 
-        Segments go in ``chunk_id`` order, ``0, 1, ...``, none after the last
-        (:meth:`pdplug.KVSender.send`): a decode completes a room only once chunks ``0..last``
-        all arrived and drops a chunk after the last, so a gap, a repeat or a segment after
-        the last would leave this rank ``Success`` and the decode waiting until its timeout.
+        Segments go in ``chunk_id`` order, ``0, 1, ...``, each starting at the token where the
+        one before ended, none after the last (:meth:`pdplug.KVSender.send`): a decode
+        completes a room once chunks ``0..last`` all arrived and drops a chunk after the last,
+        so a gap or repeat in chunk ids, or a segment after the last, would leave this rank
+        ``Success`` and the decode waiting until its timeout, and a token gap between two
+        segments would leave tokens unwritten in a room both sides call ``Success``.
 
         :returns: ``(generation, Transferring)`` when it was counted pending; ``(None,
             status)`` when nothing was counted because the room is not ``WaitingForInput`` or
             ``Transferring`` (its current status says why).
         :raises KeyError: ``room`` is not leased.
-        :raises ValueError: ``chunk_id`` out of order or after the last segment (named; the
-            room is unchanged).
+        :raises ValueError: ``seg.chunk_id`` out of order or after the last segment, or
+            ``seg.token_start`` not where the previous segment ended (named; the room is
+            unchanged).
         """
         with self._lock:
             r = self._rooms.get(room)
@@ -372,13 +376,18 @@ class Rooms:
                 raise KeyError(f"room {room} is not leased on this rank (never leased or cleared)")
             if r.status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 return None, r.status
-            if r.success_held or chunk_id != r.chunks:
-                raise ValueError(_out_of_order(room, r, chunk_id))
+            if (
+                r.success_held
+                or seg.chunk_id != r.chunks
+                or (r.chunks and seg.token_start != r.token_end)
+            ):
+                raise ValueError(_out_of_order(room, r, seg))
             r.chunks += 1
+            r.token_end = seg.token_end
             r.pending += 1
             if r.status != KVPoll.Transferring:
                 self._set(r, KVPoll.Transferring)
-            if is_last:
+            if seg.is_last:
                 r.success_held = True
             return r.generation, r.status
 
@@ -457,14 +466,21 @@ class Rooms:
         return 0.0 if spec is None else self._clock() + spec[0]
 
 
-def _out_of_order(room: int, r: _Room, chunk_id: int) -> str:
+def _out_of_order(room: int, r: _Room, seg: Segment) -> str:
+    chunk_id = seg.chunk_id
     if r.success_held:
         return (
             f"room {room}: segment chunk_id={chunk_id} comes after the room's last segment "
             f"(chunk_id={r.chunks - 1}); nothing follows the last"
         )
-    sent = "no segment" if not r.chunks else f"chunk_id 0..{r.chunks - 1}"
+    if chunk_id != r.chunks:
+        sent = "no segment" if not r.chunks else f"chunk_id 0..{r.chunks - 1}"
+        return (
+            f"room {room}: segment chunk_id={chunk_id} out of order: {sent} sent so far, so "
+            f"the next one is chunk_id={r.chunks} (segments go in chunk_id order 0, 1, ...)"
+        )
     return (
-        f"room {room}: segment chunk_id={chunk_id} out of order: {sent} sent so far, so the "
-        f"next one is chunk_id={r.chunks} (segments go in chunk_id order 0, 1, ...)"
+        f"room {room}: segment chunk_id={chunk_id} starts at token_start={seg.token_start} but "
+        f"chunk_id={r.chunks - 1} ended at token {r.token_end}: segments must follow each "
+        "other without a gap or an overlap"
     )

@@ -89,6 +89,8 @@ class Handoff:
         self._pipe = pipe
         #: registered pages (source ids are checked against it; set at ``register_kv``)
         self.num_pages = 0
+        #: tokens per source page (a segment's page count is checked; set at ``register_kv``)
+        self.page_size = 0
         self._counts = counts
         self.reaped_at = 0.0  # when a host last reaped (monotonic seconds)
 
@@ -106,12 +108,20 @@ class Handoff:
             if bad:
                 raise ValueError(f"KVSender.send: {bad} (room {room})")
             pages = page_ids(src_pages, "src_pages", self.num_pages, "KVSender.send", room)
+            ps, n = self.page_size, segment.num_tokens
+            if n and ps and pages.shape[0] < -(-(segment.token_start % ps + n) // ps):
+                raise ValueError(
+                    f"KVSender.send: src_pages holds {pages.shape[0]} pages but segment tokens "
+                    f"[{segment.token_start}, {segment.token_end}) span "
+                    f"{-(-(segment.token_start % ps + n) // ps)} pages of {ps} tokens from its "
+                    f"first page on (room {room})"
+                )
         except ValueError:
             if self._rooms.status(room) != KVPoll.Failed:  # a failed room ignores the send
                 raise
             pages = _NO_PAGES
         try:
-            gen, status = self._rooms.begin_send(room, segment.chunk_id, segment.is_last)
+            gen, status = self._rooms.begin_send(room, segment)
         except ValueError as e:
             raise ValueError(f"KVSender.send: {e}") from None
         if status == KVPoll.Failed:
@@ -129,7 +139,12 @@ class Handoff:
         one hand-off (the ones before a bad item too, then its error is raised)."""
         jobs: list[Job] = []
         try:
-            for item in sends:
+            for i, item in enumerate(sends):
+                if not 3 <= len(item) <= 4:
+                    raise TypeError(
+                        f"KVSender.send_many: item {i} must be (room, segment, src_pages[, "
+                        f"ready]), got {len(item)} fields"
+                    )
                 job = self.accept(*item)
                 if job is not None:
                     jobs.append(job)

@@ -17,6 +17,8 @@ from pdplug.packing.pages import ids_below, int64_ids
 
 __all__ = ["check_span", "page_ids"]
 
+_BOOLS = frozenset({bool, np.bool_})
+
 
 def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
     """A private int64 ``[n]`` copy of ``value`` (any integer array-like, flattened), every id
@@ -28,9 +30,10 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     :param where: the API call in errors (``KVSender.send``).
     :param room: the request's room, named in errors.
     :raises ValueError: ``value`` does not convert to an array (a tensor that requires grad, a
-        ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named), or
-        an id outside ``[0, num_pages)`` (the first one is named with its exact value, unsigned
-        ones and Python ints beyond 64 bits included).
+        ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named; a
+        boolean among a flat list's ints too), or an id outside ``[0, num_pages)`` (the first
+        one is named with its exact value, unsigned ones and Python ints beyond 64 bits
+        included).
     """
     if int64_ids(value):
         arr = value.copy()  # the usual case (a host's int64 page list)
@@ -46,6 +49,15 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         ) from None
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if (
+        arr.dtype.kind in "iu"
+        and isinstance(value, (list, tuple))
+        and not _BOOLS.isdisjoint(map(type, value))
+    ):
+        # numpy turns [7, True] into int64 [7, 1]: page 1 would be sent for a flag
+        raise ValueError(
+            f"{where}: {field} must hold integer page ids, got a boolean among them (room {room})"
+        )
     if arr.dtype.kind not in "iu":
         bad = _int_outside(value, num_pages)
         if bad is None:

@@ -341,7 +341,9 @@ class KVSenderSession(RoomSession):
         if gen is None or self.rooms.status(room) == KVPoll.Success:
             return
         self.rooms.fail(room, f"aborted on prefill rank {self.rank}: {reason}", gen)
-        self._loop.submit(lambda: self._table.abort(room, gen))
+        # on this thread when the engine is free: a host thread's next reap would otherwise
+        # post a segment whose ready marker completed meanwhile into the aborted room
+        self._loop.run_here_or_submit(lambda: self._table.abort(room, gen))
 
     def clear(self, room: int) -> None:
         """Forget ``room`` (the host released it). An unfinished room is aborted first."""
@@ -352,7 +354,7 @@ class KVSenderSession(RoomSession):
         if not done:
             self.rooms.fail(room, f"cleared on prefill rank {self.rank} before completion", gen)
         self.rooms.clear(room, gen)
-        self._loop.submit(lambda: self._table.clear(room, gen, done))
+        self._loop.run_here_or_submit(lambda: self._table.clear(room, gen, done))
 
     def stats(self) -> dict[str, Any]:
         """Counters: posts, runs, bytes, notify_only, segments, direct_plans, direct_lane (segments
@@ -382,6 +384,7 @@ class KVSenderSession(RoomSession):
             regions.append((int(self._pack.data_ptr()), int(self._pack.numel())))
         self.engine.register(dedup_regions(regions))
         self._num_pages = self._handoff.num_pages = reg.num_pages
+        self._handoff.page_size = cfg.layout.page_size
         base = np.asarray(reg.base, dtype=np.int64)
         packer = self._packer or self.planner.packer(cfg.device)
         self._pipe.set_memory(entries, base, self._pack, self._regions, cfg.pack_depth, packer)

@@ -51,6 +51,7 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         ([True, False], "must hold integer page ids, got dtype bool"),
         (["0"], "must hold integer page ids, got dtype <U1"),
         (None, "must hold integer page ids, got NoneType"),
+        ([7, True, 12], "must hold integer page ids, got a boolean among them"),
         ([[0, 1], [2]], "must be integer page ids, got list"),
     ],
 )

@@ -221,6 +221,11 @@ def test_a_send_checks_its_pages_and_segment_and_waits_for_a_busy_engine() -> No
             for pages in (np.array([5, 9], dtype=np.int64), [5, 9]):  # an int64 array, a list
                 with pytest.raises(ValueError, match=what):
                     sender.send(1, bad_seg, pages)
+        # too few pages for the segment's tokens (it used to fail the room later, both sides)
+        for short in (np.array([5], dtype=np.int64), [], np.zeros(0, dtype=np.int64)):
+            want = f"src_pages holds {len(short)} pages but segment tokens \\[0, {2 * P}\\) span 2"
+            with pytest.raises(ValueError, match=want):
+                sender.send(1, seg(2 * P), short)
         assert sender.poll(1) == KVPoll.WaitingForInput  # nothing was counted
         sp = {1: np.array([5, 9], dtype=np.int64), 2: np.array([7, 1, 30, 2], dtype=np.int64),
               3: [44]}  # fmt: skip
@@ -277,6 +282,17 @@ def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
                 "chunk_id 0..0 sent so far, so the next one is chunk_id=1",
             ):
                 sender.send(room, bad, sp[bad.page_start :])
+        # a token gap after chunk 0 (tokens [P, P + 5) never written, both sides Success) and
+        # an overlap: refused, the room unchanged
+        for start in (P + 5, P - 1):
+            with pytest.raises(
+                ValueError,
+                match=f"chunk_id=1 starts at token_start={start} but chunk_id=0 ended at "
+                f"token {P}: segments must follow each other",
+            ):
+                sender.send(room, seg(1, start, total, True), sp[start // P :])
+        with pytest.raises(TypeError, match="send_many: item 0 must be \\(room, segment, "):
+            sender.send_many([(room, seg(1, P, total, True))])
         held, go = threading.Event(), threading.Event()
 
         def round_in_progress() -> None:
@@ -300,6 +316,44 @@ def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
         assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
         assert _landed(src, dst, sp, dp, total)
         assert sender.stats()["posts"] == 2
+
+
+def test_a_segment_whose_ready_marker_completes_after_abort_is_never_posted() -> None:
+    """``abort()`` fails the room's engine-side lease before it returns when the engine is
+    free: a host that reaps right after (``wait``) used to post a parked segment whose ready
+    marker had just completed into the aborted room (its bytes landing in decode pages of a
+    ``Failed`` room) before the loop thread took the abort."""
+    from pdplug.types import Segment
+
+    class Marker:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    with _direct_pair("nixl") as (sender, recv, _src, dst):
+        before = [d.clone() for d in dst]
+        for room in range(20):
+            dp = np.arange(4 * (room % 8), 4 * (room % 8) + 2, dtype=np.int64)
+            recv.expect(room, dp, num_tokens=2 * P)
+            sender.start(room)
+            assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+            ready = Marker()
+            seg = Segment(token_start=0, token_end=2 * P, page_start=0, num_tokens=2 * P,
+                          chunk_id=0, is_last=True)  # fmt: skip
+            sender.send(room, seg, np.array([3, 5], dtype=np.int64), ready)
+            sender.abort(room)
+            ready.done = True
+            assert sender.wait(room, timeout_s=2) == KVPoll.Failed
+            assert sender.drained(room)
+        assert sender.stats().get("posts", 0) == 0
+        assert all(torch_equal(a, b) for a, b in zip(before, dst))
+        for room in range(20):
+            assert recv.wait(room, timeout_s=10) == KVPoll.Failed, recv.failure_reason(room)
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    return bool((a == b).all())
 
 
 def test_mooncake_page_posts_refuse_bad_sizes_and_leave_long_writes_to_addresses() -> None:
