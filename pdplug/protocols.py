@@ -311,9 +311,11 @@ class KVSender(Protocol):
             writes of this segment, or the ``torch.cuda.Stream`` that writes them.
         :raises TypeError: ``ready`` has no ``query()``.
         :raises ValueError: the room is not ``WaitingForInput``/``Transferring``; a page id
-            is outside the registered KV; the segment's fields disagree; or its ``chunk_id`` is
-            not the room's next one (a gap, a repeat, or a segment after the last: the decode
-            could never complete the room). The room is unchanged.
+            is outside the registered KV, or fewer pages than the segment's tokens span; the
+            segment's fields disagree; its ``chunk_id`` is not the room's next one (a gap, a
+            repeat, or a segment after the last: the decode could never complete the room); or
+            it does not start at the token where the previous segment ended. The room is
+            unchanged.
         """
         ...
 
