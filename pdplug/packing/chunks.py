@@ -46,11 +46,12 @@ def segment_to_chunk(
     """
     start, n = segment.token_start, segment.num_tokens
     rel = start - decode_prefix_len
-    if rel < 0 or page_size <= 0:
+    if rel < 0:
         raise ValueError(
-            f"segment.token_start={start} must be >= decode_prefix_len="
-            f"{decode_prefix_len} (page_size={page_size} must be > 0)"
+            f"segment.token_start={start} must be >= decode_prefix_len={decode_prefix_len}"
         )
+    if page_size <= 0:
+        raise ValueError(f"page_size={page_size} must be > 0")
     skip = start % page_size
     need = -(-(skip + n) // page_size) if n else 0
     pages = src_pages if checked else page_array(src_pages, "src_pages", room)

@@ -50,7 +50,16 @@ def malformed(seg: Segment) -> str:
     """Why ``seg``'s fields disagree (``""`` when they do not): ``num_tokens`` must equal
     ``token_end - token_start`` (the tokens written are counted by it: a segment that says 10 of
     35 would land 10 and complete the room), ``token_start`` and ``chunk_id`` must be >= 0, and
-    only the last segment may hold no token (its metadata-only end; :class:`~pdplug.Segment`)."""
+    only the last segment may hold no token (its metadata-only end; :class:`~pdplug.Segment`);
+    the token fields and ``chunk_id`` must be Python ints and ``is_last`` a bool."""
+    if not (
+        type(seg.token_start) is int
+        and type(seg.token_end) is int
+        and type(seg.num_tokens) is int
+        and type(seg.chunk_id) is int
+        and type(seg.is_last) is bool
+    ):
+        return _bad_type(seg)
     n = seg.num_tokens
     if n != seg.token_end - seg.token_start:
         return (
@@ -64,6 +73,16 @@ def malformed(seg: Segment) -> str:
     if n == 0 and not seg.is_last:
         return f"segment chunk_id={seg.chunk_id} holds no token but is not the last one"
     return ""
+
+
+def _bad_type(seg: Segment) -> str:
+    # msgspec does not check a Struct's field types at construction: a chunk_id of False or
+    # an is_last of 1 went out in the tag, and the decode never matched it
+    for name in ("token_start", "token_end", "num_tokens", "chunk_id"):
+        v = getattr(seg, name)
+        if type(v) is not int:
+            return f"segment {name} must be an int, got {type(v).__qualname__} {v!r}"
+    return f"segment is_last must be a bool, got {type(seg.is_last).__qualname__} {seg.is_last!r}"
 
 
 class Handoff:

@@ -151,9 +151,17 @@ class Lease(msgspec.Struct, kw_only=True):
 
     def segment_error(self, keys: list[PeerKey], seg: Segment) -> str:
         """Why ``seg`` cannot go to destinations ``keys`` (it ends past, or as the last segment
-        short of, a destination's declared ``num_tokens``); ``""`` when it can."""
+        short of, a destination's declared ``num_tokens``; as the first, it starts after the
+        destination's ``decode_prefix_len``); ``""`` when it can."""
         for key in keys:
             d = self.dests[key]
+            if not seg.chunk_id and seg.token_start > d.decode_prefix_len:
+                return (
+                    f"token count: the first segment starts at token {seg.token_start} but "
+                    f"{describe(key)} declared decode_prefix_len={d.decode_prefix_len} "
+                    f"(KVReceiver.expect): tokens [{d.decode_prefix_len}, {seg.token_start}) "
+                    "would never be written"
+                )
             short = seg.is_last and seg.token_end < d.num_tokens
             if d.num_tokens and (seg.token_end > d.num_tokens or short):
                 which = "the last segment" if seg.is_last else f"segment {seg.chunk_id}"

@@ -217,6 +217,15 @@ def test_a_send_checks_its_pages_and_segment_and_waits_for_a_busy_engine() -> No
             (seg(2 * P, -1), "chunk_id=-1 must be >= 0"),
             (Segment(token_start=0, token_end=0, page_start=0, num_tokens=0, chunk_id=0,
                      is_last=False), "holds no token but is not the last one"),
+            # msgspec does not check field types: each went out in the tag unmatched
+            (Segment(token_start=0, token_end=2 * P, page_start=0, num_tokens=2 * P,
+                     chunk_id=False, is_last=True), "chunk_id must be an int, got bool False"),
+            (Segment(token_start=0, token_end=2 * P, page_start=0, num_tokens=2 * P,
+                     chunk_id=np.int64(0), is_last=True), "chunk_id must be an int, got int64"),
+            (Segment(token_start=0, token_end=2.0 * P, page_start=0, num_tokens=2 * P,
+                     chunk_id=0, is_last=True), "token_end must be an int, got float"),
+            (Segment(token_start=0, token_end=2 * P, page_start=0, num_tokens=2 * P,
+                     chunk_id=0, is_last=1), "is_last must be a bool, got int 1"),
         ):  # fmt: skip
             for pages in (np.array([5, 9], dtype=np.int64), [5, 9]):  # an int64 array, a list
                 with pytest.raises(ValueError, match=what):
@@ -316,6 +325,26 @@ def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
         assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
         assert _landed(src, dst, sp, dp, total)
         assert sender.stats()["posts"] == 2
+
+
+def test_a_first_segment_that_starts_after_the_decodes_prefix_fails_both_sides() -> None:
+    """The decode's KV starts at its ``decode_prefix_len``: a first segment starting later
+    used to complete both sides with the tokens before it never written; now the room fails on
+    both sides naming the span."""
+    from pdplug.types import Segment
+
+    with _direct_pair("nixl") as (sender, recv, _src, _dst):
+        room = 9
+        recv.expect(room, np.array([2, 6], dtype=np.int64), num_tokens=2 * P)
+        sender.start(room)
+        assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+        seg = Segment(token_start=5, token_end=2 * P, page_start=0, num_tokens=2 * P - 5,
+                      chunk_id=0, is_last=True)  # fmt: skip
+        sender.send(room, seg, np.array([3, 4], dtype=np.int64))
+        assert sender.wait(room, timeout_s=10) == KVPoll.Failed
+        assert recv.wait(room, timeout_s=10) == KVPoll.Failed
+        why = sender.failure_reason(room) or ""
+        assert "first segment starts at token 5" in why and "tokens [0, 5)" in why, why
 
 
 def test_a_segment_whose_ready_marker_completes_after_abort_is_never_posted() -> None:
