@@ -234,18 +234,28 @@ class EngineLoop:
             self.lock.release()
         return True
 
-    def run_here_or_submit(self, fn: Callable[[], None], wait_s: float = 0.0005) -> bool:
+    def run_here_or_submit(
+        self, fn: Callable[[], None], wait_s: float = 0.0005, in_order: bool = False
+    ) -> bool:
         """Run ``fn`` on the calling thread as :meth:`try_run` does, waiting up to ``wait_s``
         seconds for the round under way to end (the wait releases the GIL, so that round can
-        end); else :meth:`submit` it. Returns whether it ran here."""
-        if self.try_run(fn):
+        end); else :meth:`submit` it. ``in_order``: work that must follow what was submitted
+        before it (a room's abort after its start) runs here only when no submitted closure is
+        still queued, else behind them. Returns whether it ran here."""
+        if not in_order and self.try_run(fn):
             return True
-        if self.died is None and not self._stopping and self.lock.acquire(timeout=wait_s):
+        if (
+            self.died is None
+            and not self._stopping
+            and threading.get_ident() != self._ident
+            and self.lock.acquire(timeout=wait_s)
+        ):
             try:
-                self._call(fn)
+                if not (in_order and self._todo):  # read under the lock: no round takes one
+                    self._call(fn)
+                    return True
             finally:
                 self.lock.release()
-            return True
         self.submit(fn)
         return False
 

@@ -183,12 +183,9 @@ class KVSenderSession(RoomSession):
         )
         self._pipe.poster.outcomes(self._table.job_done, self._table.written)  # not lambdas
         self._handoff = Handoff(
-            rooms=self.rooms,
-            loop=self._loop,
-            table=self._table,
-            pipe=self._pipe,
+            rooms=self.rooms, loop=self._loop, table=self._table, pipe=self._pipe,
             counts=self.counts,
-        )
+        )  # fmt: skip
         self._loop.start()
 
     @property
@@ -341,9 +338,8 @@ class KVSenderSession(RoomSession):
         if gen is None or self.rooms.status(room) == KVPoll.Success:
             return
         self.rooms.fail(room, f"aborted on prefill rank {self.rank}: {reason}", gen)
-        # on this thread when the engine is free: a host thread's next reap would otherwise
-        # post a segment whose ready marker completed meanwhile into the aborted room
-        self._loop.run_here_or_submit(lambda: self._table.abort(room, gen))
+        # here when free: a host's next reap could post a just-ready segment into the room
+        self._loop.run_here_or_submit(lambda: self._table.abort(room, gen), in_order=True)
 
     def clear(self, room: int) -> None:
         """Forget ``room`` (the host released it). An unfinished room is aborted first."""
@@ -354,7 +350,7 @@ class KVSenderSession(RoomSession):
         if not done:
             self.rooms.fail(room, f"cleared on prefill rank {self.rank} before completion", gen)
         self.rooms.clear(room, gen)
-        self._loop.run_here_or_submit(lambda: self._table.clear(room, gen, done))
+        self._loop.run_here_or_submit(lambda: self._table.clear(room, gen, done), in_order=True)
 
     def stats(self) -> dict[str, Any]:
         """Counters: posts, runs, bytes, notify_only, segments, direct_plans, direct_lane (segments
