@@ -19,6 +19,12 @@ from pdplug.types import Segment, SendChunk, pages_from_bytes
 __all__ = ["segment_to_chunk", "segment_chunks"]
 
 
+def pages_spanned(token_start: int, num_tokens: int, page_size: int) -> int:
+    """Source pages a segment of ``num_tokens`` tokens from ``token_start`` spans, counted from
+    the page holding its first token (what ``src_pages`` must hold at least; 0 for no token)."""
+    return -(-(token_start % page_size + num_tokens) // page_size) if num_tokens else 0
+
+
 def segment_to_chunk(
     room: int,
     segment: Segment,
@@ -53,7 +59,7 @@ def segment_to_chunk(
     if page_size <= 0:
         raise ValueError(f"page_size={page_size} must be > 0")
     skip = start % page_size
-    need = -(-(skip + n) // page_size) if n else 0
+    need = pages_spanned(start, n, page_size)
     pages = src_pages if checked else page_array(src_pages, "src_pages", room)
     if pages.shape[0] < need:
         raise ValueError(

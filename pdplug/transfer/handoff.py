@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pdplug.packing.chunks import pages_spanned
 from pdplug.rooms import Rooms, reached
 from pdplug.transfer.gather import check_ready
 from pdplug.transfer.leases import SendLeases
@@ -127,13 +128,13 @@ class Handoff:
             if bad:
                 raise ValueError(f"KVSender.send: {bad} (room {room})")
             pages = page_ids(src_pages, "src_pages", self.num_pages, "KVSender.send", room)
-            ps, n = self.page_size, segment.num_tokens
-            if n and ps and pages.shape[0] < -(-(segment.token_start % ps + n) // ps):
+            ps = self.page_size
+            need = pages_spanned(segment.token_start, segment.num_tokens, ps) if ps else 0
+            if pages.shape[0] < need:
                 raise ValueError(
                     f"KVSender.send: src_pages holds {pages.shape[0]} pages but segment tokens "
-                    f"[{segment.token_start}, {segment.token_end}) span "
-                    f"{-(-(segment.token_start % ps + n) // ps)} pages of {ps} tokens from its "
-                    f"first page on (room {room})"
+                    f"[{segment.token_start}, {segment.token_end}) span {need} pages of {ps} "
+                    f"tokens from its first page on (room {room})"
                 )
         except ValueError:
             if self._rooms.status(room) != KVPoll.Failed:  # a failed room ignores the send
