@@ -160,10 +160,15 @@ class Handoff:
         jobs: list[Job] = []
         try:
             for i, item in enumerate(sends):
-                if not 3 <= len(item) <= 4:
+                if not isinstance(item, (tuple, list)) or not 3 <= len(item) <= 4:
+                    got = (
+                        f"{len(item)} fields"
+                        if isinstance(item, (tuple, list))
+                        else type(item).__name__
+                    )
                     raise TypeError(
                         f"KVSender.send_many: item {i} must be (room, segment, src_pages[, "
-                        f"ready]), got {len(item)} fields"
+                        f"ready]), got {got}"
                     )
                 job = self.accept(*item)
                 if job is not None:

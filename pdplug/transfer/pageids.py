@@ -30,10 +30,10 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     :param where: the API call in errors (``KVSender.send``).
     :param room: the request's room, named in errors.
     :raises ValueError: ``value`` does not convert to an array (a tensor that requires grad, a
-        ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named; a
-        boolean among a flat list's ints too), or an id outside ``[0, num_pages)`` (the first
-        one is named with its exact value, unsigned ones and Python ints beyond 64 bits
-        included).
+        ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named;
+        a boolean among a list's ints too, at any depth), or an id outside
+        ``[0, num_pages)`` (the first one is named with its exact value, unsigned ones and
+        Python ints beyond 64 bits included).
     """
     if int64_ids(value):
         arr = value.copy()  # the usual case (a host's int64 page list)
@@ -49,11 +49,7 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         ) from None
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if (
-        arr.dtype.kind in "iu"
-        and isinstance(value, (list, tuple))
-        and not _BOOLS.isdisjoint(map(type, value))
-    ):
+    if arr.dtype.kind in "iu" and isinstance(value, (list, tuple)) and _has_bool(value, arr):
         # numpy turns [7, True] into int64 [7, 1]: page 1 would be sent for a flag
         raise ValueError(
             f"{where}: {field} must hold integer page ids, got a boolean among them (room {room})"
@@ -75,6 +71,16 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     raise ValueError(
         f"{where}: {field} has page {bad}, outside [0, {num_pages}) registered pages (room {room})"
     )
+
+
+def _has_bool(value: list[Any] | tuple[Any, ...], arr: np.ndarray) -> bool:
+    """Whether a list that numpy read as integers held a boolean (at any depth: ``[[7, True]]``
+    too)."""
+    if arr.ndim == 1:
+        return not _BOOLS.isdisjoint(map(type, value))
+    flat = np.empty(arr.shape, dtype=object)
+    flat[...] = value  # the elements as given: asarray(dtype=object) would nest lists
+    return not _BOOLS.isdisjoint(map(type, flat.reshape(-1).tolist()))
 
 
 def _int_outside(value: Any, num_pages: int) -> int | None:

@@ -28,6 +28,8 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         [[0, 1], [15]][0] + [15],
         range(3),
         np.int64(7),
+        [[0, 1], [2, 3]],
+        [np.array([0, 1]), np.array([2, 3])],
     ],
 )
 def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
@@ -52,6 +54,9 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         (["0"], "must hold integer page ids, got dtype <U1"),
         (None, "must hold integer page ids, got NoneType"),
         ([7, True, 12], "must hold integer page ids, got a boolean among them"),
+        ([[7, True]], "must hold integer page ids, got a boolean among them"),
+        (((1, 2), (3, np.bool_(True))), "must hold integer page ids, got a boolean among them"),
+        ([np.array([1, 2]), np.array([True, False])], "got a boolean among them"),
         ([[0, 1], [2]], "must be integer page ids, got list"),
     ],
 )

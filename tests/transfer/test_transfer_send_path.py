@@ -302,6 +302,12 @@ def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
                 sender.send(room, seg(1, start, total, True), sp[start // P :])
         with pytest.raises(TypeError, match="send_many: item 0 must be \\(room, segment, "):
             sender.send_many([(room, seg(1, P, total, True))])
+        for item in (seg(1, P, total, True), "room"):  # not a tuple: named, nothing sent
+            with pytest.raises(
+                TypeError,
+                match=f"send_many: item 0 must be .* got {type(item).__name__}$",
+            ):
+                sender.send_many([item])
         held, go = threading.Event(), threading.Event()
 
         def round_in_progress() -> None:
