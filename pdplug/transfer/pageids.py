@@ -18,6 +18,8 @@ from pdplug.packing.pages import ids_below, int64_ids
 __all__ = ["check_span", "page_ids"]
 
 _BOOLS = frozenset({bool, np.bool_})
+_INTS = frozenset({int})
+_BOOL_DTYPES = frozenset({"bool", "torch.bool"})
 
 
 def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
@@ -74,13 +76,19 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
 
 
 def _has_bool(value: list[Any] | tuple[Any, ...], arr: np.ndarray) -> bool:
-    """Whether a list that numpy read as integers held a boolean (at any depth: ``[[7, True]]``
-    too)."""
-    if arr.ndim == 1:
-        return not _BOOLS.isdisjoint(map(type, value))
-    flat = np.empty(arr.shape, dtype=object)
-    flat[...] = value  # the elements as given: asarray(dtype=object) would nest lists
-    return not _BOOLS.isdisjoint(map(type, flat.reshape(-1).tolist()))
+    """Whether a list that numpy read as integers held a boolean: at any depth (``[[7, True]]``)
+    and as a 0-d array or tensor (``[np.array(True), 3]``)."""
+    items: Any = value
+    if arr.ndim > 1:
+        flat = np.empty(arr.shape, dtype=object)
+        flat[...] = value  # the elements as given: asarray(dtype=object) would nest lists
+        items = flat.reshape(-1).tolist()
+    kinds = set(map(type, items))
+    if kinds <= _INTS:  # the usual list (vLLM's block ids): Python ints
+        return False
+    return not _BOOLS.isdisjoint(kinds) or any(
+        str(getattr(x, "dtype", "")) in _BOOL_DTYPES for x in items if type(x) not in _INTS
+    )
 
 
 def _int_outside(value: Any, num_pages: int) -> int | None:

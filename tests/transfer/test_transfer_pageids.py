@@ -57,6 +57,8 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         ([[7, True]], "must hold integer page ids, got a boolean among them"),
         (((1, 2), (3, np.bool_(True))), "must hold integer page ids, got a boolean among them"),
         ([np.array([1, 2]), np.array([True, False])], "got a boolean among them"),
+        ([np.array(True), 3], "got a boolean among them"),
+        ([[np.array(True)], [3]], "got a boolean among them"),
         ([[0, 1], [2]], "must be integer page ids, got list"),
     ],
 )
@@ -74,6 +76,9 @@ def test_a_tensor_that_requires_grad_is_refused_as_a_value_error() -> None:
     with pytest.raises(ValueError, match="src_pages must be integer page ids, got Tensor"):
         _ids(torch.tensor([1.0, 2.0], requires_grad=True))
     assert _ids(torch.tensor([1, 2])).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="src_pages must hold integer page ids, got a boolean"):
+        _ids([torch.tensor(True), 3])  # numpy reads it as page 1
+    assert _ids([torch.tensor(2), 3]).tolist() == [2, 3]
 
 
 def test_the_check_reads_the_copy_it_returns() -> None:
