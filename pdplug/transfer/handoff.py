@@ -20,13 +20,13 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from pdplug.packing.chunks import pages_spanned
-from pdplug.rooms import Rooms, reached
+from pdplug.rooms import Rooms, check_room_id, reached
 from pdplug.transfer.gather import check_ready
 from pdplug.transfer.leases import SendLeases
 from pdplug.transfer.loop import EngineLoop
@@ -121,6 +121,8 @@ class Handoff:
     def accept(self, room: int, segment: Segment, src_pages: Any, ready: Any = None) -> Job | None:
         """Check one send and count it pending (``KVSender.send``'s errors); ``None`` when it
         is ignored (the room failed)."""
+        if type(room) is not int:  # True would be room 1 and 2.0 room 2 (equal dict keys)
+            check_room_id(room, "KVSender.send")
         if ready is not None:
             check_ready(ready)
         try:
@@ -158,6 +160,11 @@ class Handoff:
         """:meth:`accept` every ``(room, segment, src_pages[, ready])`` and :meth:`post` them in
         one hand-off (the ones before a bad item too, then its error is raised)."""
         jobs: list[Job] = []
+        if not isinstance(sends, Iterable) or isinstance(sends, (str, bytes, dict)):
+            raise TypeError(
+                "KVSender.send_many: sends must be a sequence of (room, segment, src_pages[, "
+                f"ready]) tuples, got {type(sends).__name__}"
+            )
         try:
             for i, item in enumerate(sends):
                 if not isinstance(item, (tuple, list)) or not 3 <= len(item) <= 4:
@@ -170,7 +177,13 @@ class Handoff:
                         f"KVSender.send_many: item {i} must be (room, segment, src_pages[, "
                         f"ready]), got {got}"
                     )
-                job = self.accept(*item)
+                try:
+                    job = self.accept(*item)
+                except (KeyError, TypeError, ValueError) as e:
+                    # which item of the step: the rooms before it are sent
+                    msg = str(e.args[0]) if e.args else type(e).__name__
+                    msg = msg.removeprefix("KVSender.send: ")
+                    raise type(e)(f"KVSender.send_many: item {i}: {msg}") from None
                 if job is not None:
                     jobs.append(job)
         finally:

@@ -51,13 +51,14 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         ) from None
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind in "iu" and isinstance(value, (list, tuple)) and _has_bool(value, arr):
+    items = _elements(value, arr)
+    if items is not None and arr.dtype.kind != "b" and _has_bool(items):
         # numpy turns [7, True] into int64 [7, 1]: page 1 would be sent for a flag
         raise ValueError(
             f"{where}: {field} must hold integer page ids, got a boolean among them (room {room})"
         )
     if arr.dtype.kind not in "iu":
-        bad = _int_outside(value, num_pages)
+        bad = None if items is None else _int_outside(items, num_pages)
         if bad is None:
             got = f"dtype {arr.dtype}" if arr.ndim else type(value).__name__  # None, an object
             raise ValueError(
@@ -75,14 +76,21 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     )
 
 
-def _has_bool(value: list[Any] | tuple[Any, ...], arr: np.ndarray) -> bool:
-    """Whether a list that numpy read as integers held a boolean: at any depth (``[[7, True]]``)
-    and as a 0-d array or tensor (``[np.array(True), 3]``)."""
-    items: Any = value
-    if arr.ndim > 1:
-        flat = np.empty(arr.shape, dtype=object)
-        flat[...] = value  # the elements as given: asarray(dtype=object) would nest lists
-        items = flat.reshape(-1).tolist()
+def _elements(value: Any, arr: np.ndarray) -> Any:
+    """The ids of a Python sequence (list, tuple, deque, range, nested ones) as given, flat;
+    ``None`` for an array, a tensor or a scalar (its dtype says what it holds)."""
+    if arr.ndim == 0 or getattr(value, "dtype", None) is not None:
+        return None
+    if arr.ndim == 1:
+        return value if isinstance(value, (list, tuple)) else list(value)
+    flat = np.empty(arr.shape, dtype=object)
+    flat[...] = value  # the elements as given: asarray(dtype=object) would nest lists
+    return flat.reshape(-1).tolist()
+
+
+def _has_bool(items: Any) -> bool:
+    """Whether flat ``items`` hold a boolean, also as a 0-d array or tensor
+    (``[np.array(True), 3]``)."""
     kinds = set(map(type, items))
     if kinds <= _INTS:  # the usual list (vLLM's block ids): Python ints
         return False
@@ -91,13 +99,11 @@ def _has_bool(value: list[Any] | tuple[Any, ...], arr: np.ndarray) -> bool:
     )
 
 
-def _int_outside(value: Any, num_pages: int) -> int | None:
-    """The first id outside ``[0, num_pages)`` of a flat list of Python/numpy ints that numpy
-    could not hold as int64 or uint64 (it made floats or objects of them), else ``None``."""
-    if not isinstance(value, (list, tuple)):
-        return None
-    ints = [x for x in value if isinstance(x, (int, np.integer)) and not isinstance(x, bool)]
-    if len(ints) != len(value):
+def _int_outside(items: Any, num_pages: int) -> int | None:
+    """The first id outside ``[0, num_pages)`` of flat Python/numpy ints that numpy could not
+    hold as int64 or uint64 (it made floats or objects of them), else ``None``."""
+    ints = [x for x in items if isinstance(x, (int, np.integer))]
+    if len(ints) != len(items):
         return None
     return next((int(x) for x in ints if not 0 <= int(x) < num_pages), None)
 

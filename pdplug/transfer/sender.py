@@ -290,9 +290,10 @@ class KVSenderSession(RoomSession):
             fails.
         :raises KeyError: ``room`` is not leased.
         :raises TypeError: ``ready`` has no ``query()``.
-        :raises ValueError: the room is not ``WaitingForInput``/``Transferring``, the segment's
-            fields disagree (:func:`~pdplug.transfer.handoff.malformed`), a source page id is
-            outside the KV or not an integer (:func:`~pdplug.transfer.pageids.page_ids`).
+        :raises ValueError: ``room`` is not an int (``True`` would be room 1), the room is not
+            ``WaitingForInput``/``Transferring``, the segment's fields disagree
+            (:func:`~pdplug.transfer.handoff.malformed`), a source page id is outside the KV or
+            not an integer (:func:`~pdplug.transfer.pageids.page_ids`).
         """
         job = self._handoff.accept(room, segment, src_pages, ready)
         if job is not None:
@@ -302,8 +303,8 @@ class KVSenderSession(RoomSession):
         """:meth:`send` for every ``(room, segment, src_pages[, ready])`` of one engine step,
         with one hand-off for all of them (:mod:`pdplug.transfer.handoff`).
 
-        :raises KeyError, TypeError, ValueError: as :meth:`send`, for the first bad item; the
-            items before it are sent.
+        :raises KeyError, TypeError, ValueError: as :meth:`send`, for the first bad item (named
+            ``item i``; the ones before it are sent), or ``sends``/an item of the wrong shape.
         """
         self._handoff.accept_all(sends)
 

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -30,6 +32,8 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         np.int64(7),
         [[0, 1], [2, 3]],
         [np.array([0, 1]), np.array([2, 3])],
+        collections.deque([0, 1, 15]),
+        collections.UserList([[0, 1], [15, 2]]),
     ],
 )
 def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
@@ -58,6 +62,11 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         (((1, 2), (3, np.bool_(True))), "must hold integer page ids, got a boolean among them"),
         ([np.array([1, 2]), np.array([True, False])], "got a boolean among them"),
         ([np.array(True), 3], "got a boolean among them"),
+        (collections.deque([9, 3, True]), "got a boolean among them"),
+        (collections.UserList([True, 3]), "got a boolean among them"),
+        ([9, 3, 2**63, True], "got a boolean among them"),
+        ([[9, 3], [7, 2**70]], f"has page {2**70}, outside"),
+        ([[9, 3], [7, 2**63]], f"has page {2**63}, outside"),
         ([[np.array(True)], [3]], "got a boolean among them"),
         ([[0, 1], [2]], "must be integer page ids, got list"),
     ],

@@ -8,6 +8,7 @@ lane), by page ids into the engine's prepared lists."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -308,6 +309,17 @@ def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
                 match=f"send_many: item 0 must be .* got {type(item).__name__}$",
             ):
                 sender.send_many([item])
+        with pytest.raises(TypeError, match=r"send_many: sends must be a sequence .* got NoneType"):
+            sender.send_many(None)  # type: ignore[arg-type]
+        # an item's own error names the item (the ones before it are sent)
+        with pytest.raises(ValueError, match=r"^KVSender.send_many: item 0: room .* out of order"):
+            sender.send_many([(room, seg(2, P, total, True), sp[1:])])
+        for bad_room in (True, float(room), str(room)):  # True would be room 1, 2.0 room 2
+            with pytest.raises(
+                ValueError,
+                match=re.escape(f"KVSender.send: room={bad_room!r} must be an int in [0, 2**63)"),
+            ):
+                sender.send(bad_room, seg(1, P, total, True), sp[1:])  # type: ignore[arg-type]
         held, go = threading.Event(), threading.Event()
 
         def round_in_progress() -> None:
