@@ -48,17 +48,19 @@ __all__ = ["ROOM_LIMIT", "Rooms", "RoomView", "check_room_id", "next_generation"
 ROOM_LIMIT = 1 << 63
 
 
-def check_room_id(room: object, where: str) -> None:
+def check_room_id(room: object, where: str) -> int:
     """Refuse a room id that is not an int in ``[0, 2**63)``: rooms are non-negative int64 on
     every wire (a larger or non-integer one would be lost when the engine thread encodes its
-    message, long after the host call returned).
+    message, long after the host call returned; ``True`` or ``2.0`` would alias room 1 or 2).
 
     :param where: the API call, named in the error (``KVReceiver.expect``).
+    :returns: the room as a Python ``int`` (a NumPy integer cannot be encoded on the wire).
     :raises ValueError: naming ``where`` and the value (booleans are refused too).
     """
     integer = isinstance(room, int | np.integer) and not isinstance(room, bool)
     if not integer or not 0 <= room < ROOM_LIMIT:  # type: ignore[operator]
         raise ValueError(f"{where}: room={room!r} must be an int in [0, 2**63)")
+    return int(room)  # type: ignore[call-overload]
 
 
 _GEN = itertools.count(1)

@@ -53,6 +53,8 @@ def malformed(seg: Segment) -> str:
     35 would land 10 and complete the room), ``token_start`` and ``chunk_id`` must be >= 0, and
     only the last segment may hold no token (its metadata-only end; :class:`~pdplug.Segment`);
     the token fields and ``chunk_id`` must be Python ints and ``is_last`` a bool."""
+    if not isinstance(seg, Segment):  # a dict or a tuple would fail on its first field
+        return f"segment must be a pdplug Segment, got {type(seg).__qualname__}"
     if not (
         type(seg.token_start) is int
         and type(seg.token_end) is int
@@ -122,7 +124,7 @@ class Handoff:
         """Check one send and count it pending (``KVSender.send``'s errors); ``None`` when it
         is ignored (the room failed)."""
         if type(room) is not int:  # True would be room 1 and 2.0 room 2 (equal dict keys)
-            check_room_id(room, "KVSender.send")
+            room = check_room_id(room, "KVSender.send")
         if ready is not None:
             check_ready(ready)
         try:

@@ -269,9 +269,10 @@ class KVReceiverSession(RoomSession):
             none connected, when exactly one refused this rank: then the room is leased and
             fails at once, naming the refusal, rather than raising).
         :raises ValueError: a page id out of range or not an integer, too few pages for
-            ``num_tokens``, an unaligned prefix, an unknown instance or an already-leased room
-            (each named).
+            ``num_tokens``, an unaligned prefix, an unknown instance, a room that is not an int
+            in ``[0, 2**63)`` (a NumPy integer is taken as its int) or already leased.
         """
+        room = check_room_id(room, "KVReceiver.expect")
         inst = self._instance(instance)
         pages = page_ids(dst_pages, "dst_pages", self._num_pages, "KVReceiver.expect", room)
         check_span(self.layout, pages.size, decode_prefix_len, num_tokens)
@@ -303,6 +304,7 @@ class KVReceiverSession(RoomSession):
         """
         if not isinstance(reason, str):
             raise TypeError(f"KVReceiver.decline: reason must be a str, got {reason!r}")
+        room = check_room_id(room, "KVReceiver.decline")
         inst = self._instance(instance, "decline")
         gen = self._lease(room, "decline")
         self.rooms.fail(room, f"aborted on decode dcp {self.layout.dcp_rank}: {reason}", gen)
@@ -343,7 +345,6 @@ class KVReceiverSession(RoomSession):
 
     # ================================================================== helpers
     def _lease(self, room: int, call: str) -> int:
-        check_room_id(room, f"KVReceiver.{call}")
         if room in self.rooms:
             raise ValueError(f"KVReceiver.{call}: room {room} is already leased; clear it first")
         return self.rooms.lease(room, KVPoll.WaitingForInput)

@@ -36,7 +36,7 @@ from pdplug.config import KVConfig
 from pdplug.errors import TransferError
 from pdplug.protocols import Packer, PackPlanner
 from pdplug.registration import RegisteredKV, resolve_kv
-from pdplug.rooms import Rooms
+from pdplug.rooms import Rooms, check_room_id
 from pdplug.transfer.channel import Liveness, RouterChannel
 from pdplug.transfer.engine import TransferEngine, dedup_regions
 from pdplug.transfer.handoff import WATCH_S, Handoff
@@ -129,8 +129,7 @@ class KVSenderSession(RoomSession):
         self._loop = EngineLoop(
             f"pdplug-{engine.name}-send-{config.instance}-{self.rank}",
             self._step,
-            # writes a host reaps itself (it polled or waited within _WATCH_S) need no
-            # polling loop thread beside it competing for the GIL; it checks back each idle_s
+            # a host that reaps itself (polled within WATCH_S) needs no loop thread polling too
             lambda: self._pipe.busy(self._handoff.watched()),
             idle_s=lambda: WATCH_S if self._pipe.has_work() else 0.005,
             on_death=self._engine_died,
@@ -247,8 +246,9 @@ class KVSenderSession(RoomSession):
         arrived (DestInfos that arrived earlier are kept for ``bootstrap_timeout_s``).
 
         :returns: this rank's lease generation.
-        :raises ValueError: ``room`` is already leased here (``clear`` it first).
+        :raises ValueError: ``room`` is not an int in ``[0, 2**63)`` or already leased here.
         """
+        room = check_room_id(room, "KVSender.start")
         if room in self.rooms:
             raise ValueError(f"KVSender.start: room {room} is already leased; clear it first")
         gen = self.rooms.lease(room, KVPoll.Bootstrapping)

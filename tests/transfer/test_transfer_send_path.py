@@ -345,6 +345,40 @@ def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
         assert sender.stats()["posts"] == 2
 
 
+def test_room_ids_are_python_ints_on_both_sides() -> None:
+    """``True`` or ``2.0`` as a room aliased room 1 or 2 (equal dict keys) and went out as a
+    bool or float in the chunk tags: the prefill said ``Success`` while the decode dropped the
+    tags and waited; a NumPy integer room could not be encoded on the engine thread. Both are
+    refused or converted where the room is leased, named."""
+    from pdplug.types import Segment
+
+    whole = Segment(token_start=0, token_end=P, page_start=0, num_tokens=P, chunk_id=0,
+                    is_last=True)  # fmt: skip
+    with _direct_pair("nixl") as (sender, recv, src, dst):
+        for bad in (True, 2.0, "2", -1, 2**63):
+            for call in (sender.start, lambda r: recv.expect(r, np.array([4]), num_tokens=P)):
+                with pytest.raises(ValueError, match=re.escape(f"room={bad!r} must be an int")):
+                    call(bad)
+            with pytest.raises(ValueError, match=re.escape(f"room={bad!r} must be an int")):
+                recv.decline(bad, "no pages")
+        assert not sender.rooms and not recv.rooms  # nothing leased
+        recv.expect(3, np.array([5]), num_tokens=P)
+        sender.start(3)
+        assert sender.wait(3, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+        for not_a_segment in (None, {"chunk_id": 0}, (0, P, 0, P, 0, True)):
+            with pytest.raises(ValueError, match="segment must be a pdplug Segment, got"):
+                sender.send(3, not_a_segment, np.array([9]))  # type: ignore[arg-type]
+        sender.abort(3)
+        sp, dp = np.array([9], dtype=np.int64), np.array([4], dtype=np.int64)
+        recv.expect(np.int64(2), dp, num_tokens=P)
+        sender.start(np.uint16(2))
+        assert sender.wait(2, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+        sender.send(np.int32(2), whole, sp)
+        assert sender.wait(2, timeout_s=10) == KVPoll.Success, sender.failure_reason(2)
+        assert recv.wait(2, timeout_s=10) == KVPoll.Success, recv.failure_reason(2)
+        assert _landed(src, dst, sp, dp, P)
+
+
 def test_a_first_segment_that_starts_after_the_decodes_prefix_fails_both_sides() -> None:
     """The decode's KV starts at its ``decode_prefix_len``: a first segment starting later
     used to complete both sides with the tokens before it never written; now the room fails on
