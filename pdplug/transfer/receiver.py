@@ -289,7 +289,7 @@ class KVReceiverSession(RoomSession):
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every prefill rank to stop sending it (a room that
         already succeeded stays so)."""
-        gen = self.rooms.generation(room)
+        gen = self.rooms.generation(check_room_id(room, "KVReceiver.abort"))
         if gen is None or self.rooms.status(room) == KVPoll.Success:
             return
         self.rooms.fail(room, f"aborted on decode dcp {self.layout.dcp_rank}: {reason}", gen)
@@ -315,7 +315,7 @@ class KVReceiverSession(RoomSession):
     def clear(self, room: int) -> None:
         """Forget ``room``; later tags of its generation are dropped as stale. An unfinished
         room is aborted first (the prefill ranks are told)."""
-        gen = self.rooms.generation(room)
+        gen = self.rooms.generation(check_room_id(room, "KVReceiver.clear"))
         if gen is None:
             return
         if self.rooms.status(room) not in (KVPoll.Success, KVPoll.Failed):

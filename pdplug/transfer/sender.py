@@ -335,7 +335,7 @@ class KVSenderSession(RoomSession):
     def abort(self, room: int, reason: str = "aborted") -> None:
         """Fail ``room`` here and tell every destination once in-flight writes drained (a room
         that already succeeded stays so)."""
-        gen = self.rooms.generation(room)
+        gen = self.rooms.generation(check_room_id(room, "KVSender.abort"))
         if gen is None or self.rooms.status(room) == KVPoll.Success:
             return
         self.rooms.fail(room, f"aborted on prefill rank {self.rank}: {reason}", gen)
@@ -344,7 +344,7 @@ class KVSenderSession(RoomSession):
 
     def clear(self, room: int) -> None:
         """Forget ``room`` (the host released it). An unfinished room is aborted first."""
-        gen = self.rooms.generation(room)
+        gen = self.rooms.generation(check_room_id(room, "KVSender.clear"))
         if gen is None:
             return
         done = self.rooms.status(room) == KVPoll.Success

@@ -361,6 +361,10 @@ def test_room_ids_are_python_ints_on_both_sides() -> None:
                     call(bad)
             with pytest.raises(ValueError, match=re.escape(f"room={bad!r} must be an int")):
                 recv.decline(bad, "no pages")
+            for side in (sender, recv):  # True would abort or clear room 1
+                for call in (side.abort, side.clear):
+                    with pytest.raises(ValueError, match=re.escape(f"room={bad!r} must be")):
+                        call(bad)
         assert not sender.rooms and not recv.rooms  # nothing leased
         recv.expect(3, np.array([5]), num_tokens=P)
         sender.start(3)
