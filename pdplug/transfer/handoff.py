@@ -169,12 +169,9 @@ class Handoff:
             )
         try:
             for i, item in enumerate(sends):
-                if not isinstance(item, (tuple, list)) or not 3 <= len(item) <= 4:
-                    got = (
-                        f"{len(item)} fields"
-                        if isinstance(item, (tuple, list))
-                        else type(item).__name__
-                    )
+                shaped = isinstance(item, (tuple, list))
+                if not shaped or not 3 <= len(item) <= 4:
+                    got = f"{len(item)} fields" if shaped else type(item).__name__
                     raise TypeError(
                         f"KVSender.send_many: item {i} must be (room, segment, src_pages[, "
                         f"ready]), got {got}"

@@ -95,7 +95,7 @@ def _has_bool(items: Any) -> bool:
     if kinds <= _INTS:  # the usual list (vLLM's block ids): Python ints
         return False
     return not _BOOLS.isdisjoint(kinds) or any(
-        str(getattr(x, "dtype", "")) in _BOOL_DTYPES for x in items if type(x) not in _INTS
+        str(getattr(x, "dtype", "")) in _BOOL_DTYPES for x in items
     )
 
 
