@@ -265,9 +265,8 @@ class KVReceiverSession(RoomSession):
         :param decode_prefix_len: tokens decode already holds (a multiple of the virtual page,
             ``page_size * dcp_size`` tokens).
         :param num_tokens: the prompt length in tokens (0: unknown, unchecked).
-        :param instance: the prefill instance; optional when only one is connected (or, with
-            none connected, when exactly one refused this rank: then the room is leased and
-            fails at once, naming the refusal, rather than raising).
+        :param instance: the prefill instance; optional when only one is connected or, none
+            connected, known (being looked up again) or refused this rank (the room then fails).
         :raises ValueError: a page id out of range or not an integer, too few pages for
             ``num_tokens``, an unaligned prefix, an unknown instance, a room that is not an int
             in ``[0, 2**63)`` (a NumPy integer is taken as its int) or already leased.
@@ -367,12 +366,13 @@ class KVReceiverSession(RoomSession):
         if not names and len(self._refused) == 1 and instance in (None, *self._refused):
             return next(iter(self._refused))
         if instance is None:
-            if len(names) != 1:
+            # none connected: one being looked up again is still the only one this rank knows
+            if len(known := names or list(self._finder.rendezvous)) != 1:
                 raise ValueError(
                     f"KVReceiver.{call}: instance is required when {len(names)} prefill "
                     f"instances are connected ({names})"
                 )
-            return names[0]
+            return known[0]
         if instance not in names and instance not in self._finder.rendezvous:
             raise ValueError(f"KVReceiver.{call}: prefill instance {instance!r} not connected")
         return instance

@@ -418,6 +418,8 @@ def _decode(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> Non
             if op == "expect":
                 # "from": another prefill instance name (found at the rendezvous first)
                 source = cmd.get("from", PREFILL if find else None)
+                if cmd.get("unnamed"):  # the only instance this rank knows, found or not
+                    source = None
                 for room in cmd["rooms"]:
                     inst, total, prefix, dcp = request(room)
                     for r, rc in enumerate(recvs[inst]):
