@@ -113,7 +113,10 @@ class PrefillSources:
         self, instance: str, peers: list[PeerInfo], hello: PeerInfo
     ) -> Future[list[Source]]:
         """Open a connection to every rank in ``peers`` and send each a Hello; the future
-        resolves once every rank answered (replaces an earlier connection to ``instance``)."""
+        resolves once every rank answered (replaces an earlier connection to ``instance``: a
+        connect of it still waiting then resolves with this one, whose answer is the only one
+        that can come; the host's connect and a re-find's raced, and the earlier one said
+        "did not answer the handshake" while the instance was answering)."""
         fut: Future[list[Source]] = Future()
         old = self.by_instance.get(instance, {})
         if old:
@@ -134,6 +137,9 @@ class PrefillSources:
             self._channel.send(src.cid, Hello(peer=hello, nonce=src.nonce))
             group.append(src)
         self.by_instance[instance] = {s.rank: s for s in group}
+        self._pending = [
+            (group if g and g[0].instance == instance else g, f) for g, f in self._pending
+        ]
         self._pending.append((group, fut))
         return fut
 
@@ -159,8 +165,10 @@ class PrefillSources:
                 self._pending.remove((group, f))
                 missing = [s.rank for s in group if s.state == "pending"]
                 first = group[0] if group else None
-                # only if still current: a later connect to the instance may have replaced it
-                if first is not None and self.table(first.instance).get(first.rank) is first:
+                # only if still current (a later connect to the instance may have replaced it)
+                # and no other connect waits for it
+                waited = any(g is group for g, _f in self._pending)
+                if first and not waited and self.table(first.instance).get(first.rank) is first:
                     self.disconnect(first.instance)
                     self._on_answered(first.instance)
                 return missing

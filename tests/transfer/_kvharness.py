@@ -111,6 +111,9 @@ REQUESTS: dict[str, dict[int, tuple[int, int]]] = {
         215: (150, 0),
         216: (33, 0),
         217: (150, 0),
+        # a host connect racing the decode's own search (kvscenarios.connect_while_found_again)
+        218: (150, 0),
+        219: (150, 0),
     },
     # 303: the 96-token grid leaves a 1-token last segment: DCP ranks 1-3 own no token of it
     "dec-dcp4": {
@@ -125,7 +128,7 @@ REQUESTS: dict[str, dict[int, tuple[int, int]]] = {
     },
 }
 DCP = {"dec-tp": 1, "dec-dcp2": 2, "dec-dcp4": 4}
-FAILURE_ROOMS = (211, 212, 213, 214, 215, 216, 217)
+FAILURE_ROOMS = (211, 212, 213, 214, 215, 216, 217, 218, 219)
 
 
 def request(room: int) -> tuple[str, int, int, int]:
@@ -357,7 +360,7 @@ def decode_main(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) ->
 
 
 def _decode(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> None:
-    from pdplug import CompatError, KVPoll, PluginManager
+    from pdplug import CompatError, KVPoll, PluginManager, TransferError
     from pdplug.bootstrap import resolve
 
     pm = PluginManager()
@@ -468,6 +471,14 @@ def _decode(conn: Any, endpoint: str, backend: str, opts: dict[str, Any]) -> Non
                     event="stats",
                     stats={i: [r.stats() for r in rs] for i, rs in recvs.items()},
                 )
+            elif op == "connect":  # the host connects an instance's ranks again
+                errors = []
+                for rc in recvs[cmd["inst"]]:
+                    try:
+                        rc.connect(peers)
+                    except TransferError as e:
+                        errors.append(str(e))
+                send(conn, event="connect", errors=errors)
             elif op == "bad_connect":
                 # a decode rank with another page size and other bytes per token
                 lay = dst_layout(1, 0, page_size=32, bpt=(64, 40))

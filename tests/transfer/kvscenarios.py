@@ -471,6 +471,49 @@ def refind_frozen_prefill(backend: str) -> None:
         assert dec.wait("final_check", 30)["ok"] is True
 
 
+def connect_while_found_again(backend: str) -> None:
+    """The host connects its prefill instance again while the decode's own search for it is
+    waiting on a handshake (the prefill frozen, as a hung host: its room failed for silence).
+    Each replaces the other's connection; once the prefill resumes, the host's connect returns
+    connected and the next room succeeds byte-exact. (The later handshake's answer is the only
+    one that can come: the host's connect waited for the one it replaced and said "did not
+    answer the handshake" although the instance answered; a soak under load hit it.)"""
+    import os
+    import signal
+
+    timeout = 2.0
+    boot = 8.0
+    with pair(backend, ["dec-dcp2"], timeout=timeout, bootstrap=boot) as (_s, pre, dec):
+        pre.cmd(op="serve", rooms=[218], hold=[218])
+        dec.cmd(op="expect", rooms=[218])
+        pre.wait("sent_first", 30, room=218)
+        pid = pre.info["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            d = dec.wait("done", timeout + 3.0, room=218)
+            assert d["status"] == [FAILED] * 2, d
+            t_end = time.monotonic() + 3 * timeout
+            while True:  # the failed room waits for its source to drain: a search starts
+                dec.cmd(op="stats")
+                st = dec.wait("stats", 10)["stats"]["dec-dcp2"]
+                if all(s.get("refind_started", 0) >= 1 for s in st):
+                    break
+                assert time.monotonic() < t_end, st
+                time.sleep(0.05)
+            dec.cmd(op="connect", inst="dec-dcp2")
+            # past the search's handshake wait (max(1 s, timeout)): it gives up and connects
+            # again, replacing the host's connection while the host still waits
+            time.sleep(timeout + 1.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        got = dec.wait("connect", boot + 10)
+        assert got["errors"] == [], got
+        pre.cmd(op="serve", rooms=[219])
+        dec.cmd(op="expect", rooms=[219])
+        d = dec.wait("done", 30, room=219)
+        assert d["status"] == [OK] * 2 and d["bytes_ok"], d
+
+
 def rendezvous_restart(backend: str) -> None:
     """The rendezvous restarts (same port, empty table): the prefill ranks register again
     within ``rendezvous_refresh_s`` and resolve works as before."""
@@ -497,9 +540,10 @@ def rendezvous_restart(backend: str) -> None:
 
 def find_in_background(backend: str) -> None:
     """A decode that only ``find``s its prefill instance (no connect before): the first room,
-    expected without naming it, connects it in the background and succeeds byte-exact. A room naming an instance nobody
-    registered fails within its bootstrap timeout naming it, and a room to the live instance
-    expected after it succeeds meanwhile: the lookup blocks neither the host nor other rooms."""
+    expected without naming it, connects it in the background and succeeds byte-exact. A room
+    naming an instance nobody registered fails within its bootstrap timeout naming it, and a
+    room to the live instance expected after it succeeds meanwhile: the lookup blocks neither
+    the host nor other rooms."""
     boot = 3.0
     with pair(backend, ["dec-dcp2"], find=True, bootstrap=boot) as (_srv, pre, dec):
         # not naming the instance: the one this rank knows, found but not connected yet (it

@@ -25,3 +25,7 @@ def test_a_found_instance_connects_in_the_background_and_an_unknown_one_fails_al
     backend: str,
 ) -> None:
     sc.find_in_background(backend)
+
+
+def test_a_host_connect_racing_the_decodes_own_search_ends_connected(backend: str) -> None:
+    sc.connect_while_found_again(backend)
