@@ -542,12 +542,7 @@ class _Soak:
             for r in i.kv:
                 if not self._poisoned(i, r, np.array(sorted(i.free[r]), dtype=np.int64)):
                     self.problem("poison", f"{i.name} rank {r}: a free page was written")
-        for s in sessions:
-            s.close()
-        self.server.stop()
-        if self.victim.is_alive():
-            self.victim.kill()
-        self.victim.join(10)
+        self.close()
         with self.recorder.lock:
             outcomes = dict(self.recorder.outcomes)
         once = sum(1 for g in self.gens if outcomes.get(g, 0) == 1)
@@ -561,6 +556,24 @@ class _Soak:
         self.counts["leases"] = len(self.gens)
         counts: dict[str, Any] = dict(self.counts)
         return {"counts": counts, "problems": self.problems}
+
+    def close(self) -> None:
+        """Close every session, the rendezvous and the killed rank's process (also after a
+        set-up or a run that raised: an engine left open at interpreter exit aborted the
+        process, NIXL's threads calling ``std::terminate``, rc 134 instead of the error)."""
+        recvs = [rc for i in getattr(self, "insts", {}).values() for rc in i.recvs.values()]
+        for s in [*getattr(self, "senders", []), *recvs]:
+            try:
+                s.close()
+            except Exception:  # the next one still closes
+                pass
+        if getattr(self, "server", None) is not None:
+            self.server.stop()
+        victim = getattr(self, "victim", None)
+        if victim is not None:
+            if victim.is_alive():
+                victim.kill()
+            victim.join(10)
 
 
 def _threads_and_sockets() -> tuple[int, int]:
@@ -580,8 +593,12 @@ def run_soak(
     (``problems``: check name -> what failed; empty when every check passed)."""
     base = _threads_and_sockets()
     soak = _Soak(backend, rooms, concurrency, seed, opts)
-    soak.setup()
-    out = soak.run()
+    try:
+        soak.setup()
+        out = soak.run()
+    except BaseException:
+        soak.close()
+        raise
     del soak
     t_end = time.monotonic() + 10
     while (now := _threads_and_sockets()) > base and time.monotonic() < t_end:
