@@ -508,6 +508,9 @@ def connect_while_found_again(backend: str) -> None:
             os.kill(pid, signal.SIGCONT)
         got = dec.wait("connect", boot + 10)
         assert got["errors"] == [], got
+        dec.cmd(op="stats")  # the race ran: the search gave up a handshake and connected again
+        st = dec.wait("stats", 10)["stats"]["dec-dcp2"]
+        assert all(s.get("refind_retried", 0) >= 1 for s in st), st
         pre.cmd(op="serve", rooms=[219])
         dec.cmd(op="expect", rooms=[219])
         d = dec.wait("done", 30, room=219)
