@@ -427,8 +427,8 @@ class KVReceiver(Protocol):
         instance: str | None = None,
     ) -> int:
         """Lease ``room`` (``WaitingForInput``) and send its DestInfo to every prefill rank of
-        ``instance`` that feeds this rank (optional when it is the only one this rank
-        connected or found, even while it is being found again); returns the generation.
+        ``instance`` that feeds this rank (optional when it is the only one this rank knows:
+        connected, found, even while found again, or refused); returns the generation.
         Every decode (TP, DCP) rank of the instance expects the room with the same
         ``decode_prefix_len`` and ``num_tokens`` and its own pages.
 

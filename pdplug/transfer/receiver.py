@@ -208,9 +208,10 @@ class KVReceiverSession(RoomSession):
             sources = fut.result(timeout=limit)
         except FutureTimeout as e:
             missing = self._loop.call(lambda: self._sources.abandon(fut), 10.0)
+            why = "KVConfig.bootstrap_timeout_s" if timeout_s is None else "timeout_s"
             raise TransferError(
                 f"KVReceiver.connect: prefill {instance} ranks {missing} did not answer the "
-                f"handshake in {limit:g} s (KVConfig.bootstrap_timeout_s)"
+                f"handshake in {limit:g} s ({why})"
             ) from e
         theirs = [
             f"prefill {instance} rank {s.rank} refused: {m}"
@@ -265,8 +266,8 @@ class KVReceiverSession(RoomSession):
         :param decode_prefix_len: tokens decode already holds (a multiple of the virtual page,
             ``page_size * dcp_size`` tokens).
         :param num_tokens: the prompt length in tokens (0: unknown, unchecked).
-        :param instance: the prefill instance; optional when only one is connected or, none
-            connected, known (being looked up again) or refused this rank (the room then fails).
+        :param instance: the prefill instance; optional when this rank knows only one:
+            connected, found (even while found again) or refused (the room then fails).
         :raises ValueError: a page id out of range or not an integer, too few pages for
             ``num_tokens``, an unaligned prefix, an unknown instance, a room that is not an int
             in ``[0, 2**63)`` (a NumPy integer is taken as its int) or already leased.
@@ -362,18 +363,16 @@ class KVReceiverSession(RoomSession):
         )
 
     def _instance(self, instance: str | None, call: str = "expect") -> str:
-        names = list(self._sources.by_instance)
-        if not names and len(self._refused) == 1 and instance in (None, *self._refused):
-            return next(iter(self._refused))
+        known = {*self._sources.by_instance, *self._finder.rendezvous, *self._refused}
         if instance is None:
-            # none connected: one being looked up again is still the only one this rank knows
-            if len(known := names or list(self._finder.rendezvous)) != 1:
+            # the only one this rank knows: connected, found (being found again) or refused
+            if len(known) != 1:
                 raise ValueError(
-                    f"KVReceiver.{call}: instance is required when {len(names)} prefill "
-                    f"instances are connected ({names})"
+                    f"KVReceiver.{call}: instance is required when this rank knows "
+                    f"{len(known)} prefill instances ({sorted(known)}; connected, found or refused)"
                 )
-            return known[0]
-        if instance not in names and instance not in self._finder.rendezvous:
+            return next(iter(known))
+        if instance not in known:
             raise ValueError(f"KVReceiver.{call}: prefill instance {instance!r} not connected")
         return instance
 

@@ -138,8 +138,19 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
         with pytest.raises(ValueError, match="room 5 is Bootstrapping"):
             sender.send(5, seg, np.array([0]))
         recv.register_kv([torch.ones(16 * 4, 32, dtype=torch.uint8) for _ in range(2)])
-        with pytest.raises(ValueError, match="instance is required when 0 prefill"):
+        with pytest.raises(ValueError, match=r"when this rank knows 0 prefill instances \(\[\];"):
             recv.expect(1, np.array([0]))
+        # two known, none connected (as when a re-find gave a handshake up, one connected and
+        # one found alike): named, nothing leased; it depended on the moment before
+        recv.find("pre-b", "tcp://127.0.0.1:9")
+        recv.find("pre-a", "tcp://127.0.0.1:9")
+        two = r"instance is required when this rank knows 2 prefill instances \(\['pre-a', 'pre-b'"
+        with pytest.raises(ValueError, match=two):
+            recv.expect(1, np.array([0]))
+        with pytest.raises(ValueError, match="KVReceiver.decline: " + two):
+            recv.decline(1)
+        with pytest.raises(KeyError):
+            recv.poll(1)
         with pytest.raises(ValueError, match="prefill is empty"):
             recv.connect([])
         sender.clear(5)
