@@ -402,6 +402,33 @@ def _drained(dec: Any, room: int, within: float) -> list[bool]:
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def _frozen_mid_room(pre: Any, dec: Any, room: int, ranks: int, timeout: float) -> Iterator[None]:
+    """Serve ``room`` holding its last chunk, freeze the prefill (SIGSTOP) once its first went
+    out, check the decode's ``ranks`` DCP ranks failed the room for the silence, run the body,
+    then SIGCONT."""
+    import os
+    import signal
+
+    pre.cmd(op="serve", rooms=[room], hold=[room])
+    dec.cmd(op="expect", rooms=[room])
+    pre.wait("sent_first", 30, room=room)
+    pid = pre.info["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        d = dec.wait("done", timeout + 3.0, room=room)
+        assert d["status"] == [FAILED] * ranks, d
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _stats(dec: Any, inst: str) -> list[dict[str, Any]]:
+    """The stats of every receiver of decode instance ``inst``."""
+    dec.cmd(op="stats")
+    return dec.wait("stats", 10)["stats"][inst]
+
+
 def refind_restarted_prefill(backend: str) -> None:
     """A rolling restart: the prefill process dies mid-room (SIGKILL) and a new one (new
     agents, same instance) registers. The decode, not restarted, finds the instance again for
@@ -443,23 +470,11 @@ def refind_frozen_prefill(backend: str) -> None:
     or partitioned source may still write once it resumes); after SIGCONT its next room finds
     the same process again and succeeds byte-exact, and the failed room drains (its abort is
     answered on the new connection)."""
-    import os
-    import signal
-
     timeout = 2.0
     with pair(backend, ["dec-dcp4"], timeout=timeout) as (_s, pre, dec):
-        pre.cmd(op="serve", rooms=[312], hold=[312])
-        dec.cmd(op="expect", rooms=[312])
-        pre.wait("sent_first", 30, room=312)
-        pid = pre.info["pid"]
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            d = dec.wait("done", timeout + 3.0, room=312)
-            assert d["status"] == [FAILED] * 4, d
+        with _frozen_mid_room(pre, dec, 312, 4, timeout):
             time.sleep(timeout * 0.5)
             assert _drained(dec, 312, 0.0) == [False] * 4  # silence is not an end
-        finally:
-            os.kill(pid, signal.SIGCONT)
         t0 = time.monotonic()
         pre.cmd(op="serve", rooms=[314])
         dec.cmd(op="expect", rooms=[314])
@@ -478,38 +493,23 @@ def connect_while_found_again(backend: str) -> None:
     connected and the next room succeeds byte-exact. (The later handshake's answer is the only
     one that can come: the host's connect waited for the one it replaced and said "did not
     answer the handshake" although the instance answered; a soak under load hit it.)"""
-    import os
-    import signal
-
     timeout = 2.0
     boot = 8.0
     with pair(backend, ["dec-dcp2"], timeout=timeout, bootstrap=boot) as (_s, pre, dec):
-        pre.cmd(op="serve", rooms=[218], hold=[218])
-        dec.cmd(op="expect", rooms=[218])
-        pre.wait("sent_first", 30, room=218)
-        pid = pre.info["pid"]
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            d = dec.wait("done", timeout + 3.0, room=218)
-            assert d["status"] == [FAILED] * 2, d
+        with _frozen_mid_room(pre, dec, 218, 2, timeout):
             t_end = time.monotonic() + 3 * timeout
-            while True:  # the failed room waits for its source to drain: a search starts
-                dec.cmd(op="stats")
-                st = dec.wait("stats", 10)["stats"]["dec-dcp2"]
-                if all(s.get("refind_started", 0) >= 1 for s in st):
-                    break
-                assert time.monotonic() < t_end, st
+            # the failed room waits for its source to drain: a search starts
+            while not all(s.get("refind_started", 0) >= 1 for s in _stats(dec, "dec-dcp2")):
+                assert time.monotonic() < t_end, _stats(dec, "dec-dcp2")
                 time.sleep(0.05)
             dec.cmd(op="connect", inst="dec-dcp2")
             # past the search's handshake wait (max(1 s, timeout)): it gives up and connects
             # again, replacing the host's connection while the host still waits
             time.sleep(timeout + 1.0)
-        finally:
-            os.kill(pid, signal.SIGCONT)
         got = dec.wait("connect", boot + 10)
         assert got["errors"] == [], got
-        dec.cmd(op="stats")  # the race ran: the search gave up a handshake and connected again
-        st = dec.wait("stats", 10)["stats"]["dec-dcp2"]
+        # the race ran: the search gave up a handshake and connected again
+        st = _stats(dec, "dec-dcp2")
         assert all(s.get("refind_retried", 0) >= 1 for s in st), st
         pre.cmd(op="serve", rooms=[219])
         dec.cmd(op="expect", rooms=[219])
