@@ -449,10 +449,15 @@ def resolve(
             if reply.ready:
                 return list(reply.peers)
         if time.monotonic() + poll_s >= deadline:
-            got = f"{last.registered} of {last.world or '?'}" if last else "no answer"
+            if last is None:
+                got = "no answer"
+            elif not last.world:  # the server knows no rank of it (never registered, or gone)
+                got = "no rank of it registered"
+            else:
+                got = f"{last.registered} of {last.world} ranks registered"
             raise ResolveTimeout(
                 f"rendezvous {endpoint}: prefill instance {instance!r} not ready after "
-                f"{timeout_s:g} s ({got} ranks registered)",
+                f"{timeout_s:g} s ({got})",
                 answered=last is not None,
                 registered=last.registered if last else 0,
                 world=last.world if last else 0,

@@ -37,6 +37,7 @@ from pdplug.types import KVPoll, Segment
 __all__ = ["Handoff", "Job", "REAP_S", "WATCH_S", "malformed"]
 
 _NO_PAGES = np.zeros(0, dtype=np.int64)
+_UNORDERED = (str, bytes, dict, set, frozenset)
 
 #: a step's job: (room, generation, segment, source page ids, ready marker)
 Job = tuple[int, int, Segment, np.ndarray, Any]
@@ -88,6 +89,21 @@ def _bad_type(seg: Segment) -> str:
     return f"segment is_last must be a bool, got {type(seg.is_last).__qualname__} {seg.is_last!r}"
 
 
+def _at_item(e: Exception, i: int) -> Exception:
+    """``e`` naming ``send_many``'s item ``i`` (the rooms before it are sent): rebuilt with
+    the item in its message, or ``e`` itself, annotated where Python can, when its type takes
+    other arguments than a message."""
+    msg = str(e.args[0]) if e.args else type(e).__name__
+    msg = msg.removeprefix("KVSender.send: ")
+    try:
+        return type(e)(f"KVSender.send_many: item {i}: {msg}")
+    except Exception:
+        note = getattr(e, "add_note", None)  # Python 3.11+
+        if note is not None:
+            note(f"KVSender.send_many: item {i}")
+        return e
+
+
 class Handoff:
     """One sender's host-side send path (host threads; see the module docstring).
 
@@ -123,7 +139,7 @@ class Handoff:
     def accept(self, room: int, segment: Segment, src_pages: Any, ready: Any = None) -> Job | None:
         """Check one send and count it pending (``KVSender.send``'s errors); ``None`` when it
         is ignored (the room failed)."""
-        if type(room) is not int:  # True would be room 1 and 2.0 room 2 (equal dict keys)
+        if type(room) is not int or room < 0:  # True would be room 1, 2.0 room 2 (dict keys)
             room = check_room_id(room, "KVSender.send")
         if ready is not None:
             check_ready(ready)
@@ -162,7 +178,8 @@ class Handoff:
         """:meth:`accept` every ``(room, segment, src_pages[, ready])`` and :meth:`post` them in
         one hand-off (the ones before a bad item too, then its error is raised)."""
         jobs: list[Job] = []
-        if not isinstance(sends, Iterable) or isinstance(sends, (str, bytes, dict)):
+        if not isinstance(sends, Iterable) or isinstance(sends, _UNORDERED):
+            # a set has no order, and a room's segments must go in chunk_id order
             raise TypeError(
                 "KVSender.send_many: sends must be a sequence of (room, segment, src_pages[, "
                 f"ready]) tuples, got {type(sends).__name__}"
@@ -179,10 +196,7 @@ class Handoff:
                 try:
                     job = self.accept(*item)
                 except (KeyError, TypeError, ValueError) as e:
-                    # which item of the step: the rooms before it are sent
-                    msg = str(e.args[0]) if e.args else type(e).__name__
-                    msg = msg.removeprefix("KVSender.send: ")
-                    raise type(e)(f"KVSender.send_many: item {i}: {msg}") from None
+                    raise _at_item(e, i) from None
                 if job is not None:
                     jobs.append(job)
         finally:

@@ -33,7 +33,8 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     :param room: the request's room, named in errors.
     :raises ValueError: ``value`` does not convert to an array (a tensor that requires grad, a
         ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named;
-        a boolean among a list's ints too, at any depth), or an id outside
+        a boolean among a list's ints too, at any depth, with its index), is a masked array
+        with masked ids, or an id outside
         ``[0, num_pages)`` (the first one is named with its exact value, unsigned ones and
         Python ints beyond 64 bits included).
     """
@@ -42,6 +43,12 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         if ids_below(arr, num_pages):
             return arr
         value = arr
+    if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
+        # asarray keeps the data under the mask: a masked-out slot would go out as a page
+        raise ValueError(
+            f"{where}: {field} is a masked array with {int(np.ma.count_masked(value))} of "
+            f"{value.size} ids masked; pass only the page ids to use (room {room})"
+        )
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword
     except (OverflowError, RuntimeError, TypeError, ValueError) as e:
@@ -52,10 +59,12 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     items = _elements(value, arr)
-    if items is not None and arr.dtype.kind != "b" and _has_bool(items):
+    at = -1 if items is None or arr.dtype.kind == "b" else _bool_at(items)
+    if at >= 0:
         # numpy turns [7, True] into int64 [7, 1]: page 1 would be sent for a flag
         raise ValueError(
-            f"{where}: {field} must hold integer page ids, got a boolean among them (room {room})"
+            f"{where}: {field} must hold integer page ids, got a boolean among them "
+            f"({items[at]!r} at index {at} of the flattened ids) (room {room})"
         )
     if arr.dtype.kind not in "iu":
         bad = None if items is None else _int_outside(items, num_pages)
@@ -82,21 +91,27 @@ def _elements(value: Any, arr: np.ndarray) -> Any:
     if arr.ndim == 0 or getattr(value, "dtype", None) is not None:
         return None
     if arr.ndim == 1:
-        return value if isinstance(value, (list, tuple)) else list(value)
+        if isinstance(value, (list, tuple)):
+            return value
+        try:
+            return list(value)
+        except TypeError:  # an object numpy reads through ``__array__`` alone: its dtype says
+            return None
     flat = np.empty(arr.shape, dtype=object)
     flat[...] = value  # the elements as given: asarray(dtype=object) would nest lists
     return flat.reshape(-1).tolist()
 
 
-def _has_bool(items: Any) -> bool:
-    """Whether flat ``items`` hold a boolean, also as a 0-d array or tensor
-    (``[np.array(True), 3]``)."""
+def _bool_at(items: Any) -> int:
+    """Index of the first boolean in flat ``items``, also as a 0-d array or tensor
+    (``[np.array(True), 3]``); -1 when there is none."""
     kinds = set(map(type, items))
     if kinds <= _INTS:  # the usual list (vLLM's block ids): Python ints
-        return False
-    return not _BOOLS.isdisjoint(kinds) or any(
-        str(getattr(x, "dtype", "")) in _BOOL_DTYPES for x in items
-    )
+        return -1
+    for i, x in enumerate(items):
+        if type(x) in _BOOLS or str(getattr(x, "dtype", "")) in _BOOL_DTYPES:
+            return i
+    return -1
 
 
 def _int_outside(items: Any, num_pages: int) -> int | None:

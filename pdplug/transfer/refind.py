@@ -67,6 +67,7 @@ class Finder:
         self._wire = wire
         self._counts = counts
         self.rendezvous: dict[str, str] = {}  # instance -> where it was resolved
+        self._connected: set[str] = set()  # instances connected once (found *again*, or not)
         self._finding: dict[str, float] = {}  # engine thread: instance -> search start
         self._next: dict[str, float] = {}  # instance -> earliest next search for a drain
         self.closed = False
@@ -75,6 +76,7 @@ class Finder:
         """``instance`` was connected after resolving it at ``rendezvous`` (``""``: forget)."""
         if rendezvous:
             self.rendezvous[instance] = rendezvous
+            self._connected.add(instance)
         else:
             self.rendezvous.pop(instance, None)
 
@@ -110,7 +112,8 @@ class Finder:
             self._search(instance, where)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-            log.warning("%s: prefill %s not found again: %s", self._name, instance, error)
+            again = " again" if instance in self._connected else ""
+            log.warning("%s: prefill %s not found%s: %s", self._name, instance, again, error)
         try:
             self._submit(lambda: self._done(instance, error))
         except TransferError:

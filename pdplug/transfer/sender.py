@@ -304,7 +304,8 @@ class KVSenderSession(RoomSession):
         with one hand-off for all of them (:mod:`pdplug.transfer.handoff`).
 
         :raises KeyError, TypeError, ValueError: as :meth:`send`, for the first bad item (named
-            ``item i``; the ones before it are sent), or ``sends``/an item of the wrong shape.
+            ``item i``; the ones before it are sent), or ``sends``/an item of the wrong shape
+            (a set or frozenset has no order: refused).
         """
         self._handoff.accept_all(sends)
 

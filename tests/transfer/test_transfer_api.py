@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import time
 from types import ModuleType
 
@@ -137,6 +138,22 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
         )
         with pytest.raises(ValueError, match="room 5 is Bootstrapping"):
             sender.send(5, seg, np.array([0]))
+
+        class TwoArgs(TypeError):  # an error type that takes more than a message
+            def __init__(self, what: str, code: int) -> None:
+                super().__init__(f"{what} ({code})")
+
+        class Marker:
+            @property
+            def query(self) -> None:
+                raise TwoArgs("marker gone", 7)
+
+        # send_many names the item without rebuilding an error it cannot rebuild (it raised
+        # a TypeError of its own from inside the handler, naming neither)
+        with pytest.raises(TwoArgs, match=r"marker gone \(7\)") as ei:
+            sender.send_many([(5, seg, np.array([0]), Marker())])
+        if sys.version_info >= (3, 11):
+            assert "KVSender.send_many: item 0" in ei.value.__notes__
         recv.register_kv([torch.ones(16 * 4, 32, dtype=torch.uint8) for _ in range(2)])
         with pytest.raises(ValueError, match=r"when this rank knows 0 prefill instances \(\[\];"):
             recv.expect(1, np.array([0]))

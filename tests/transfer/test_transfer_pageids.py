@@ -34,6 +34,8 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         [np.array([0, 1]), np.array([2, 3])],
         collections.deque([0, 1, 15]),
         collections.UserList([[0, 1], [15, 2]]),
+        np.ma.array([0, 1, 15]),  # a masked array with nothing masked
+        np.ma.array([0, 1, 15], mask=[False, False, False]),
     ],
 )
 def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
@@ -69,6 +71,11 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         ([[9, 3], [7, 2**63]], f"has page {2**63}, outside"),
         ([[np.array(True)], [3]], "got a boolean among them"),
         ([[0, 1], [2]], "must be integer page ids, got list"),
+        # the boolean's value and its index among the flattened ids
+        ([7, 3, True, 12], "got a boolean among them (True at index 2 of the flattened ids)"),
+        ([[1, 2], [3, np.bool_(False)]], "(np.False_ at index 3 of the flattened ids)"),
+        # asarray would hand the data under the mask over as page ids
+        (np.ma.array([0, 1, 15], mask=[0, 1, 0]), "is a masked array with 1 of 3 ids masked"),
     ],
 )
 def test_bad_ids_are_refused_naming_the_value_the_field_and_the_room(
@@ -143,3 +150,25 @@ def test_int64_arrays_short_and_long_are_range_checked_alike(n: int, where: int)
         arr[where] = bad
         with pytest.raises(PlanError, match=f"holds page id {bad}, outside"):
             page_array(arr, "src_pages", 4)
+
+
+class _ArrayOnly:
+    """Neither a sequence nor iterable: numpy reads it through ``__array__`` alone."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return np.asarray(self.value, dtype=dtype)
+
+
+def test_an_object_numpy_reads_through_array_alone_is_read_by_its_dtype() -> None:
+    """No TypeError from looking for booleans in an object that cannot be iterated: its
+    array's dtype says what it holds."""
+    assert _ids(_ArrayOnly([3, 4])).tolist() == [3, 4]
+    with pytest.raises(
+        ValueError, match=r"src_pages must hold integer page ids, got dtype float64"
+    ):
+        _ids(_ArrayOnly([1.5]))
+    with pytest.raises(ValueError, match=r"has page 16, outside \[0, 16\)"):
+        _ids(_ArrayOnly([0, 16]))
