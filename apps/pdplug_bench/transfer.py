@@ -33,7 +33,9 @@ Runs are paired (every mode once per round, back to back, the order rotating by 
 each round, so each mode runs first after the room's bootstrap, and right after each other
 mode's copy, equally often, and drift on a shared machine hits all alike); per size
 ``overhead = 1 - median(t_raw / t_pdplug)`` over the pairs (goal <= 5% at 16, 64 and 256 MiB),
-with the pairs' interquartile range as the spread; the GB/s columns are
+with the pairs' interquartile range as the spread (``--runs N`` repeats the whole measurement
+in the same rig and adds each run's figures, their median and range:
+:mod:`pdplug_bench.spread`); the GB/s columns are
 size / median time. ``plan ms`` is the pack planner's time for the send's plan (part of
 pdplug's time). ``hop ms`` is the floor of pdplug's threading model: the median of empty round
 trips to the sender's engine thread (:meth:`pdplug.transfer.session.RoomSession.ping`), each
@@ -48,7 +50,10 @@ JSON: ``{"rows": [{"backend", "bytes", "mode", "gbps"}], "pairs": [{..., "hop_ms
 "pdplug_over_fresh", "pdplug_over_floor", "floor_over_raw"}], "overhead": {backend: {MiB: x}},
 "overhead_vs_fresh_request": {backend: {MiB: x}} (NIXL), "overhead_python_floor": {backend:
 {MiB: x}} (NIXL), "fixed_cost_us": {backend: {MiB: us}}, "fixed_cost_python_floor_us":
-{backend: {MiB: us}} (NIXL), ...}``.
+{backend: {MiB: us}} (NIXL), "runs": [{"overhead": {backend: {MiB: x}}, "fixed_us": {backend:
+{MiB: us}}}] (one per ``--runs``; the top-level figures are the last run's), "run_spread": [{figure,
+backend, size, values, median, low, high, goal, met}] (``--runs`` > 1, :mod:`pdplug_bench.spread`),
+...}``.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ import click
 
 from pdplug_bench.machine import json_option
 from pdplug_bench.options import StrictIntRange
+from pdplug_bench.spread import RunFigures, spread_rows
 
 MIB = 1 << 20
 PAGE = 64
@@ -595,6 +601,27 @@ def _bench_backend(
     return rows, failures
 
 
+def _print_spread(console: Any, per_run: list[RunFigures]) -> list[dict[str, Any]]:
+    """Print the run-to-run table (:mod:`pdplug_bench.spread`) and return its rows."""
+    from rich.table import Table
+
+    rows = spread_rows(per_run)
+    t = Table(title=f"run to run: {len(per_run)} runs in one rig (the tables above: the last)")
+    for col in ("figure", "backend", "size", "per run", "median", "range", "goal", "met"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        pct = r["figure"] == "overhead"
+        fmt = (lambda v: f"{v:+.1%}") if pct else (lambda v: f"{v:.0f}")
+        t.add_row(
+            "overhead" if pct else "fixed us, K = 1", r["backend"], f"{r['size']} MiB",
+            " ".join(fmt(v) for v in r["values"]), fmt(r["median"]),
+            f"{fmt(r['low'])} to {fmt(r['high'])}", r["goal"] or "-",
+            "-" if r["met"] is None else f"{r['met']} of {len(r['values'])}",
+        )  # fmt: skip
+    console.print(t)
+    return rows
+
+
 #: what the rig's pipe to its decode process raises once that process ended (a Ctrl-C of the
 #: terminal reaches it too): the run stops there instead of going on to the next backend
 _LOST = (BrokenPipeError, EOFError, ConnectionError)
@@ -681,6 +708,10 @@ def _check_memory(need: int, largest: int) -> None:
     show_default=True,
     help="K sends posted in one step (at the smallest small size), comma-separated.",
 )
+@click.option("--runs", default=1, show_default=True, type=StrictIntRange(1, 20),
+              help="Whole measurements in one rig (fresh rooms each); more than one adds a "
+                   "run-to-run table (each run's overhead and fixed costs, median, range, "
+                   "goal met in how many runs).")  # fmt: skip
 @click.option("--inject-fault", is_flag=True, hidden=True,
               help="Tests only: flip one landed byte before the first check.")  # fmt: skip
 @json_option
@@ -690,6 +721,7 @@ def cli(
     repeats: int,
     small_sizes: str,
     steps: str,
+    runs: int,
     inject_fault: bool,
     json_path: str | None,
 ) -> None:
@@ -737,11 +769,21 @@ def cli(
     failures: list[str] = []
     errors: dict[str, str] = {}  # a backend that could not run: the others' tables still print
     ran: list[str] = []
+    per_run: list[RunFigures] = [{"overhead": {}, "fixed_us": {}} for _ in range(runs)]
     for b in backends:
         try:
             with Rig(b, need) as rig:
-                r, f = _bench_backend(rig, size_list, repeats, corrupt=inject_fault)
-                kr, kf = fixed_cost(rig, small, step_list, repeats) if small else ([], [])
+                for i in range(runs):  # the tables below show the last run; every one is checked
+                    r, f = _bench_backend(rig, size_list, repeats, corrupt=inject_fault and not i)
+                    kr, kf = fixed_cost(rig, small, step_list, repeats) if small else ([], [])
+                    failures.extend(f + kf)
+                    per_run[i]["overhead"][b] = {
+                        f"{x['bytes'] / MIB:g}": 1.0 - x["pdplug_over_raw"]
+                        for x in r if x["mode"] == "pdplug"
+                    }  # fmt: skip
+                    per_run[i]["fixed_us"][b] = {
+                        f"{x['bytes'] / MIB:g}": x["fixed_us"] for x in kr if x["k"] == 1
+                    }
         except Exception as e:
             why = _why(e)
             errors[b] = why
@@ -752,7 +794,6 @@ def cli(
         ran.append(b)
         rows.extend(r)
         small_rows.extend(kr)
-        failures.extend(f + kf)
     if not ran:
         raise click.ClickException(_not_run(errors))
     t = Table(title="pdplug bench transfer (GB/s, median; raw = prepared once, reused)")
@@ -887,6 +928,7 @@ def cli(
                 "prepared once (not one handle re-posted): pdplug's own share of the fixed cost; "
                 "floor us: the Python floor (as in the floor line above) minus raw"
             )
+    run_spread = _print_spread(console, per_run) if runs > 1 else []
     console.print(
         f"bytes: {'all checked rounds identical' if not failures else 'MISMATCH'} (pdplug, raw, "
         "raw fresh-request and python floor where run, and memcpy; warm-up and final round per "
@@ -905,6 +947,8 @@ def cli(
                 "fixed_cost_us": fixed,
                 "fixed_cost_python_floor_us": floor_us,
                 "small_sends": small_rows,
+                "runs": per_run,
+                "run_spread": run_spread,
                 "byte_failures": failures,
                 "backend_errors": errors,
                 "layout": {"entries_bytes_per_token": list(BPT), "page_size": PAGE},

@@ -66,7 +66,8 @@ def test_digest_sees_one_flipped_byte() -> None:
 def test_bench_transfer_checks_the_bytes(backend: str, fault: bool, tmp_path: Path) -> None:
     args = ["transfer", "--backend", backend, "--sizes", "64", "--repeats", "1"]
     js = tmp_path / "t.json"
-    res = _bench(*args, "--json", str(js), *(["--inject-fault"] if fault else []), timeout=360)
+    more = ["--inject-fault"] if fault else ["--runs", "2"]  # a clean run: two, one rig
+    res = _bench(*args, "--json", str(js), *more, timeout=360)
     out = res.stdout + res.stderr
     if fault:
         assert res.returncode == 1, out
@@ -85,6 +86,15 @@ def test_bench_transfer_checks_the_bytes(backend: str, fault: bool, tmp_path: Pa
         # the least a Python send adds, beside pdplug's, in the same rotation (NIXL only)
         assert ("python_floor" in modes) == (backend == "nixl"), modes
         assert (backend in doc["overhead_python_floor"]) == (backend == "nixl"), doc
+        # --runs 2: each run's figures, and the run-to-run table of them
+        assert len(doc["runs"]) == 2 and "run to run: 2 runs in one rig" in out, out
+        assert doc["runs"][1]["overhead"][backend] == doc["overhead"][backend], doc
+        spread = {(r["figure"], r["size"]): r for r in doc["run_spread"]}
+        over = spread["overhead", "64"]
+        assert over["values"] == [r["overhead"][backend]["64"] for r in doc["runs"]], over
+        assert over["low"] <= over["median"] <= over["high"] and over["goal"] == "<= 5 %", over
+        assert spread["fixed_us", "16"]["goal"] is None, spread  # no goal above 1 MiB
+        assert spread["fixed_us", "0.0625"]["met"] in (0, 1, 2), spread
 
 
 @pytest.mark.slow
