@@ -304,8 +304,7 @@ class KVSenderSession(RoomSession):
         with one hand-off for all of them (:mod:`pdplug.transfer.handoff`).
 
         :raises KeyError, TypeError, ValueError: as :meth:`send`, for the first bad item (named
-            ``item i``; the ones before it are sent), or ``sends``/an item of the wrong shape
-            (a set or frozenset has no order: refused).
+            ``item i``; the ones before it are sent), or ``sends`` (a set)/an item misshaped.
         """
         self._handoff.accept_all(sends)
 
