@@ -430,8 +430,11 @@ def resolve(
         :func:`~pdplug.wire.peer_identity`); default: a random ``"resolver-…"`` one.
     :raises ResolveTimeout: (a :class:`~pdplug.errors.TransferError`) not every rank
         registered within ``timeout_s`` (names how many did), or no answer at all.
-    :raises ValueError: ``endpoint`` is off loopback and ``wire.hmac_key`` is ``None``.
+    :raises ValueError: ``endpoint`` is off loopback and ``wire.hmac_key`` is ``None``, or
+        ``instance`` is empty (no rank registers under an empty name).
     """
+    if not instance:
+        raise ValueError(f"resolve: instance={instance!r} must be a non-empty prefill name")
     w = wire or WireConfig()
     codec = _client_codec(w, identity or f"resolver-{uuid.uuid4().hex[:12]}")
     deadline = time.monotonic() + timeout_s

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from pdplug.packing.chunks import pages_spanned
-from pdplug.rooms import Rooms, check_room_id, reached
+from pdplug.rooms import ROOM_LIMIT, Rooms, check_room_id, reached
 from pdplug.transfer.gather import check_ready
 from pdplug.transfer.leases import SendLeases
 from pdplug.transfer.loop import EngineLoop
@@ -90,18 +90,18 @@ def _bad_type(seg: Segment) -> str:
 
 
 def _at_item(e: Exception, i: int) -> Exception:
-    """``e`` naming ``send_many``'s item ``i`` (the rooms before it are sent): rebuilt with
-    the item in its message, or ``e`` itself, annotated where Python can, when its type takes
-    other arguments than a message."""
-    msg = str(e.args[0]) if e.args else type(e).__name__
-    msg = msg.removeprefix("KVSender.send: ")
-    try:
+    """``e`` naming ``send_many``'s item ``i`` (the rooms before it are sent): a KeyError,
+    TypeError or ValueError (``KVSender.send``'s own) rebuilt with the item in its message;
+    any other error (one a ``ready`` marker raised), or one whose type takes other arguments
+    than a message, is ``e`` itself with a note naming the item where Python has notes."""
+    if type(e) in (KeyError, TypeError, ValueError):
+        msg = str(e.args[0]) if e.args else type(e).__name__
+        msg = msg.removeprefix("KVSender.send: ")
         return type(e)(f"KVSender.send_many: item {i}: {msg}")
-    except Exception:
-        note = getattr(e, "add_note", None)  # Python 3.11+
-        if note is not None:
-            note(f"KVSender.send_many: item {i}")
-        return e
+    note = getattr(e, "add_note", None)  # Python 3.11+
+    if note is not None:
+        note(f"KVSender.send_many: item {i}")
+    return e
 
 
 class Handoff:
@@ -139,7 +139,7 @@ class Handoff:
     def accept(self, room: int, segment: Segment, src_pages: Any, ready: Any = None) -> Job | None:
         """Check one send and count it pending (``KVSender.send``'s errors); ``None`` when it
         is ignored (the room failed)."""
-        if type(room) is not int or room < 0:  # True would be room 1, 2.0 room 2 (dict keys)
+        if type(room) is not int or not 0 <= room < ROOM_LIMIT:  # True: room 1, 2.0: room 2
             room = check_room_id(room, "KVSender.send")
         if ready is not None:
             check_ready(ready)
@@ -195,7 +195,7 @@ class Handoff:
                     )
                 try:
                     job = self.accept(*item)
-                except (KeyError, TypeError, ValueError) as e:
+                except Exception as e:
                     raise _at_item(e, i) from None
                 if job is not None:
                     jobs.append(job)

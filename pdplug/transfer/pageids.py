@@ -67,12 +67,16 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
             f"({items[at]!r} at index {at} of the flattened ids) (room {room})"
         )
     if arr.dtype.kind not in "iu":
-        bad = None if items is None else _int_outside(items, num_pages)
-        if bad is None:
-            got = f"dtype {arr.dtype}" if arr.ndim else type(value).__name__  # None, an object
+        ints = None if items is None else _ints(items)
+        if ints is None:
+            kind = getattr(value, "dtype", None) is not None  # a 0-d array or tensor
+            got = f"dtype {arr.dtype}" if arr.ndim or kind else type(value).__name__
             raise ValueError(
                 f"{where}: {field} must hold integer page ids, got {got} (room {room})"
             )
+        bad = next((x for x in ints if not 0 <= x < num_pages), None)
+        if bad is None:  # numpy made floats of [np.uint64(5), 3]: the ids as given
+            return np.array(ints, dtype=np.int64)
     else:
         arr = arr.reshape(-1)
         u = arr if arr.dtype.kind == "u" else arr.astype(np.int64, copy=False).view(np.uint64)
@@ -114,13 +118,13 @@ def _bool_at(items: Any) -> int:
     return -1
 
 
-def _int_outside(items: Any, num_pages: int) -> int | None:
-    """The first id outside ``[0, num_pages)`` of flat Python/numpy ints that numpy could not
-    hold as int64 or uint64 (it made floats or objects of them), else ``None``."""
-    ints = [x for x in items if isinstance(x, (int, np.integer))]
-    if len(ints) != len(items):
-        return None
-    return next((int(x) for x in ints if not 0 <= int(x) < num_pages), None)
+def _ints(items: Any) -> list[int] | None:
+    """Flat ``items`` as Python ints when every one is a Python or numpy integer that numpy
+    could not hold in one int64 or uint64 array (it made floats or objects of them: Python ints
+    beyond 64 bits, or ``np.uint64`` beside ``np.int64``), else ``None``."""
+    if not all(isinstance(x, (int, np.integer)) and type(x) is not bool for x in items):
+        return None  # a bool is an int to isinstance: [True, False] is not pages 1 and 0
+    return [int(x) for x in items]
 
 
 def check_span(layout: Any, pages: int, decode_prefix_len: int, num_tokens: int) -> None:

@@ -154,6 +154,16 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
             sender.send_many([(5, seg, np.array([0]), Marker())])
         if sys.version_info >= (3, 11):
             assert "KVSender.send_many: item 0" in ei.value.__notes__
+
+        class Broken:  # a marker that fails in its own way: raised as itself, item noted
+            @property
+            def query(self) -> None:
+                raise RuntimeError("device lost")
+
+        with pytest.raises(RuntimeError, match=r"^device lost") as er:
+            sender.send_many([(5, seg, np.array([0]), Broken())])
+        if sys.version_info >= (3, 11):
+            assert er.value.__notes__ == ["KVSender.send_many: item 0"]
         recv.register_kv([torch.ones(16 * 4, 32, dtype=torch.uint8) for _ in range(2)])
         with pytest.raises(ValueError, match=r"when this rank knows 0 prefill instances \(\[\];"):
             recv.expect(1, np.array([0]))

@@ -23,6 +23,8 @@ def test_resolving_an_instance_no_rank_registered_says_so() -> None:
     msg = str(ei.value)
     assert "'prefill-nobody' not ready after 0.5 s (no rank of it registered)" in msg, msg
     assert "?" not in msg, msg
+    with pytest.raises(ValueError, match=r"resolve: instance='' must be a non-empty prefill name"):
+        resolve("tcp://127.0.0.1:9", "", timeout_s=0.5)  # refused before any socket
 
 
 @pytest.mark.parametrize("connected_before", [False, True])

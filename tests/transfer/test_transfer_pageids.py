@@ -34,6 +34,8 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         [np.array([0, 1]), np.array([2, 3])],
         collections.deque([0, 1, 15]),
         collections.UserList([[0, 1], [15, 2]]),
+        [np.uint64(5), np.int64(3)],  # numpy makes floats of the pair: read as given
+        [np.uint64(5), 3],
         np.ma.array([0, 1, 15]),  # a masked array with nothing masked
         np.ma.array([0, 1, 15], mask=[False, False, False]),
     ],
@@ -59,6 +61,9 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         ([True, False], "must hold integer page ids, got dtype bool"),
         (["0"], "must hold integer page ids, got dtype <U1"),
         (None, "must hold integer page ids, got NoneType"),
+        (np.array(5.0), "must hold integer page ids, got dtype float64"),  # 0-d: its dtype
+        (np.array(True), "must hold integer page ids, got dtype bool"),
+        ([np.uint64(5), np.int64(16)], "has page 16, outside [0, 16)"),
         ([7, True, 12], "must hold integer page ids, got a boolean among them"),
         ([[7, True]], "must hold integer page ids, got a boolean among them"),
         (((1, 2), (3, np.bool_(True))), "must hold integer page ids, got a boolean among them"),

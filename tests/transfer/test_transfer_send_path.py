@@ -320,7 +320,7 @@ def test_segments_go_in_chunk_order_and_nothing_follows_the_last() -> None:
         # an item's own error names the item (the ones before it are sent)
         with pytest.raises(ValueError, match=r"^KVSender.send_many: item 0: room .* out of order"):
             sender.send_many([(room, seg(2, P, total, True), sp[1:])])
-        for bad_room in (True, float(room), str(room), -1):  # True would be room 1, 2.0 room 2
+        for bad_room in (True, float(room), str(room), -1, 2**63):  # True: room 1, 2.0: room 2
             with pytest.raises(
                 ValueError,
                 match=re.escape(f"KVSender.send: room={bad_room!r} must be an int in [0, 2**63)"),
