@@ -33,11 +33,10 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     :param room: the request's room, named in errors.
     :raises ValueError: ``value`` does not convert to an array (a tensor that requires grad, a
         ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named;
-        a boolean among a list's ints too, at any depth, with its index), is a masked array
-        with masked ids, or an id outside
-        ``[0, num_pages)`` (the first one is named with its exact value, unsigned ones and
-        Python ints beyond 64 bits included).
-    """
+        a boolean among a list's or object array's ints too, at any depth, with its index),
+        is a masked array with masked ids, raw bytes (``bytearray``, a ``memoryview`` of
+        bytes), or an id outside ``[0, num_pages)`` (the first one is named with its exact
+        value, unsigned ones and Python ints beyond 64 bits included)."""
     if int64_ids(value):
         arr = value.copy()  # the usual case (a host's int64 page list)
         if ids_below(arr, num_pages):
@@ -48,6 +47,13 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         raise ValueError(
             f"{where}: {field} is a masked array with {int(np.ma.count_masked(value))} of "
             f"{value.size} ids masked; pass only the page ids to use (room {room})"
+        )
+    if isinstance(value, bytearray) or (
+        isinstance(value, memoryview) and isinstance(value.obj, (bytes, bytearray))
+    ):  # numpy reads raw bytes as uint8 ids (bytes itself as a string): a page per byte
+        raise ValueError(
+            f"{where}: {field} must be integer page ids, got {type(value).__name__} of raw "
+            f"bytes (room {room})"
         )
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword
@@ -90,10 +96,13 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
 
 
 def _elements(value: Any, arr: np.ndarray) -> Any:
-    """The ids of a Python sequence (list, tuple, deque, range, nested ones) as given, flat;
-    ``None`` for an array, a tensor or a scalar (its dtype says what it holds)."""
-    if arr.ndim == 0 or getattr(value, "dtype", None) is not None:
+    """The ids of a Python sequence (list, tuple, deque, range, nested ones) or of an object
+    array as given, flat; ``None`` for another array, a tensor or a scalar (its dtype says what
+    it holds)."""
+    if arr.ndim == 0:
         return None
+    if getattr(value, "dtype", None) is not None:  # an array or tensor: its dtype says, but an
+        return arr.reshape(-1).tolist() if arr.dtype == object else None  # object one holds any
     if arr.ndim == 1:
         if isinstance(value, (list, tuple)):
             return value

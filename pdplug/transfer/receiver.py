@@ -363,18 +363,19 @@ class KVReceiverSession(RoomSession):
         )
 
     def _instance(self, instance: str | None, call: str = "expect") -> str:
-        known = {*self._sources.by_instance, *self._finder.rendezvous, *self._refused}
-        if instance is None:
-            # the only one this rank knows: connected, found (being found again) or refused
-            if len(known) != 1:
-                raise ValueError(
-                    f"KVReceiver.{call}: instance is required when this rank knows "
-                    f"{len(known)} prefill instances ({sorted(known)}; connected, found or refused)"
-                )
-            return next(iter(known))
-        if instance not in known:
+        if instance is not None:  # the usual call: three lookups, no set built per request
+            src, found = self._sources.by_instance, self._finder.rendezvous
+            if instance in src or instance in found or instance in self._refused:
+                return instance
             raise ValueError(f"KVReceiver.{call}: prefill instance {instance!r} not connected")
-        return instance
+        # the only one this rank knows: connected, found (being found again) or refused
+        known = {*self._sources.by_instance, *self._finder.rendezvous, *self._refused}
+        if len(known) != 1:
+            raise ValueError(
+                f"KVReceiver.{call}: instance is required when this rank knows "
+                f"{len(known)} prefill instances ({sorted(known)}; connected, found or refused)"
+            )
+        return next(iter(known))
 
     def _idle_s(self) -> float:
         return 0.001 if (self.engine.notifications and self._leases) else 0.005

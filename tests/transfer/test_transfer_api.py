@@ -176,6 +176,8 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
             recv.expect(1, np.array([0]))
         with pytest.raises(ValueError, match="KVReceiver.decline: " + two):
             recv.decline(1)
+        with pytest.raises(ValueError, match=r"^KVReceiver.expect: prefill instance 'pre-c' not"):
+            recv.expect(1, np.array([0]), instance="pre-c")  # named, but neither found nor known
         with pytest.raises(KeyError):
             recv.poll(1)
         with pytest.raises(ValueError, match="prefill is empty"):

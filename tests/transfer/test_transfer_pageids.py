@@ -38,6 +38,9 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         [np.uint64(5), 3],
         np.ma.array([0, 1, 15]),  # a masked array with nothing masked
         np.ma.array([0, 1, 15], mask=[False, False, False]),
+        np.array([0, 1, 15], dtype=object),  # ints numpy did not type: read as given
+        np.array([[0, 1], [15, 2]], dtype=object),
+        memoryview(np.array([0, 1, 15])),  # a buffer of int64 ids, not of bytes
     ],
 )
 def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
@@ -81,6 +84,13 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         ([[1, 2], [3, np.bool_(False)]], "(np.False_ at index 3 of the flattened ids)"),
         # asarray would hand the data under the mask over as page ids
         (np.ma.array([0, 1, 15], mask=[0, 1, 0]), "is a masked array with 1 of 3 ids masked"),
+        # numpy reads raw bytes as uint8: one page id per byte
+        (bytearray(b"\x05\x03"), "must be integer page ids, got bytearray of raw bytes"),
+        (memoryview(b"\x05"), "must be integer page ids, got memoryview of raw bytes"),
+        (memoryview(bytearray(b"\x05")), "got memoryview of raw bytes"),
+        (np.array([1, True], dtype=object), "(True at index 1 of the flattened ids)"),
+        (np.array([1, 16], dtype=object), "has page 16, outside [0, 16)"),
+        (np.array([1, 2.5], dtype=object), "must hold integer page ids, got dtype object"),
     ],
 )
 def test_bad_ids_are_refused_naming_the_value_the_field_and_the_room(
