@@ -16,7 +16,8 @@ untimed: pdplug's with the decode's verdict on the room, the raw one when the de
 raw write's notification (NIXL; a Mooncake call returns only then). Before 2026-12-04 a raw run
 did not wait for that, and a pdplug run right after it paid for the decode still taking in the
 raw write's bytes (a NIXL "DONE" on UCX over TCP is the sender's; README, "Fixed cost per
-send", has the measurement).
+send", has the measurement). Before 2026-12-07 the window also held the bench's own check: one
+more ``poll`` per room after the one that saw ``Success``, and an import.
 
 **K sends per step**: a step posts K rooms of the same size at once (``send_many`` when the
 sender has it, else K ``send`` calls) and polls them all to ``Success``; the raw baseline posts
@@ -54,16 +55,20 @@ __all__ = ["fixed_cost"]
 MIB = 1 << 20
 
 
-def _spin(sender: Any, rooms: list[int], backend: str) -> None:
-    """Poll every room until it is terminal (no sleep: the host's own loop), then check."""
-    from pdplug import KVPoll
-
-    todo = list(rooms)
+def _spin(sender: Any, rooms: list[int], backend: str, ends: tuple[Any, ...]) -> None:
+    """Poll every room until it is terminal, ``ends`` (no sleep: the host's own loop). The
+    timed window ends here, at the poll that first sees it: :func:`_succeeded` checks after."""
+    todo = rooms
     t_end = time.monotonic() + 60.0
     while todo:
-        todo = [r for r in todo if sender.poll(r) not in (KVPoll.Success, KVPoll.Failed)]
-        if time.monotonic() > t_end:
+        todo = [r for r in todo if sender.poll(r) not in ends]
+        if todo and time.monotonic() > t_end:
             raise click.ClickException(f"{backend}: rooms {todo} not done after 60 s")
+
+
+def _succeeded(sender: Any, rooms: list[int], backend: str) -> None:
+    from pdplug import KVPoll
+
     for r in rooms:
         if sender.poll(r) != KVPoll.Success:
             raise click.ClickException(f"{backend}: {sender.failure_reason(r)}")
@@ -98,7 +103,10 @@ def fixed_cost(
     :param sizes: send sizes in bytes; ``steps``: the K values of the per-step rows.
     :param repeats: timed pairs per row (each row runs at least 20).
     """
+    from pdplug import KVPoll
     from pdplug_bench.bytecheck import POISON
+
+    ends = (KVPoll.Success, KVPoll.Failed)
 
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -119,8 +127,9 @@ def fixed_cost(
             items = [(room, c["seg"], c["sp"]) for room, c in zip(rooms, cases)]
             t0 = time.perf_counter()
             _post_step(rig.sender, items)
-            _spin(rig.sender, rooms, rig.backend)
+            _spin(rig.sender, rooms, rig.backend, ends)
             dt = time.perf_counter() - t0
+            _succeeded(rig.sender, rooms, rig.backend)
 
             def bytes_ok() -> None:
                 if checked:
