@@ -101,8 +101,9 @@ def _elements(value: Any, arr: np.ndarray) -> Any:
     it holds)."""
     if arr.ndim == 0:
         return None
-    if getattr(value, "dtype", None) is not None:  # an array or tensor: its dtype says, but an
-        return arr.reshape(-1).tolist() if arr.dtype == object else None  # object one holds any
+    if getattr(value, "dtype", None) is not None:  # an array or a tensor: its dtype says what
+        # it holds, but an object array holds any Python objects: read them as given
+        return arr.reshape(-1).tolist() if arr.dtype == object else None
     if arr.ndim == 1:
         if isinstance(value, (list, tuple)):
             return value
