@@ -18,6 +18,7 @@ from pdplug.packing.pages import ids_below, int64_ids
 __all__ = ["check_span", "page_ids"]
 
 _BOOLS = frozenset({bool, np.bool_})
+_BYTE_FORMATS = frozenset({"B", "b", "c"})
 _INTS = frozenset({int})
 _BOOL_DTYPES = frozenset({"bool", "torch.bool"})
 
@@ -34,9 +35,10 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     :raises ValueError: ``value`` does not convert to an array (a tensor that requires grad, a
         ragged list, ...), holds non-integers (floats, booleans, strings: the dtype is named;
         a boolean among a list's or object array's ints too, at any depth, with its index),
-        is a masked array with masked ids, raw bytes (``bytearray``, a ``memoryview`` of
-        bytes), or an id outside ``[0, num_pages)`` (the first one is named with its exact
-        value, unsigned ones and Python ints beyond 64 bits included)."""
+        is a masked array with masked ids, a buffer of bytes other than a numpy array (item
+        format ``B``, ``b`` or ``c``: ``bytearray``, ``mmap``, a ``memoryview`` of them or cast
+        to bytes, ``array('b')``), or an id outside ``[0, num_pages)`` (the first one is
+        named with its exact value, unsigned ones and Python ints beyond 64 bits included)."""
     if int64_ids(value):
         arr = value.copy()  # the usual case (a host's int64 page list)
         if ids_below(arr, num_pages):
@@ -48,12 +50,14 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
             f"{where}: {field} is a masked array with {int(np.ma.count_masked(value))} of "
             f"{value.size} ids masked; pass only the page ids to use (room {room})"
         )
-    if isinstance(value, bytearray) or (
-        isinstance(value, memoryview) and isinstance(value.obj, (bytes, bytearray))
-    ):  # numpy reads raw bytes as uint8 ids (bytes itself as a string): a page per byte
+    fmt = "" if isinstance(value, np.ndarray) else _buffer_format(value, field, where, room)
+    if fmt.lstrip("@=<>!") in _BYTE_FORMATS:  # "" (not a buffer) is not one of them
+        # numpy reads a buffer of bytes as uint8 ids (bytes itself as a string): a page per
+        # byte of a bytearray, an mmap or a memoryview cast to bytes
         raise ValueError(
-            f"{where}: {field} must be integer page ids, got {type(value).__name__} of raw "
-            f"bytes (room {room})"
+            f"{where}: {field} must be integer page ids, got a buffer of bytes ("
+            f"{type(value).__name__}, item format {fmt!r}); pass a list, a numpy array or a "
+            f"tensor (room {room})"
         )
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword
@@ -77,6 +81,9 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         if ints is None:
             kind = getattr(value, "dtype", None) is not None  # a 0-d array or tensor
             got = f"dtype {arr.dtype}" if arr.ndim or kind else type(value).__name__
+            if items is not None and arr.ndim:  # name the first id that is not an integer
+                i = next(i for i, x in enumerate(items) if not _int_like(x))
+                got = f"{got} ({items[i]!r} at index {i} of the flattened ids)"
             raise ValueError(
                 f"{where}: {field} must hold integer page ids, got {got} (room {room})"
             )
@@ -99,8 +106,8 @@ def _elements(value: Any, arr: np.ndarray) -> Any:
     """The ids of a Python sequence (list, tuple, deque, range, nested ones) or of an object
     array as given, flat; ``None`` for another array, a tensor or a scalar (its dtype says what
     it holds)."""
-    if arr.ndim == 0:
-        return None
+    if arr.ndim == 0:  # a scalar: an object one (a Python int beyond 64 bits) as given
+        return [arr.item()] if arr.dtype == object else None
     if getattr(value, "dtype", None) is not None:  # an array or a tensor: its dtype says what
         # it holds, but an object array holds any Python objects: read them as given
         return arr.reshape(-1).tolist() if arr.dtype == object else None
@@ -128,13 +135,31 @@ def _bool_at(items: Any) -> int:
     return -1
 
 
+def _buffer_format(value: Any, field: str, where: str, room: int) -> str:
+    """The buffer protocol's item format of ``value`` (``"B"`` for bytes), ``""`` when it
+    exports no buffer (a list, a tensor)."""
+    try:
+        return memoryview(value).format
+    except TypeError:
+        return ""
+    except ValueError as e:  # a released memoryview
+        raise ValueError(
+            f"{where}: {field} must be integer page ids, got {type(value).__name__} ({e}) "
+            f"(room {room})"
+        ) from None
+
+
+def _int_like(x: Any) -> bool:
+    # a bool is an int to isinstance ([True, False] is not pages 1 and 0), and numpy's
+    # timedelta64 an np.integer (5 seconds is not page 5)
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.timedelta64))
+
+
 def _ints(items: Any) -> list[int] | None:
     """Flat ``items`` as Python ints when every one is a Python or numpy integer that numpy
     could not hold in one int64 or uint64 array (it made floats or objects of them: Python ints
     beyond 64 bits, or ``np.uint64`` beside ``np.int64``), else ``None``."""
-    if not all(isinstance(x, (int, np.integer)) and type(x) is not bool for x in items):
-        return None  # a bool is an int to isinstance: [True, False] is not pages 1 and 0
-    return [int(x) for x in items]
+    return [int(x) for x in items] if all(map(_int_like, items)) else None
 
 
 def check_span(layout: Any, pages: int, decode_prefix_len: int, num_tokens: int) -> None:

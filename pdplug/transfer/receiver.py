@@ -244,8 +244,7 @@ class KVReceiverSession(RoomSession):
         self._finder.rendezvous.setdefault(instance, rendezvous)
 
     def _refuse(self, instance: str, mismatches: list[str]) -> NoReturn:
-        """Remember why ``instance`` refused this rank (later rooms for it fail naming it) and
-        raise the CompatError."""
+        """Remember why ``instance`` refused this rank (its rooms fail naming it); raise."""
         self._refused[instance] = "; ".join(mismatches)[:1024]
         raise CompatError(mismatches)
 
@@ -269,7 +268,7 @@ class KVReceiverSession(RoomSession):
         :param instance: the prefill instance; optional when this rank knows only one:
             connected, found (even while found again) or refused (the room then fails).
         :raises ValueError: a page id out of range or not an integer, too few pages for
-            ``num_tokens``, an unaligned prefix, an unknown instance, a room that is not an int
+            ``num_tokens``, an unaligned prefix, an unknown or non-str instance, a room not an int
             in ``[0, 2**63)`` (a NumPy integer is taken as its int) or already leased.
         """
         room = check_room_id(room, "KVReceiver.expect")
@@ -287,8 +286,7 @@ class KVReceiverSession(RoomSession):
         return gen
 
     def abort(self, room: int, reason: str = "aborted") -> None:
-        """Fail ``room`` here and tell every prefill rank to stop sending it (a room that
-        already succeeded stays so)."""
+        """Fail ``room`` here and tell every prefill rank to stop sending it (Success stays)."""
         gen = self.rooms.generation(check_room_id(room, "KVReceiver.abort"))
         if gen is None or self.rooms.status(room) == KVPoll.Success:
             return
@@ -363,11 +361,13 @@ class KVReceiverSession(RoomSession):
         )
 
     def _instance(self, instance: str | None, call: str = "expect") -> str:
-        if instance is not None:  # the usual call: three lookups, no set built per request
+        if isinstance(instance, str):  # the usual call: three lookups, no set built per request
             src, found = self._sources.by_instance, self._finder.rendezvous
             if instance in src or instance in found or instance in self._refused:
                 return instance
             raise ValueError(f"KVReceiver.{call}: prefill instance {instance!r} not connected")
+        if instance is not None:  # a list raised "unhashable type" from a lookup
+            raise ValueError(f"KVReceiver.{call}: instance must be a str, got {instance!r}")
         # the only one this rank knows: connected, found (being found again) or refused
         known = {*self._sources.by_instance, *self._finder.rendezvous, *self._refused}
         if len(known) != 1:

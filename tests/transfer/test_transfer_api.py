@@ -178,6 +178,8 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
             recv.decline(1)
         with pytest.raises(ValueError, match=r"^KVReceiver.expect: prefill instance 'pre-c' not"):
             recv.expect(1, np.array([0]), instance="pre-c")  # named, but neither found nor known
+        with pytest.raises(ValueError, match=r"expect: instance must be a str, got \['pre-a'\]"):
+            recv.expect(1, np.array([0]), instance=["pre-a"])  # raised "unhashable type: 'list'"
         with pytest.raises(KeyError):
             recv.poll(1)
         with pytest.raises(ValueError, match="prefill is empty"):

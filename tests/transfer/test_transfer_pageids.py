@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
+import array
 import collections
+import io
+import mmap
+import pickle
 
 import numpy as np
 import pytest
@@ -41,6 +45,9 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         np.array([0, 1, 15], dtype=object),  # ints numpy did not type: read as given
         np.array([[0, 1], [15, 2]], dtype=object),
         memoryview(np.array([0, 1, 15])),  # a buffer of int64 ids, not of bytes
+        memoryview(np.array([0, 1, 15]).tobytes()).cast("q"),
+        array.array("q", [0, 1, 15]),
+        np.array(7, dtype=object),
     ],
 )
 def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
@@ -84,13 +91,24 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         ([[1, 2], [3, np.bool_(False)]], "(np.False_ at index 3 of the flattened ids)"),
         # asarray would hand the data under the mask over as page ids
         (np.ma.array([0, 1, 15], mask=[0, 1, 0]), "is a masked array with 1 of 3 ids masked"),
-        # numpy reads raw bytes as uint8: one page id per byte
-        (bytearray(b"\x05\x03"), "must be integer page ids, got bytearray of raw bytes"),
-        (memoryview(b"\x05"), "must be integer page ids, got memoryview of raw bytes"),
-        (memoryview(bytearray(b"\x05")), "got memoryview of raw bytes"),
+        # numpy reads a buffer of bytes as uint8: one page id per byte
+        (bytearray(b"\x05\x03"), "got a buffer of bytes (bytearray, item format 'B')"),
+        (memoryview(b"\x05"), "got a buffer of bytes (memoryview, item format 'B')"),
+        (memoryview(bytearray(b"\x05")), "got a buffer of bytes (memoryview"),
+        (memoryview(np.array([5, 3])).cast("B"), "got a buffer of bytes (memoryview"),
+        (pickle.PickleBuffer(b"\x05\x03"), "got a buffer of bytes (PickleBuffer"),
+        (io.BytesIO(b"\x05\x03").getbuffer(), "got a buffer of bytes (memoryview"),
+        (array.array("b", [1, 2]), "got a buffer of bytes (array, item format 'b')"),
+        (b"\x05", "got a buffer of bytes (bytes, item format 'B')"),
         (np.array([1, True], dtype=object), "(True at index 1 of the flattened ids)"),
+        (np.array(True, dtype=object), "(True at index 0 of the flattened ids)"),
         (np.array([1, 16], dtype=object), "has page 16, outside [0, 16)"),
-        (np.array([1, 2.5], dtype=object), "must hold integer page ids, got dtype object"),
+        (np.array([1, 2.5], dtype=object), "got dtype object (2.5 at index 1 of the flattened"),
+        ([1.5, 2], "got dtype float64 (1.5 at index 0 of the flattened ids)"),
+        # numpy's timedelta64 is an np.integer: 5 seconds is not page 5
+        ([np.timedelta64(5, "ns"), 3], "got dtype timedelta64[ns] (np.timedelta64(5,'ns') at"),
+        (np.array([np.timedelta64(5, "s"), 3], dtype=object), "got dtype object (np.timedelta64"),
+        (2**70, f"has page {2**70}, outside"),  # a scalar numpy holds as an object
     ],
 )
 def test_bad_ids_are_refused_naming_the_value_the_field_and_the_room(
@@ -187,3 +205,20 @@ def test_an_object_numpy_reads_through_array_alone_is_read_by_its_dtype() -> Non
         _ids(_ArrayOnly([1.5]))
     with pytest.raises(ValueError, match=r"has page 16, outside \[0, 16\)"):
         _ids(_ArrayOnly([0, 16]))
+
+
+def test_a_released_memoryview_is_refused_naming_the_field_and_the_room() -> None:
+    m = memoryview(b"\x05")
+    m.release()
+    with pytest.raises(ValueError, match=r"^KVSender.send: src_pages must be integer page ids, "
+                       r"got memoryview \(operation forbidden.*\(room 3\)$"):  # fmt: skip
+        _ids(m)
+
+
+def test_an_mmap_of_bytes_is_refused_not_read_one_page_per_byte() -> None:
+    with mmap.mmap(-1, 4) as mm:
+        mm.write(b"\x05\x03\x00\x01")  # numpy read it as pages 5, 3, 0, 1
+        with pytest.raises(ValueError, match=r"got a buffer of bytes \(mmap, item format 'B'\)"):
+            _ids(mm)
+        with memoryview(mm) as view, pytest.raises(ValueError, match=r"bytes \(memoryview, "):
+            _ids(view)
