@@ -48,6 +48,8 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         memoryview(np.array([0, 1, 15]).tobytes()).cast("q"),
         array.array("q", [0, 1, 15]),
         np.array(7, dtype=object),
+        np.uint8(7),  # a numpy scalar exports a buffer of format "B": its dtype says uint8
+        np.int8(7),
     ],
 )
 def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
