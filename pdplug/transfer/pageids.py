@@ -50,8 +50,9 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
             f"{where}: {field} is a masked array with {int(np.ma.count_masked(value))} of "
             f"{value.size} ids masked; pass only the page ids to use (room {room})"
         )
-    # numpy arrays and scalars export buffers too (np.uint8(7): format "B"): their dtype says
-    typed = isinstance(value, (np.ndarray, np.generic))
+    # numpy arrays and scalars export buffers too (np.uint8(7): format "B"): their dtype says;
+    # a list or tuple (a host's block ids) exports none: no memoryview attempt raised and caught
+    typed = isinstance(value, (list, tuple, np.ndarray, np.generic))
     fmt = "" if typed else _buffer_format(value, field, where, room)
     if fmt.lstrip("@=<>!") in _BYTE_FORMATS:  # "" (not a buffer) is not one of them
         # numpy reads a buffer of bytes as uint8 ids (bytes itself as a string): a page per
