@@ -155,13 +155,22 @@ def _buffer_format(value: Any, field: str, where: str, room: int) -> str:
 def _int_like(x: Any) -> bool:
     # a bool is an int to isinstance ([True, False] is not pages 1 and 0), and numpy's
     # timedelta64 an np.integer (5 seconds is not page 5)
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.timedelta64))
+    if isinstance(x, (int, np.integer)):
+        return not isinstance(x, (bool, np.timedelta64))
+    if getattr(x, "ndim", None) == 0 and getattr(x, "dtype", None) is not None:
+        # a 0-d integer array or tensor: read like it is in a list ([np.array(1), 2])
+        try:
+            return np.asarray(x).dtype.kind in "iu"
+        except Exception:  # a tensor on a device numpy cannot read
+            return False
+    return False
 
 
 def _ints(items: Any) -> list[int] | None:
-    """Flat ``items`` as Python ints when every one is a Python or numpy integer that numpy
-    could not hold in one int64 or uint64 array (it made floats or objects of them: Python ints
-    beyond 64 bits, or ``np.uint64`` beside ``np.int64``), else ``None``."""
+    """Flat ``items`` as Python ints when every one is a Python or numpy integer (or a 0-d
+    integer array or tensor) that numpy could not hold in one int64 or uint64 array (it made
+    floats or objects of them: Python ints beyond 64 bits, ``np.uint64`` beside ``np.int64``,
+    0-d arrays in an object array), else ``None``."""
     return [int(x) for x in items] if all(map(_int_like, items)) else None
 
 

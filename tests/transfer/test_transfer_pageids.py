@@ -48,6 +48,7 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         memoryview(np.array([0, 1, 15]).tobytes()).cast("q"),
         array.array("q", [0, 1, 15]),
         np.array(7, dtype=object),
+        np.array([np.array(0), np.array(1), np.array(15)], dtype=object),  # as the list is
         np.uint8(7),  # a numpy scalar exports a buffer of format "B": its dtype says uint8
         np.int8(7),
     ],
@@ -107,6 +108,10 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         (np.array([1, 16], dtype=object), "has page 16, outside [0, 16)"),
         (np.array([1, 2.5], dtype=object), "got dtype object (2.5 at index 1 of the flattened"),
         ([1.5, 2], "got dtype float64 (1.5 at index 0 of the flattened ids)"),
+        (np.array([np.array(1.5), 2], dtype=object), "got dtype object (array(1.5) at index 0"),
+        (np.array([2, np.array(True)], dtype=object), "boolean among them (array(True) at index 1"),
+        (np.array([np.array(16), 2], dtype=object), "has page 16, outside [0, 16)"),
+        (np.array([np.array([1]), 2], dtype=object), "got dtype object (array([1]) at index 0"),
         # numpy's timedelta64 is an np.integer: 5 seconds is not page 5
         ([np.timedelta64(5, "ns"), 3], "got dtype timedelta64[ns] (np.timedelta64(5,'ns') at"),
         (np.array([np.timedelta64(5, "s"), 3], dtype=object), "got dtype object (np.timedelta64"),
@@ -224,3 +229,15 @@ def test_an_mmap_of_bytes_is_refused_not_read_one_page_per_byte() -> None:
             _ids(mm)
         with memoryview(mm) as view, pytest.raises(ValueError, match=r"bytes \(memoryview, "):
             _ids(view)
+
+
+def test_an_object_array_of_0d_int_tensors_is_read_as_the_list_of_them_is() -> None:
+    """helper-26: ``[torch.tensor(1), 2]`` was read while the same ids in an object array were
+    refused as ``dtype object``; a float or bool tensor among them is still refused."""
+    torch = pytest.importorskip("torch")
+    assert _ids(np.array([torch.tensor(3), 4], dtype=object)).tolist() == [3, 4]
+    assert _ids([torch.tensor(3), 4]).tolist() == [3, 4]
+    with pytest.raises(ValueError, match=r"got dtype object \(tensor\(1\.\) at index 0"):
+        _ids(np.array([torch.tensor(1.0), 4], dtype=object))
+    with pytest.raises(ValueError, match=r"boolean among them \(tensor\(True\) at index 0"):
+        _ids(np.array([torch.tensor(True), 4], dtype=object))
