@@ -21,6 +21,7 @@ _BOOLS = frozenset({bool, np.bool_})
 _BYTE_FORMATS = frozenset({"B", "b", "c"})
 _INTS = frozenset({int})
 _BOOL_DTYPES = frozenset({"bool", "torch.bool"})
+_INT64_END = 1 << 63
 
 
 def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> np.ndarray:
@@ -37,13 +38,16 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
         a boolean among a list's or object array's ints too, at any depth, with its index),
         is a masked array with masked ids, a buffer of bytes other than a numpy array (item
         format ``B``, ``b`` or ``c``: ``bytearray``, ``mmap``, a ``memoryview`` of them or cast
-        to bytes, ``array('b')``), or an id outside ``[0, num_pages)`` (the first one is
-        named with its exact value, unsigned ones and Python ints beyond 64 bits included)."""
+        to bytes, ``array('b')``), or an id outside ``[0, num_pages)`` or at 2**63 or above
+        (the copy is int64; the first one is named with its exact value, unsigned ones and
+        Python ints beyond 64 bits included)."""
     if int64_ids(value):
         arr = value.copy()  # the usual case (a host's int64 page list)
         if ids_below(arr, num_pages):
             return arr
         value = arr
+    # the ids go out as int64: one at 2**63 or above is outside whatever num_pages says
+    num_pages = min(num_pages, _INT64_END)
     if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
         # asarray keeps the data under the mask: a masked-out slot would go out as a page
         raise ValueError(
@@ -119,7 +123,9 @@ def _elements(value: Any, arr: np.ndarray) -> Any:
             return value
         try:
             return list(value)
-        except TypeError:  # an object numpy reads through ``__array__`` alone: its dtype says
+        except (TypeError, NotImplementedError):
+            # an object numpy reads through ``__array__`` alone, or a memoryview of a format
+            # Python cannot unpack (">q", "e", a struct): its dtype says
             return None
     flat = np.empty(arr.shape, dtype=object)
     flat[...] = value  # the elements as given: asarray(dtype=object) would nest lists

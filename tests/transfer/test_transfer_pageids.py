@@ -46,6 +46,7 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         np.array([[0, 1], [15, 2]], dtype=object),
         memoryview(np.array([0, 1, 15])),  # a buffer of int64 ids, not of bytes
         memoryview(np.array([0, 1, 15]).tobytes()).cast("q"),
+        memoryview(np.array([0, 1, 15], dtype=">i8")),  # a format Python cannot unpack
         array.array("q", [0, 1, 15]),
         np.array(7, dtype=object),
         np.array([np.array(0), np.array(1), np.array(15)], dtype=object),  # as the list is
@@ -109,6 +110,10 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         (np.array([1, 2.5], dtype=object), "got dtype object (2.5 at index 1 of the flattened"),
         ([1.5, 2], "got dtype float64 (1.5 at index 0 of the flattened ids)"),
         (np.array([np.array(1.5), 2], dtype=object), "got dtype object (array(1.5) at index 0"),
+        # memoryviews Python cannot iterate (helper-27: NotImplementedError from inside)
+        (memoryview(np.array([1, 16], dtype=">i8")), "has page 16, outside [0, 16)"),
+        (memoryview(np.array([1, 2], dtype=np.float16)), "got dtype float16"),
+        (memoryview(np.array([(1,)], dtype=[("a", "<i8")])), "got dtype [('a', '<i8')]"),
         (np.array([2, np.array(True)], dtype=object), "boolean among them (array(True) at index 1"),
         (np.array([np.array(16), 2], dtype=object), "has page 16, outside [0, 16)"),
         (np.array([np.array([1]), 2], dtype=object), "got dtype object (array([1]) at index 0"),
@@ -241,3 +246,21 @@ def test_an_object_array_of_0d_int_tensors_is_read_as_the_list_of_them_is() -> N
         _ids(np.array([torch.tensor(1.0), 4], dtype=object))
     with pytest.raises(ValueError, match=r"boolean among them \(tensor\(True\) at index 0"):
         _ids(np.array([torch.tensor(True), 4], dtype=object))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array([2**63 + 5], dtype=np.uint64),
+        [2**63 + 5],
+        np.array([np.array(2**63 + 5, dtype=np.uint64), 1], dtype=object),
+    ],
+)
+def test_an_id_int64_cannot_hold_is_out_of_range_whatever_num_pages_says(value: object) -> None:
+    """helper-27: with ``num_pages=2**64`` a uint64 id of 2**63 + 5 went out as page
+    -9223372036854775803, and the object array's raised OverflowError from inside."""
+    with pytest.raises(
+        ValueError, match=r"page 9223372036854775813, outside \[0, 9223372036854775808\)"
+    ):
+        _ids(value, 2**64)
+    assert _ids(np.array([2**63 - 1], dtype=np.uint64), 2**64).tolist() == [2**63 - 1]
