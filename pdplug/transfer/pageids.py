@@ -9,6 +9,7 @@ private int64 copy of what they checked.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -58,14 +59,7 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     # a list or tuple (a host's block ids) exports none: no memoryview attempt raised and caught
     typed = isinstance(value, (list, tuple, np.ndarray, np.generic))
     fmt = "" if typed else _buffer_format(value, field, where, room)
-    if fmt.lstrip("@=<>!") in _BYTE_FORMATS:  # "" (not a buffer) is not one of them
-        # numpy reads a buffer of bytes as uint8 ids (bytes itself as a string): a page per
-        # byte of a bytearray, an mmap or a memoryview cast to bytes
-        raise ValueError(
-            f"{where}: {field} must be integer page ids, got a buffer of bytes ("
-            f"{type(value).__name__}, item format {fmt!r}); pass a list, a numpy array or a "
-            f"tensor (room {room})"
-        )
+    raw = value if fmt.lstrip("@=<>!") in _BYTE_FORMATS else None  # "" is not one of them
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword
     except (OverflowError, RuntimeError, TypeError, ValueError) as e:
@@ -73,6 +67,17 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
             f"{where}: {field} must be integer page ids, got {type(value).__name__} ({e}) "
             f"(room {room})"
         ) from None
+    if raw is None and arr.ndim > 1 and getattr(value, "dtype", None) is None:
+        raw, fmt = _bytes_row(value, arr.ndim - 1)  # [bytearray(...)]: a row of bytes
+    if raw is not None:
+        # numpy reads a buffer of bytes as uint8 ids (bytes itself as a string): a page per
+        # byte of a bytearray, an mmap or a memoryview cast to bytes
+        among = "" if raw is value else " among them"
+        raise ValueError(
+            f"{where}: {field} must be integer page ids, got a buffer of bytes ("
+            f"{type(raw).__name__}, item format {fmt!r}){among}; pass a list, a numpy array or "
+            f"a tensor (room {room})"
+        )
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     items = _elements(value, arr)
@@ -158,12 +163,32 @@ def _buffer_format(value: Any, field: str, where: str, room: int) -> str:
         ) from None
 
 
+def _bytes_row(value: Any, levels: int) -> tuple[Any, str]:
+    """The first buffer of bytes (not a numpy array) among the rows of a nested sequence, down
+    ``levels`` levels, and its item format; ``(None, "")`` when there is none."""
+    for x in value:
+        if isinstance(x, (list, tuple, str)) or getattr(type(x), "dtype", None) is not None:
+            fmt = ""  # a sequence, or an array or tensor whose dtype says
+        else:
+            try:
+                fmt = memoryview(x).format
+            except (TypeError, ValueError):
+                fmt = ""
+            if fmt.lstrip("@=<>!") in _BYTE_FORMATS:
+                return x, fmt
+        if levels > 1 and not fmt and isinstance(x, Iterable) and not isinstance(x, str):
+            found = _bytes_row(x, levels - 1)
+            if found[0] is not None:
+                return found
+    return None, ""
+
+
 def _int_like(x: Any) -> bool:
     # a bool is an int to isinstance ([True, False] is not pages 1 and 0), and numpy's
     # timedelta64 an np.integer (5 seconds is not page 5)
     if isinstance(x, (int, np.integer)):
         return not isinstance(x, (bool, np.timedelta64))
-    if getattr(x, "ndim", None) == 0 and getattr(x, "dtype", None) is not None:
+    if getattr(type(x), "dtype", None) is not None and x.ndim == 0:  # no released memoryview
         # a 0-d integer array or tensor: read like it is in a list ([np.array(1), 2])
         try:
             return np.asarray(x).dtype.kind in "iu"

@@ -233,15 +233,15 @@ class KVReceiverSession(RoomSession):
         bound for it waits while a thread resolves and connects it (``bootstrap_timeout_s``),
         then is sent or fails naming why: no host step blocks on a lookup (issue 22).
 
-        :raises ValueError: an empty ``instance`` or ``rendezvous``.
+        :raises ValueError: an empty or non-str ``instance`` or ``rendezvous``.
         :raises TransferError: the session is closed.
         """
-        if not instance or not rendezvous:
+        if not all(isinstance(x, str) and x for x in (instance, rendezvous)):
             raise ValueError(f"KVReceiver.find: instance={instance!r}, rendezvous={rendezvous!r}"
-                             ": both must be non-empty")  # fmt: skip
+                             ": both must be non-empty str")  # fmt: skip
         if self._closed:
             raise TransferError(f"KVReceiver.find: {self.config.instance} is closed")
-        self._finder.rendezvous.setdefault(instance, rendezvous)
+        self._finder.rendezvous.setdefault(str(instance), str(rendezvous))
 
     def _refuse(self, instance: str, mismatches: list[str]) -> NoReturn:
         """Remember why ``instance`` refused this rank (its rooms fail naming it); raise."""
@@ -364,7 +364,7 @@ class KVReceiverSession(RoomSession):
         if isinstance(instance, str):  # the usual call: three lookups, no set built per request
             src, found = self._sources.by_instance, self._finder.rendezvous
             if instance in src or instance in found or instance in self._refused:
-                return instance
+                return instance if type(instance) is str else str(instance)  # np.str_: wire
             raise ValueError(f"KVReceiver.{call}: prefill instance {instance!r} not connected")
         if instance is not None:  # a list raised "unhashable type" from a lookup
             raise ValueError(f"KVReceiver.{call}: instance must be a str, got {instance!r}")

@@ -180,6 +180,14 @@ def test_factories_through_the_manager_and_named_input_errors(backend: str) -> N
             recv.expect(1, np.array([0]), instance="pre-c")  # named, but neither found nor known
         with pytest.raises(ValueError, match=r"expect: instance must be a str, got \['pre-a'\]"):
             recv.expect(1, np.array([0]), instance=["pre-a"])  # raised "unhashable type: 'list'"
+        # helper-27: a str subclass leased the room, which failed 0.5 s later (msgspec cannot
+        # encode numpy.str_); the session keeps the plain str
+        assert type(recv._instance(np.str_("pre-a"))) is str
+        for bad in (["x"], 5, b"pre-a"):  # ["x"]: "unhashable type"; 5 and bytes were kept
+            with pytest.raises(ValueError, match=r"^KVReceiver.find: instance=.*non-empty str$"):
+                recv.find(bad, "tcp://127.0.0.1:9")
+        with pytest.raises(ValueError, match=r"rendezvous=5: both must be non-empty str$"):
+            recv.find("pre-d", 5)
         with pytest.raises(KeyError):
             recv.poll(1)
         with pytest.raises(ValueError, match="prefill is empty"):

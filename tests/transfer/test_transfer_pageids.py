@@ -19,6 +19,12 @@ from pdplug.transfer.pageids import page_ids
 from pdplug.types import Segment
 
 
+def _released() -> memoryview:
+    m = memoryview(b"\x05")
+    m.release()
+    return m
+
+
 def _ids(value: object, n: int = 16) -> np.ndarray:
     return page_ids(value, "src_pages", n, "KVSender.send", 3)
 
@@ -47,6 +53,7 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         memoryview(np.array([0, 1, 15])),  # a buffer of int64 ids, not of bytes
         memoryview(np.array([0, 1, 15]).tobytes()).cast("q"),
         memoryview(np.array([0, 1, 15], dtype=">i8")),  # a format Python cannot unpack
+        [array.array("q", [0, 1]), [15, 2]],  # rows of typed buffers: their ints
         array.array("q", [0, 1, 15]),
         np.array(7, dtype=object),
         np.array([np.array(0), np.array(1), np.array(15)], dtype=object),  # as the list is
@@ -110,6 +117,12 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         (np.array([1, 2.5], dtype=object), "got dtype object (2.5 at index 1 of the flattened"),
         ([1.5, 2], "got dtype float64 (1.5 at index 0 of the flattened ids)"),
         (np.array([np.array(1.5), 2], dtype=object), "got dtype object (array(1.5) at index 0"),
+        # helper-27: rows of bytes in a list went out one page per byte
+        ([bytearray(b"\x05\x06")], "buffer of bytes (bytearray, item format 'B') among them"),
+        ([[1, 2], memoryview(b"\x05\x06")], "buffer of bytes (memoryview, item format 'B') among"),
+        (([bytearray(b"\x05")],), "buffer of bytes (bytearray, item format 'B') among them"),
+        ([array.array("b", [5, 6])], "buffer of bytes (array, item format 'b') among them"),
+        ([_released()], "got dtype object (<released memory at"),  # a bare ValueError
         # memoryviews Python cannot iterate (helper-27: NotImplementedError from inside)
         (memoryview(np.array([1, 16], dtype=">i8")), "has page 16, outside [0, 16)"),
         (memoryview(np.array([1, 2], dtype=np.float16)), "got dtype float16"),
