@@ -23,6 +23,8 @@ from pathlib import Path
 import msgspec
 
 from pdplug.ports import free_ports
+from pdplug.transfer.faults import FAULT_ENV, HOLD
+from pdplug_engines.holds import hold_ranks
 from pdplug_engines.metrics import scrape
 from pdplug_engines.procs import Engine, EngineError, launch, running
 from pdplug_engines.tiny_model import TinyLlama, build_tiny_llama
@@ -120,6 +122,9 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     :ivar prefill_answers: the prefill engine answered ``/health_generate`` afterwards (a
         request through its scheduler: it still serves).
     :ivar reasons: a few failure reasons.
+    :ivar hold_senders: the prefill's KV senders (one per plane of each scheduler process)
+        that installed the write hold (:func:`~pdplug_engines.holds.hold_ranks`); -1: no hold
+        asked.
     """
 
     requests: int
@@ -130,6 +135,7 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_healthy: bool
     prefill_answers: bool
     reasons: list[str]
+    hold_senders: int = -1
 
 
 class Deployment(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,6 +185,7 @@ def deployment(
     paths: tuple[str, ...] = (),
     model: TinyLlama = TINY,
     timeout_s: float = 300.0,
+    hold_switch: str | Path | None = None,
 ) -> Iterator[Deployment]:
     """Start a prefill (``prefill_pp`` stages), a decode and the router for ``backend``.
 
@@ -188,6 +195,9 @@ def deployment(
     :param paths: extra ``PYTHONPATH`` folders of both engines.
     :param model: the tiny model's geometry (SGLang's dynamic-chunking profile draws token ids
         below 10,000: it needs a larger vocabulary than :data:`TINY`'s).
+    :param hold_switch: a switch file for the prefill engine's test-only write hold
+        (``PDPLUG_TEST_FAIL_WRITES``; :func:`kill_decode_mid_run` writes and removes it);
+        writes go out as usual while it does not exist.
     :raises ValueError: an unknown backend.
     :raises EngineError: an engine did not start within ``timeout_s``.
     """
@@ -203,9 +213,12 @@ def deployment(
         extra["PDPLUG_KV_SENDER"] = sender
     metrics = ("--enable-metrics", "--enable-metrics-for-all-schedulers")
     cores = "|".join(str(i % 2) for i in range(prefill_pp)) if prefill_pp > 1 else ""
+    p_env = dict(extra)
+    if hold_switch is not None:
+        p_env[FAULT_ENV] = str(Path(hold_switch).resolve())
     prefill = EngineSpec(
         name="prefill", model=model_dir, port=p_port, overlay=overlay, role="prefill",
-        backend=flag, bootstrap_port=b_port, pp_size=prefill_pp, cpu_cores=cores, env=extra,
+        backend=flag, bootstrap_port=b_port, pp_size=prefill_pp, cpu_cores=cores, env=p_env,
         args=(*metrics, *prefill_args), paths=paths,
     )  # fmt: skip
     decode = EngineSpec(
@@ -288,13 +301,23 @@ def kill_decode_mid_run(
     *,
     kill_after_s: float = 1.0,
     timeout_s: float = 120.0,
+    hold_switch: str | Path | None = None,
 ) -> KillResult:
     """Send ``prompts`` at once through ``dep``'s router, SIGKILL the decode engine
     ``kill_after_s`` seconds later; every request must end (answered or failed) within
     ``timeout_s``; afterwards the prefill engine must answer ``/health`` and a request of its
-    own (it keeps serving)."""
+    own (it keeps serving).
+
+    :param hold_switch: the switch file ``dep`` was started with (:func:`deployment`): it
+        holds every prefill write (:data:`~pdplug.transfer.faults.HOLD`) from before the
+        requests until just after the kill, so the kill lands while every room is live however
+        fast the host is (a fixed 1 s once came after all 16 requests had ended); then the
+        held writes go to a dead peer.
+    """
     import httpx
 
+    if hold_switch is not None:
+        Path(hold_switch).write_text(HOLD)
     box: list[list[Completion | RequestFailed]] = []
     t = threading.Thread(
         target=lambda: box.append(
@@ -305,8 +328,12 @@ def kill_decode_mid_run(
         daemon=True,
     )
     t.start()
-    time.sleep(kill_after_s)
-    dep.decode.kill()
+    try:
+        time.sleep(kill_after_s)
+        dep.decode.kill()
+    finally:
+        if hold_switch is not None:
+            Path(hold_switch).unlink(missing_ok=True)
     killed = time.monotonic()
     t.join(timeout_s + 10.0)
     ended = time.monotonic() - killed
@@ -325,6 +352,7 @@ def kill_decode_mid_run(
         requests=len(prompts), answered=answered, failed=len(failed),
         hung=len(prompts) - len(got), ended_s=ended, prefill_healthy=healthy,
         prefill_answers=answers, reasons=sorted({f.reason[:200] for f in failed})[:4],
+        hold_senders=-1 if hold_switch is None else hold_ranks(dep.prefill.log_path, hold_switch),
     )  # fmt: skip
 
 
@@ -351,10 +379,11 @@ def run_parity(
         if bad:
             raise EngineError(f"the single engine failed {len(bad)} requests: {bad[0].reason}")
         single_p50 = percentile([r.ttft_s for r in ref if isinstance(r, Completion)], 50)
-    with deployment(
-        backend, log_dir / f"{backend}-pp{prefill_pp}", prefill_pp=prefill_pp, env=env
-    ) as dep:
+    where = log_dir / f"{backend}-pp{prefill_pp}"
+    switch = where / "hold-switch" if kill else None
+    with deployment(backend, where, prefill_pp=prefill_pp, env=env, hold_switch=switch) as dep:
         res = measure(dep, prompts, max_tokens, ref, single_ttft_p50_s=single_p50)
         if kill:
-            res = msgspec.structs.replace(res, kill=kill_decode_mid_run(dep, prompts, max_tokens))
+            k = kill_decode_mid_run(dep, prompts, max_tokens, hold_switch=switch)
+            res = msgspec.structs.replace(res, kill=k)
     return res

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import msgspec
 
-from pdplug.transfer.faults import FAULT_ENV, HOLD
+from pdplug.transfer.faults import HOLD
+from pdplug_engines.holds import hold_ranks
 from pdplug_engines.metrics import scrape
 from pdplug_engines.procs import Engine
 from pdplug_engines.tokens import Completion, RequestFailed
@@ -198,22 +199,6 @@ class KillResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_idle: IdleResult | None = None
     hold_ranks: int = -1
     prefill_workers: int = 1
-
-
-def hold_ranks(log_path: str | Path, switch: str | Path) -> int:
-    """Worker processes of an engine whose KV sender installed the test-only write switch
-    ``switch``, read from the engine's log: each logs it once when it wraps its transfer
-    engine (:func:`pdplug.transfer.faults.inject_from_env`, a line naming
-    ``PDPLUG_TEST_FAIL_WRITES=<switch>:``). A hold that a worker never installed holds nothing
-    there: its rooms end as fast as the host runs them (0 when the engine was started
-    without the switch in its environment, or the log is missing).
-    """
-    mark = f"{FAULT_ENV}={Path(switch).resolve()}:"
-    try:
-        text = Path(log_path).read_text(errors="replace")
-    except OSError:
-        return 0
-    return sum(mark in line for line in text.splitlines())
 
 
 def _workers(engine: Engine) -> int:

@@ -59,7 +59,7 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
     # a list or tuple (a host's block ids) exports none: no memoryview attempt raised and caught
     typed = isinstance(value, (list, tuple, np.ndarray, np.generic))
     fmt = "" if typed else _buffer_format(value, field, where, room)
-    raw = value if fmt.lstrip("@=<>!") in _BYTE_FORMATS else None  # "" is not one of them
+    raw = value if fmt and _is_bytes(fmt) else None
     try:
         arr = np.asarray(value).copy()  # asarray: torch's __array__ takes no copy keyword
     except (OverflowError, RuntimeError, TypeError, ValueError) as e:
@@ -163,6 +163,12 @@ def _buffer_format(value: Any, field: str, where: str, room: int) -> str:
         ) from None
 
 
+def _is_bytes(fmt: str) -> bool:
+    """Whether buffer item format ``fmt`` is a byte (``B``, ``b``, ``c``, any byte order);
+    ``""`` (no buffer) is not."""
+    return fmt.lstrip("@=<>!") in _BYTE_FORMATS
+
+
 def _bytes_row(value: Any, levels: int) -> tuple[Any, str]:
     """The first buffer of bytes (not a numpy array) among the rows of a nested sequence, down
     ``levels`` levels, and its item format; ``(None, "")`` when there is none."""
@@ -174,7 +180,7 @@ def _bytes_row(value: Any, levels: int) -> tuple[Any, str]:
                 fmt = memoryview(x).format
             except (TypeError, ValueError):
                 fmt = ""
-            if fmt.lstrip("@=<>!") in _BYTE_FORMATS:
+            if _is_bytes(fmt):
                 return x, fmt
         if levels > 1 and not fmt and isinstance(x, Iterable) and not isinstance(x, str):
             found = _bytes_row(x, levels - 1)

@@ -51,19 +51,22 @@ def _check(res, n: int) -> None:
 
 @pytest.mark.nixl
 def test_pp1_nixl_parity_then_decode_killed(prompts, ref, tmp_path: Path) -> None:
-    with deployment("pdplug-nixl", tmp_path) as dep:
-        res = measure(dep, prompts, MAX_TOKENS, ref)
-        _check(res, len(prompts))
-        # the kill lands once the first tokens came from the prefill, while the decode still
-        # generates: a fixed 1.0 s came after every request had ended on a fast CI run
-        after = min(1.0, max(0.05, res.ttft_p50_s))
-        kill = kill_decode_mid_run(dep, prompts, MAX_TOKENS, kill_after_s=after, timeout_s=120.0)
+    switch = tmp_path / "hold-switch"  # absent through the parity run: writes go out
+    with deployment("pdplug-nixl", tmp_path, hold_switch=switch) as dep:
+        _check(measure(dep, prompts, MAX_TOKENS, ref), len(prompts))
+        # every prefill write is held from before the requests until just after the kill, so
+        # the kill lands while every room is live (a fixed 1.0 s once came after all 16
+        # requests had ended); then the held writes go to a dead peer
+        kill = kill_decode_mid_run(
+            dep, prompts, MAX_TOKENS, kill_after_s=1.0, timeout_s=120.0, hold_switch=switch
+        )
+        assert kill.hold_senders >= 1, kill  # the prefill's KV sender installed the hold
         assert kill.hung == 0, kill
-        assert kill.answered + kill.failed == kill.requests, kill
-        assert kill.failed > 0, f"the kill landed after every request ended: {kill}"
+        assert kill.failed == kill.requests, f"a request was answered with its KV held: {kill}"
         assert kill.ended_s < 90.0, kill
         assert kill.prefill_healthy and kill.prefill_answers, kill
         assert dep.prefill.alive(), dep.prefill.log_tail()
+        assert not switch.exists()
 
 
 # CI time: PP 2 on Mooncake and PP 1 on NIXL cover it

@@ -53,6 +53,7 @@ from pdplug.adapters.sglang.rooms import first_failure, merge_polls
 from pdplug.adapters.sglang.settings import BackendSettings, settings_from
 from pdplug.config import KVConfig, SchedulerConfig
 from pdplug.kvtypes import KVLayout
+from pdplug.transfer.faults import inject_from_env
 from pdplug.types import KVPoll, PeerInfo
 
 __all__ = ["PdplugKVManager"]
@@ -240,6 +241,8 @@ class PdplugKVManager(BaseKVManager):
         else:
             session = self.pm.make_kv_receiver(config)
         session.register_kv(list(plane.regions))
+        if self.role == "prefill":
+            inject_from_env(session)  # test-only, off unless PDPLUG_TEST_FAIL_WRITES
         return session
 
     def _publish(self) -> None:
