@@ -67,8 +67,10 @@ def page_ids(value: Any, field: str, num_pages: int, where: str, room: int) -> n
             f"{where}: {field} must be integer page ids, got {type(value).__name__} ({e}) "
             f"(room {room})"
         ) from None
-    if raw is None and arr.ndim > 1 and getattr(value, "dtype", None) is None:
-        raw, fmt = _bytes_row(value, arr.ndim - 1)  # [bytearray(...)]: a row of bytes
+    if not fmt and arr.ndim > 1 and getattr(value, "dtype", None) is None:
+        # [bytearray(...)]: a row of bytes; a buffer's own format said what it holds (a 2-D
+        # memoryview has no rows Python can iterate)
+        raw, fmt = _bytes_row(value, arr.ndim - 1)
     if raw is not None:
         # numpy reads a buffer of bytes as uint8 ids (bytes itself as a string): a page per
         # byte of a bytearray, an mmap or a memoryview cast to bytes

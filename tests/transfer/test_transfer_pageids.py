@@ -53,6 +53,9 @@ def _ids(value: object, n: int = 16) -> np.ndarray:
         memoryview(np.array([0, 1, 15])),  # a buffer of int64 ids, not of bytes
         memoryview(np.array([0, 1, 15]).tobytes()).cast("q"),
         memoryview(np.array([0, 1, 15], dtype=">i8")),  # a format Python cannot unpack
+        # a 2-D memoryview has no rows Python can iterate (helper-28: NotImplementedError)
+        memoryview(np.array([[0, 1], [15, 2]])),
+        memoryview(np.array([[[3]]], dtype=np.int32)),
         [array.array("q", [0, 1]), [15, 2]],  # rows of typed buffers: their ints
         array.array("q", [0, 1, 15]),
         np.array(7, dtype=object),
@@ -127,6 +130,9 @@ def test_integer_ids_come_back_as_a_private_int64_copy(value: object) -> None:
         (memoryview(np.array([1, 16], dtype=">i8")), "has page 16, outside [0, 16)"),
         (memoryview(np.array([1, 2], dtype=np.float16)), "got dtype float16"),
         (memoryview(np.array([(1,)], dtype=[("a", "<i8")])), "got dtype [('a', '<i8')]"),
+        (memoryview(np.array([[1, 2], [3, 16]])), "has page 16, outside [0, 16)"),
+        (memoryview(np.array([[1.0, 2.0]])), "got dtype float64 (1.0 at index 0"),
+        (memoryview(np.array([[1, 2]], dtype=np.uint8)), "buffer of bytes (memoryview, item"),
         (np.array([2, np.array(True)], dtype=object), "boolean among them (array(True) at index 1"),
         (np.array([np.array(16), 2], dtype=object), "has page 16, outside [0, 16)"),
         (np.array([np.array([1]), 2], dtype=object), "got dtype object (array([1]) at index 0"),
