@@ -369,6 +369,9 @@ def run_parity(
 ) -> ParityResult:
     """One parity run: the reference (unless given), then the deployment's answers.
 
+    :param kill: then :func:`kill_decode_mid_run` in a second deployment whose prefill holds
+        its writes until the kill (``kill`` of the result).
+
     :raises EngineError: an engine did not start, or the reference failed a request.
     """
     log_dir = Path(log_dir)
@@ -380,10 +383,15 @@ def run_parity(
             raise EngineError(f"the single engine failed {len(bad)} requests: {bad[0].reason}")
         single_p50 = percentile([r.ttft_s for r in ref if isinstance(r, Completion)], 50)
     where = log_dir / f"{backend}-pp{prefill_pp}"
-    switch = where / "hold-switch" if kill else None
-    with deployment(backend, where, prefill_pp=prefill_pp, env=env, hold_switch=switch) as dep:
+    with deployment(backend, where, prefill_pp=prefill_pp, env=env) as dep:
         res = measure(dep, prompts, max_tokens, ref, single_ttft_p50_s=single_p50)
-        if kill:
+    if kill:
+        # a deployment of its own: a prefill started with the write switch posts every write
+        # through the fault wrapper, not on the prepared page lists the parity run measures
+        switch = where / "kill" / "hold-switch"
+        with deployment(
+            backend, where / "kill", prefill_pp=prefill_pp, env=env, hold_switch=switch
+        ) as dep:
             k = kill_decode_mid_run(dep, prompts, max_tokens, hold_switch=switch)
-            res = msgspec.structs.replace(res, kill=k)
+        res = msgspec.structs.replace(res, kill=k)
     return res
