@@ -75,6 +75,17 @@ MIB = 1 << 20
 PAGE = 64
 BPT = (2048, 2048)
 _NOTIF = b"\x96" + b"\x00" * 24  # a tag-sized notification, like a pdplug completion tag
+#: seconds a raw NIXL write may stay in flight before the bench gives up on it (pdplug's runs
+#: have the same bound)
+_RAW_WAIT_S = 60.0
+
+
+def _raw_deadline(t_end: float, what: str) -> None:
+    """Raise once ``t_end`` (monotonic seconds) passed: a raw write that never ends fails the
+    run instead of spinning forever (checked only while the write is in flight)."""
+    if time.monotonic() > t_end:
+        raise click.ClickException(f"{what} not done after {_RAW_WAIT_S:g} s")
+
 
 #: prepare(src, dst, lengths) -> run() -> seconds; and close()
 RawPrep = Callable[[Any, Any, Any], Callable[[], float]]
@@ -127,10 +138,12 @@ def _raw_nixl(
         idx = np.arange(ln.shape[0], dtype=np.int64)
 
         def run() -> float:
+            t_end = time.monotonic() + _RAW_WAIT_S
             t0 = time.perf_counter()
             st = agent.transfer(h)
             while st == "PROC":
                 st = agent.check_xfer_state(h)
+                _raw_deadline(t_end, "raw nixl transfer")
             dt = time.perf_counter() - t0
             posted[0] += 1
             if st != "DONE":
@@ -138,6 +151,7 @@ def _raw_nixl(
             return dt
 
         def post() -> Callable[[], bool]:
+            t_end = time.monotonic() + _RAW_WAIT_S
             st = agent.transfer(h)
             posted[0] += 1
 
@@ -145,18 +159,20 @@ def _raw_nixl(
                 nonlocal st
                 if st == "PROC":
                     st = agent.check_xfer_state(h)
+                    _raw_deadline(t_end, "raw nixl transfer")
                 if st not in ("PROC", "DONE"):
                     raise click.ClickException(f"raw nixl transfer ended {st}")
                 return bool(st == "DONE")
 
             return done
 
-        def request(li: Any, ri: Any) -> tuple[Any, str]:
+        def request(li: Any, ri: Any, t_end: float) -> tuple[Any, str]:
             # a request made on the prepared dlists, posted and polled to its end
             x = agent.make_prepped_xfer("WRITE", sides[0], li, sides[1], ri, _NOTIF)
             st = agent.transfer(x)
             while st == "PROC":
                 st = agent.check_xfer_state(x)
+                _raw_deadline(t_end, "raw nixl request")
             return x, st
 
         def ended(x: Any, st: str, what: str) -> None:
@@ -169,8 +185,9 @@ def _raw_nixl(
         def fresh() -> float:
             # a request made for this send on the prepared dlists, posted once, released after
             # the timing: what a connector pays that cannot re-post one handle (new page ids)
+            t_end = time.monotonic() + _RAW_WAIT_S
             t0 = time.perf_counter()
-            x, st = request(idx, idx)
+            x, st = request(idx, idx, t_end)
             dt = time.perf_counter() - t0
             ended(x, st, "fresh request")
             return dt
@@ -186,6 +203,7 @@ def _raw_nixl(
         status: list[str] = [""]
 
         def floor() -> float:
+            t_end = time.monotonic() + _RAW_WAIT_S
             t0 = time.perf_counter()
             pages = ids.copy()
             if int(np.maximum.reduce(pages)) >= n:
@@ -196,7 +214,7 @@ def _raw_nixl(
             else:
                 li = np.add(base, pages, dtype=np.int32, casting="same_kind")
                 ri = np.add(base, pages, dtype=np.int32, casting="same_kind")
-            x, st = request(li, ri)
+            x, st = request(li, ri, t_end)
             with published:
                 status[0] = st
                 published.notify_all()
