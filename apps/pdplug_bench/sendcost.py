@@ -58,11 +58,11 @@ __all__ = ["fixed_cost"]
 MIB = 1 << 20
 
 
-def _spin(sender: Any, rooms: list[int], backend: str, ends: tuple[Any, ...]) -> None:
-    """Poll every room until it is terminal, ``ends`` (no sleep: the host's own loop). The
-    timed window ends here, at the poll that first sees it: :func:`_succeeded` checks after."""
+def _spin(sender: Any, rooms: list[int], backend: str, ends: tuple[Any, ...], t_end: float) -> None:
+    """Poll every room until it is terminal, ``ends`` (no sleep: the host's own loop), failing
+    after ``t_end`` (monotonic seconds, taken before the clock started). The timed window ends
+    here, at the poll that first sees it: :func:`_succeeded` checks after."""
     todo = rooms
-    t_end = time.monotonic() + 60.0
     while todo:
         todo = [r for r in todo if sender.poll(r) not in ends]
         if todo and time.monotonic() > t_end:
@@ -142,9 +142,10 @@ def fixed_cost(
             if len(items) == 1:
                 dt = _one_send(rig.sender, items[0], rig.backend, ends)
             else:
+                t_end = time.monotonic() + 60.0
                 t0 = time.perf_counter()
                 send_step(rig.sender, items)
-                _spin(rig.sender, rooms, rig.backend, ends)
+                _spin(rig.sender, rooms, rig.backend, ends, t_end)
                 dt = time.perf_counter() - t0
             _succeeded(rig.sender, rooms, rig.backend)
 
@@ -166,8 +167,9 @@ def fixed_cost(
             elif len(cases) == 1:
                 dt = float(cases[0]["raw"]())
             else:
+                t_end = time.monotonic() + 60.0
                 t0 = time.perf_counter()
-                waits = [c["raw"].post() for c in cases]
+                waits = [c["raw"].post(t_end) for c in cases]
                 while not all(w() for w in waits):
                     pass
                 dt = time.perf_counter() - t0

@@ -150,8 +150,8 @@ def _raw_nixl(
                 raise click.ClickException(f"raw nixl transfer ended {st}")
             return dt
 
-        def post() -> Callable[[], bool]:
-            t_end = time.monotonic() + _RAW_WAIT_S
+        def post(t_end: float) -> Callable[[], bool]:
+            # t_end: the caller's deadline (monotonic s), taken before its clock started
             st = agent.transfer(h)
             posted[0] += 1
 
@@ -269,8 +269,9 @@ def _raw_mooncake(
                     raise click.ClickException(f"raw mooncake write returned {rc}")
             return time.perf_counter() - t0
 
-        def post() -> Callable[[], bool]:
-            # the engine's asynchronous batch: submitted now, waited for by done()
+        def post(t_end: float) -> Callable[[], bool]:
+            # the engine's asynchronous batch: submitted now, waited for by done() (which
+            # blocks inside Mooncake, bounded by its own transfer timeout, not by t_end)
             ids = [eng.batch_transfer_async_write(session, bs, bd, bn) for bs, bd, bn in batches]
             if not all(ids):
                 raise click.ClickException("raw mooncake async write was refused")

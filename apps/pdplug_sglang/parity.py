@@ -213,9 +213,8 @@ def deployment(
         extra["PDPLUG_KV_SENDER"] = sender
     metrics = ("--enable-metrics", "--enable-metrics-for-all-schedulers")
     cores = "|".join(str(i % 2) for i in range(prefill_pp)) if prefill_pp > 1 else ""
-    p_env = dict(extra)
-    if hold_switch is not None:
-        p_env[FAULT_ENV] = str(Path(hold_switch).resolve())
+    # without a switch, none: not even one exported in the caller's shell (engines inherit it)
+    p_env = {**extra, FAULT_ENV: "" if hold_switch is None else str(Path(hold_switch).resolve())}
     prefill = EngineSpec(
         name="prefill", model=model_dir, port=p_port, overlay=overlay, role="prefill",
         backend=flag, bootstrap_port=b_port, pp_size=prefill_pp, cpu_cores=cores, env=p_env,
@@ -316,8 +315,6 @@ def kill_decode_mid_run(
     """
     import httpx
 
-    if hold_switch is not None:
-        Path(hold_switch).write_text(HOLD)
     box: list[list[Completion | RequestFailed]] = []
     t = threading.Thread(
         target=lambda: box.append(
@@ -327,8 +324,10 @@ def kill_decode_mid_run(
         ),
         daemon=True,
     )
-    t.start()
     try:
+        if hold_switch is not None:
+            Path(hold_switch).write_text(HOLD)
+        t.start()
         time.sleep(kill_after_s)
         dep.decode.kill()
     finally:
