@@ -1,24 +1,27 @@
 """``pdplug bench transfer``'s small-send table: the fixed cost of one send, and of a step's K.
 
 **Fixed cost per send** (K = 1): from the host's ``sender.send(room, segment, pages)`` until the
-host's ordinary ``sender.poll(room)``, called in a loop, first answers ``Success``, minus the raw
-engine's post-to-completion time on the same prepared descriptors and size (NIXL: one
+host's ordinary ``sender.poll(room)``, called in a loop, first answers ``Success``, minus the
+raw engine's post-to-completion time on the same prepared descriptors and size (NIXL: one
 transfer handle made once and re-posted, polled with ``check_xfer_state``; Mooncake:
 ``batch_transfer_sync_write`` in the caller's thread), paired (every mode once per round) and
-reported as the median of the paired differences in microseconds. The room's bootstrap (the
-decode's DestInfo, ``WaitingForInput``) happens before the clock starts, as in a real step, and
-before every run of the round: the host thread sleeps while it waits for the decode, and the
-first work after a sleep runs slower than the same work hot (caches, a descheduled virtual
-CPU), so the run that comes first after the bootstrap pays for it; the order rotates by one
-mode each round, so every mode does equally (before 2026-12-03 only pdplug's run followed the
-bootstrap, and paid for it every time). Each run ends once its bytes have landed at the decode,
+reported as the median of the paired differences in microseconds. The rooms' bootstrap (the
+decode's DestInfo, ``WaitingForInput``) happens before the clock starts, as in a real step, once
+per round before its first run: the host thread sleeps while it waits for the decode, and the
+first work after a sleep runs slower than the same work hot (caches, a descheduled virtual CPU),
+so the run that opens the round pays for it, and each later run inherits what the run before it
+left (caches a copy evicted, a decode still busy). Every mode opens a round, and runs right
+after each other mode, equally often (a Williams design, :mod:`pdplug_bench.orders`; before
+2026-12-03 only pdplug's run followed the bootstrap, and paid for it every time; until
+2026-12-07 one order rotated by a mode each round, under which pdplug ran right after the python
+floor in every round it did not open). Each run ends once its bytes have landed at the decode,
 untimed: pdplug's with the decode's verdict on the room, the raw one when the decode took the
 raw write's notification (NIXL; a Mooncake call returns only then). Before 2026-12-04 a raw run
 did not wait for that, and a pdplug run right after it paid for the decode still taking in the
-raw write's bytes (a NIXL "DONE" on UCX over TCP is the sender's; README, "Fixed cost per
-send", has the measurement). Before 2026-12-07 the window also held the bench's own check: one
-more ``poll`` per room after the one that saw ``Success``, and an import; and, at K = 1, until
-later that day, a helper's frame with an import of its own around the ``send`` and a list
+raw write's bytes (a NIXL "DONE" on UCX over TCP is the sender's; README, "Fixed cost per send",
+has the measurement). Before 2026-12-07 the window also held the bench's own check: one more
+``poll`` per room after the one that saw ``Success``, and an import; and, at K = 1, until later
+that day, a helper's frame with an import of its own around the ``send`` and a list
 comprehension around each ``poll`` (now the two calls alone, bound before the clock starts, as
 the raw side times only its engine calls).
 
@@ -119,6 +122,7 @@ def fixed_cost(
     from pdplug import KVPoll
     from pdplug.protocols import send_step
     from pdplug_bench.bytecheck import POISON
+    from pdplug_bench.orders import mode_order
 
     ends = (KVPoll.Success, KVPoll.Failed)
 
@@ -194,12 +198,11 @@ def fixed_cost(
             checked = rep in (0, reps + 1)  # warm-up and last round: checked, untimed
             # every run of a round follows the same bootstrap round trip with the decode (its
             # rooms' DestInfos, WaitingForInput): the first one starts cold after it, the
-            # others right after another mode's copy; the order rotates by one mode a round,
-            # so each mode comes first, and after each other one, equally often
+            # others right after another mode's run; each mode comes first, and right after
+            # each other one, equally often (pdplug_bench.orders)
             rooms = bootstrap(checked)
             t: dict[str, float] = {}
-            turn = rep % len(modes)
-            for i, m in enumerate(modes[turn:] + modes[:turn]):
+            for i, m in enumerate(mode_order(modes, rep)):
                 if m != "pdplug":
                     t[m] = run_raw(checked, rep, mode=m)
                     continue

@@ -29,9 +29,10 @@ Per size, interleaved, each timed over ``repeats`` runs after one warm-up:
   remove;
 * ``memcpy``: ``dst.copy_(src)`` of the same bytes in this process.
 
-Runs are paired (every mode once per round, back to back, the order rotating by one mode
-each round, so each mode runs first after the room's bootstrap, and right after each other
-mode's copy, equally often, and drift on a shared machine hits all alike); per size
+Runs are paired (every mode once per round, back to back, in an order balanced for
+carry-over, :mod:`pdplug_bench.orders`: each mode runs first after the room's bootstrap, and
+right after each other mode, equally often, and drift on a shared machine hits all alike);
+per size
 ``overhead = 1 - median(t_raw / t_pdplug)`` over the pairs (goal <= 5% at 16, 64 and 256 MiB),
 with the pairs' interquartile range as the spread (``--runs N`` repeats the whole measurement
 in the same rig and adds each run's figures, their median and range:
@@ -69,6 +70,7 @@ import click
 
 from pdplug_bench.machine import json_option
 from pdplug_bench.options import StrictIntRange
+from pdplug_bench.orders import mode_order
 from pdplug_bench.spread import RunFigures, spread_rows
 
 MIB = 1 << 20
@@ -553,14 +555,12 @@ def _bench_backend(
             checked = rep in (0, reps + 1)
             # every run of a round follows the room's bootstrap round trip with the decode:
             # the run right after that wait runs cold (sendcost.py), the others right after
-            # another mode's copy; the order rotates by one mode each round, so every mode
-            # comes first, and after each other one, equally often, and drift on a shared
-            # machine hits all alike
+            # another mode's run; every mode comes first, and right after each other one,
+            # equally often (pdplug_bench.orders), and drift on a shared machine hits all alike
             room = rig.room()
             rig.expect([room], c, POISON if checked else None)
             got: dict[str, float] = {}
-            turn = rep % len(modes)
-            for i, m in enumerate(modes[turn:] + modes[:turn]):
+            for i, m in enumerate(mode_order(modes, rep)):
                 if m != "pdplug":
                     fn = raw if m == "raw" else extra[m]
                     got[m] = run_raw(checked, rep, fn, _MODE_NAMES[m])
@@ -873,7 +873,7 @@ def cli(
             f"{b}: floor = 1 - median(t_raw / t_py_floor): the least any Python send adds on "
             "the same prepared lists, with nothing of a session (page ids copied and checked, "
             "the request's indices computed, make_prepped_xfer + transfer polled, the status "
-            "published under a lock), run in the same rotation: "
+            "published under a lock), run in the same rounds: "
             + ", ".join(f"{k} MiB {v:+.1%}" for k, v in per.items())
             + "; pdplug over the floor, paired (1 - median(t_py_floor / t_pdplug)): "
             + ", ".join(f"{k} MiB {v:+.1%}" for k, v in own.items())
