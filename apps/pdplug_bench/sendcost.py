@@ -10,20 +10,20 @@ decode's DestInfo, ``WaitingForInput``) happens before the clock starts, as in a
 per round before its first run: the host thread sleeps while it waits for the decode, and the
 first work after a sleep runs slower than the same work hot (caches, a descheduled virtual CPU),
 so the run that opens the round pays for it, and each later run inherits what the run before it
-left (caches a copy evicted, a decode still busy). Every mode opens a round, and runs right
-after each other mode, equally often (a Williams design, :mod:`pdplug_bench.orders`; before
-2026-12-03 only pdplug's run followed the bootstrap, and paid for it every time; until
-2026-12-07 one order rotated by a mode each round, under which pdplug ran right after the python
-floor in every round it did not open). Each run ends once its bytes have landed at the decode,
-untimed: pdplug's with the decode's verdict on the room, the raw one when the decode took the
-raw write's notification (NIXL; a Mooncake call returns only then). Before 2026-12-04 a raw run
-did not wait for that, and a pdplug run right after it paid for the decode still taking in the
-raw write's bytes (a NIXL "DONE" on UCX over TCP is the sender's; README, "Fixed cost per send",
-has the measurement). Before 2026-12-07 the window also held the bench's own check: one more
-``poll`` per room after the one that saw ``Success``, and an import; and, at K = 1, until later
-that day, a helper's frame with an import of its own around the ``send`` and a list
-comprehension around each ``poll`` (now the two calls alone, bound before the clock starts, as
-the raw side times only its engine calls).
+left (caches a copy evicted, a decode still busy). Over the timed rounds (a whole number of the
+order's cycles) every mode opens a round, and runs right after each other mode, equally often (a
+Williams design, :mod:`pdplug_bench.orders`; before 2026-12-03 only pdplug's run followed the
+bootstrap, and paid for it every time; until 2026-12-07 one order rotated by a mode each round,
+under which pdplug ran right after the python floor in every round it did not open). Each run
+ends once its bytes have landed at the decode, untimed: pdplug's with the decode's verdict on
+the room, the raw one when the decode took the raw write's notification (NIXL; a Mooncake call
+returns only then). Before 2026-12-04 a raw run did not wait for that, and a pdplug run right
+after it paid for the decode still taking in the raw write's bytes (a NIXL "DONE" on UCX over
+TCP is the sender's; README, "Fixed cost per send", has the measurement). Before 2026-12-07 the
+window also held the bench's own check: one more ``poll`` per room after the one that saw
+``Success``, and an import; and, at K = 1, until later that day, a helper's frame with an import
+of its own around the ``send`` and a list comprehension around each ``poll`` (now the two calls
+alone, bound before the clock starts, as the raw side times only its engine calls).
 
 **K sends per step**: a step posts K rooms of the same size at once (``send_many`` when the
 sender has it, else K ``send`` calls) and polls them all to ``Success``; the raw baseline posts
@@ -122,7 +122,7 @@ def fixed_cost(
     from pdplug import KVPoll
     from pdplug.protocols import send_step
     from pdplug_bench.bytecheck import POISON
-    from pdplug_bench.orders import mode_order
+    from pdplug_bench.orders import mode_order, timed_rounds
 
     ends = (KVPoll.Success, KVPoll.Failed)
 
@@ -188,7 +188,7 @@ def fixed_cost(
         if k == 1:
             modes += [m for m, attr in _EXTRA.items() if hasattr(cases[0]["raw"], attr)]
 
-        reps = max(20, repeats)
+        reps = timed_rounds(len(modes), max(20, repeats))  # whole cycles of the order
         pd: list[float] = []
         raw: list[float] = []
         diff: list[float] = []
@@ -198,11 +198,11 @@ def fixed_cost(
             checked = rep in (0, reps + 1)  # warm-up and last round: checked, untimed
             # every run of a round follows the same bootstrap round trip with the decode (its
             # rooms' DestInfos, WaitingForInput): the first one starts cold after it, the
-            # others right after another mode's run; each mode comes first, and right after
-            # each other one, equally often (pdplug_bench.orders)
+            # others right after another mode's run; over the timed rounds each mode comes
+            # first, and right after each other one, equally often (pdplug_bench.orders)
             rooms = bootstrap(checked)
             t: dict[str, float] = {}
-            for i, m in enumerate(mode_order(modes, rep)):
+            for i, m in enumerate(mode_order(modes, rep - 1)):  # timed rounds 1.. take rows 0..
                 if m != "pdplug":
                     t[m] = run_raw(checked, rep, mode=m)
                     continue

@@ -30,9 +30,9 @@ Per size, interleaved, each timed over ``repeats`` runs after one warm-up:
 * ``memcpy``: ``dst.copy_(src)`` of the same bytes in this process.
 
 Runs are paired (every mode once per round, back to back, in an order balanced for
-carry-over, :mod:`pdplug_bench.orders`: each mode runs first after the room's bootstrap, and
-right after each other mode, equally often, and drift on a shared machine hits all alike);
-per size
+carry-over, :mod:`pdplug_bench.orders`: over the timed rounds, a whole number of the order's
+cycles, each mode runs first after the room's bootstrap, and right after each other mode,
+equally often, and drift on a shared machine hits all alike); per size
 ``overhead = 1 - median(t_raw / t_pdplug)`` over the pairs (goal <= 5% at 16, 64 and 256 MiB),
 with the pairs' interquartile range as the spread (``--runs N`` repeats the whole measurement
 in the same rig and adds each run's figures, their median and range:
@@ -70,7 +70,7 @@ import click
 
 from pdplug_bench.machine import json_option
 from pdplug_bench.options import StrictIntRange
-from pdplug_bench.orders import mode_order
+from pdplug_bench.orders import mode_order, timed_rounds
 from pdplug_bench.spread import RunFigures, spread_rows
 
 MIB = 1 << 20
@@ -547,6 +547,7 @@ def _bench_backend(
             if hasattr(raw, attr)
         }
         modes = ["pdplug", "raw", *extra]
+        reps = timed_rounds(len(modes), reps)  # whole cycles of the order
         times: dict[str, list[float]] = {m: [] for m in [*modes, "memcpy"]}
         ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}  # t_mode / t_pdplug
         for rep in range(reps + 2):
@@ -555,12 +556,13 @@ def _bench_backend(
             checked = rep in (0, reps + 1)
             # every run of a round follows the room's bootstrap round trip with the decode:
             # the run right after that wait runs cold (sendcost.py), the others right after
-            # another mode's run; every mode comes first, and right after each other one,
-            # equally often (pdplug_bench.orders), and drift on a shared machine hits all alike
+            # another mode's run; over the timed rounds every mode comes first, and right after
+            # each other one, equally often (pdplug_bench.orders), and drift on a shared machine
+            # hits all alike
             room = rig.room()
             rig.expect([room], c, POISON if checked else None)
             got: dict[str, float] = {}
-            for i, m in enumerate(mode_order(modes, rep)):
+            for i, m in enumerate(mode_order(modes, rep - 1)):  # timed rounds 1.. take rows 0..
                 if m != "pdplug":
                     fn = raw if m == "raw" else extra[m]
                     got[m] = run_raw(checked, rep, fn, _MODE_NAMES[m])
