@@ -719,7 +719,8 @@ def _check_memory(need: int, largest: int) -> None:
               help="Sizes in MiB, comma-separated (each at least one page).")  # fmt: skip
 @click.option("--repeats", default=9, show_default=True, type=StrictIntRange(1, 40),
               help="Timed pairs per size: large sends at least 1 GiB / size (at most 40), "
-                   "small sends at least 20.")  # fmt: skip
+                   "small sends at least 20; rounded up to whole cycles of the round order "
+                   "(4 rounds with NIXL's four modes, 2 with two).")  # fmt: skip
 @click.option("--small-sizes", default="0.0625,1,16", show_default=True,
               help="Sizes in MiB of the fixed-cost table (one send alone), comma-separated; "
                    "'' skips the table.")  # fmt: skip
