@@ -71,6 +71,8 @@ def mode_order(modes: Sequence[T], round_no: int) -> list[T]:
     :raises TypeError: ``round_no`` is not an int.
     :raises ValueError: ``modes`` is empty or holds more than :data:`MAX_MODES`.
     """
+    if not 1 <= len(modes) <= MAX_MODES:
+        raise ValueError(f"mode_order: modes holds {len(modes)} modes, must hold 1 to {MAX_MODES}")
     rows = orders(len(modes))
     return [modes[i] for i in rows[_whole(round_no, "mode_order: round_no") % len(rows)]]
 

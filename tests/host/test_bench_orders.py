@@ -36,8 +36,10 @@ def test_the_old_rotation_was_not_balanced_and_this_is() -> None:
 
 
 def test_no_modes_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="n=0"):
+    with pytest.raises(ValueError, match="mode_order: modes holds 0 modes"):
         mode_order([], 0)
+    with pytest.raises(ValueError, match="modes holds 65 modes, must hold 1 to 64"):
+        mode_order(range(65), 0)
 
 
 @pytest.mark.parametrize(
