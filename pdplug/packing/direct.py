@@ -15,14 +15,16 @@ from typing import Any
 
 import numpy as np
 
+from pdplug.packing.pages import PageIds
 from pdplug.types import DirectPages, PageGrid, SendChunk
 
 __all__ = ["DirectRuns"]
 
 #: int64 ``[R]`` absolute source addresses, destination addresses and lengths (bytes)
 Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
-#: int64 ``[P]`` source and destination page ids of one send and the tokens on its last page
-Span = tuple[np.ndarray, np.ndarray, int]
+#: source and destination page ids (``P`` each: int64 ``[P]`` arrays, or lists of Python ints as
+#: a sender's direct lane carries short ones) of one send and the tokens on its last page
+Span = tuple[PageIds, PageIds, int]
 
 #: run-length arrays kept per peer, one per (pages, tokens on the last page)
 _LENGTHS_MAX = 64
@@ -54,6 +56,9 @@ class DirectRuns:
         #: a sender prepared them, and that engine; ``None``: sends post addresses
         self.lists: Any = None
         self.lists_of: Any = None
+        #: that engine takes a short send's page ids as lists of Python ints
+        #: (``TransferEngine.page_id_lists``); else they are handed to it as int64 arrays
+        self.id_lists = False
 
     def runs(self, chunk: SendChunk) -> Runs | None:
         """Absolute int64 ``[E * P]`` ``(src_addr, dst_addr, length)`` of ``chunk`` (entry-major,
@@ -73,7 +78,7 @@ class DirectRuns:
         return self._span(chunk.src_pages, chunk.dst_pages, chunk.src_page_offset, chunk.num_tokens)
 
     def segment_pages(
-        self, token_start: int, num_tokens: int, src_pages: np.ndarray, dst_pages: np.ndarray,
+        self, token_start: int, num_tokens: int, src_pages: PageIds, dst_pages: PageIds,
         decode_prefix_len: int,
     ) -> Span | None:  # fmt: skip
         """:meth:`chunk_pages` of the chunk a segment ``[token_start, token_start +
@@ -82,7 +87,8 @@ class DirectRuns:
         ``None`` wherever :func:`pdplug.packing.segment_to_chunk` and :meth:`runs` would not
         give runs (a start off a page boundary, too few pages).
 
-        :param src_pages/dst_pages: int64 ``[n]`` page ids a sender checked.
+        :param src_pages/dst_pages: page ids a sender checked (int64 ``[n]`` arrays or lists of
+            Python ints; the span's are slices of the same kind).
         """
         ps = self.template.page_size
         rel = token_start - decode_prefix_len
@@ -90,20 +96,20 @@ class DirectRuns:
             return None
         return self._span(src_pages, dst_pages, rel // ps, num_tokens)
 
-    def _span(self, sp: np.ndarray, dp: np.ndarray, q0: int, n: int) -> Span | None:
+    def _span(self, sp: PageIds, dp: PageIds, q0: int, n: int) -> Span | None:
         ps = self.template.page_size
         pages = -(-n // ps)
-        if n <= 0 or q0 < 0 or sp.shape[0] < pages or dp.shape[0] < q0 + pages:
+        if n <= 0 or q0 < 0 or len(sp) < pages or len(dp) < q0 + pages:
             return None
         return sp[:pages], dp[q0 : q0 + pages], n - (pages - 1) * ps
 
-    def addresses(self, src_pages: np.ndarray, dst_pages: np.ndarray, tail: int) -> Runs:
+    def addresses(self, src_pages: PageIds, dst_pages: PageIds, tail: int) -> Runs:
         """Absolute int64 ``[E * P]`` runs of a :class:`Span` (``tail``: tokens on the last
         page)."""
         t = self.template
         src = np.add(self._src, np.multiply(src_pages, t.src_page_bytes)).reshape(-1)
         dst = np.add(self._dst, np.multiply(dst_pages, t.dst_page_bytes)).reshape(-1)
-        return src, dst, self._length(src_pages.shape[0], tail)
+        return src, dst, self._length(len(src_pages), tail)
 
     def nbytes(self, pages: int, tail: int) -> int:
         """Bytes a span of ``pages`` pages with ``tail`` tokens on the last one moves."""

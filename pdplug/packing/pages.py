@@ -7,11 +7,11 @@ with :class:`pdplug.PlanError` naming the room, the field and the value.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
-__all__ = ["MAX_PAGE_ID", "page_array"]
+__all__ = ["MAX_PAGE_ID", "SHORT_IDS", "PageIds", "page_array"]
 
 #: page ids at or above this are refused: times a page stride they would overflow int64 byte
 #: offsets (and no engine has that many pages)
@@ -19,7 +19,10 @@ MAX_PAGE_ID = 1 << 40
 #: page lists up to this long are range-checked with ``min``/``max`` over a Python list
 #: instead of a ufunc reduction, whose set-up costs more than a few comparisons, the more so
 #: run cold after a CPU copy; beyond about a hundred ids the reduction wins (issue 24; README)
-_SHORT_IDS = 64
+SHORT_IDS = 64
+#: page ids as a sender's direct lane carries them from ``send`` to the engine's post: an int64
+#: ``[n]`` array, or a short list of Python ints (no numpy operation between the two; issue 24)
+PageIds = Union[np.ndarray, "list[int]"]
 _INT64 = np.dtype(np.int64)
 _MAX = np.maximum.reduce
 
@@ -36,7 +39,7 @@ def ids_below(ids: np.ndarray, bound: int) -> bool:
     64 ids by the builtins over a list (issue 24: the send path checks three short lists).
     """
     n = ids.shape[0]
-    if n > _SHORT_IDS:
+    if n > SHORT_IDS:
         return int(_MAX(ids.view(np.uint64))) < bound
     if not n:
         return True

@@ -61,7 +61,9 @@ class TransferEngine(Protocol):
     dst_pages, last_bytes, tag) -> xfer | None`` then starts one write by page ids (int64
     ``[P]`` each, entry-major runs, the last page of each entry moving ``last_bytes`` bytes;
     ``None``: those pages are not in the lists, the session posts the addresses instead), with
-    :meth:`post`'s errors.
+    :meth:`post`'s errors. An engine that sets ``page_id_lists = True`` also takes the two as lists
+    of Python ints (up to 64 source pages, as the session carries a short send's ids from
+    ``send`` on: no numpy operation on the way; issue 24); without it, it gets int64 arrays.
     """
 
     name: str

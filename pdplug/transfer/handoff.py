@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 
 from pdplug.packing.chunks import pages_spanned
+from pdplug.packing.pages import PageIds
 from pdplug.rooms import ROOM_LIMIT, Rooms, check_room_id, reached
 from pdplug.transfer.gather import check_ready
 from pdplug.transfer.leases import SendLeases
 from pdplug.transfer.loop import EngineLoop
-from pdplug.transfer.pageids import page_ids
+from pdplug.transfer.pageids import page_ids, short_page_ids
 from pdplug.transfer.pipeline import SendPipeline
 from pdplug.types import KVPoll, Segment
 
@@ -39,8 +40,9 @@ __all__ = ["Handoff", "Job", "REAP_S", "WATCH_S", "malformed"]
 _NO_PAGES = np.zeros(0, dtype=np.int64)
 _UNORDERED = (str, bytes, dict, set, frozenset)
 
-#: a step's job: (room, generation, segment, source page ids, ready marker)
-Job = tuple[int, int, Segment, np.ndarray, Any]
+#: a step's job: (room, generation, segment, source page ids, ready marker); up to 64 ids
+#: travel as a list of Python ints as far as the direct lane's post (:data:`PageIds`)
+Job = tuple[int, int, Segment, PageIds, Any]
 #: seconds between two reaps a polling host runs itself (a host polling many rooms reaps once)
 REAP_S = 20e-6
 #: a host that reaped within this many seconds watches its writes: the loop thread only checks
@@ -147,12 +149,14 @@ class Handoff:
             bad = malformed(segment)
             if bad:
                 raise ValueError(f"KVSender.send: {bad} (room {room})")
-            pages = page_ids(src_pages, "src_pages", self.num_pages, "KVSender.send", room)
+            pages: PageIds | None = short_page_ids(src_pages, self.num_pages)
+            if pages is None:
+                pages = page_ids(src_pages, "src_pages", self.num_pages, "KVSender.send", room)
             ps = self.page_size
             need = pages_spanned(segment.token_start, segment.num_tokens, ps) if ps else 0
-            if pages.shape[0] < need:
+            if len(pages) < need:
                 raise ValueError(
-                    f"KVSender.send: src_pages holds {pages.shape[0]} pages but segment tokens "
+                    f"KVSender.send: src_pages holds {len(pages)} pages but segment tokens "
                     f"[{segment.token_start}, {segment.token_end}) span {need} pages of {ps} "
                     f"tokens from its first page on (room {room})"
                 )
@@ -230,7 +234,9 @@ class Handoff:
             # a segment whose KV is complete goes straight out when every destination has a
             # direct template and nothing queued before it; any other goes through a round
             if ready is not None or not table.send_direct(room, gen, seg, pages, now):
-                table.enqueue(room, gen, seg, pages, now, ready)
+                # the planned path reads int64 arrays
+                ids = np.array(pages, dtype=np.int64) if isinstance(pages, list) else pages
+                table.enqueue(room, gen, seg, ids, now, ready)
         if self._pipe.has_work():
             self._pipe.step(now)
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from pdplug.packing import segment_chunks, send_capacity_tokens
+from pdplug.packing.pages import PageIds
 from pdplug.protocols import PackPlanner
 from pdplug.rooms import Rooms
 from pdplug.transfer.engine import TransferEngine
@@ -193,7 +194,7 @@ class SendLeases:
         self._counts["segments"] += 1
         self._pipe.submit(jobs, now, ready)
 
-    def send_direct(self, room: int, gen: int, seg: Segment, pages: np.ndarray, now: float) -> bool:
+    def send_direct(self, room: int, gen: int, seg: Segment, pages: PageIds, now: float) -> bool:
         """Post one segment of ``room`` (its KV complete now) straight from every destination's
         direct template (:meth:`SendPipeline.send_direct`): no chunk, no job queue, no pipeline
         round. ``False``, with nothing changed, wherever :meth:`enqueue` must take it (a

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pdplug.packing.pages import PageIds
 from pdplug.transfer.engine import TransferEngine
 from pdplug.transfer.gather import Packing, PackQueue, ReadyGate
 from pdplug.transfer.posting import WritePoster
@@ -376,7 +377,7 @@ class SendPipeline:
         self.poster.post(job, peer, region, plan, now)
 
     def send_direct(
-        self, lease: Lease, keys: list[PeerKey], seg: Segment, pages: np.ndarray, now: float
+        self, lease: Lease, keys: list[PeerKey], seg: Segment, pages: PageIds, now: float
     ) -> bool:
         """Post ``seg`` (its KV complete now) to every destination ``keys`` of ``lease`` from
         its peer's direct template, one job each, counting the segment's jobs in
@@ -398,7 +399,7 @@ class SendPipeline:
             ):
                 return False
             span = peer.direct.segment_pages(
-                seg.token_start, seg.num_tokens, pages, lease.dst_pages[key],
+                seg.token_start, seg.num_tokens, pages, lease.dst_ids[key],
                 lease.dests[key].decode_prefix_len,
             )  # fmt: skip
             if span is None:

@@ -173,6 +173,7 @@ class WritePoster:
             try:
                 direct.lists = prepare(peer.handle, direct.grid())
                 direct.lists_of = self._engine
+                direct.id_lists = getattr(self._engine, "page_id_lists", False) is True
             except Exception as e:
                 log.debug("%s: no prepared page lists (%s)", describe(peer.key), e)
         return direct
@@ -197,6 +198,8 @@ class WritePoster:
             t = direct.template
             t0 = time.perf_counter()
             self.clock.write_started(t0)
+            if not direct.id_lists:  # an engine that reads int64 arrays only
+                sp, dp = np.asarray(sp, dtype=np.int64), np.asarray(dp, dtype=np.int64)
             try:
                 wire_tag = self._tags.encode(tag) if self._engine.notifications else b""
                 post = self._engine.post_pages  # type: ignore[attr-defined]
@@ -205,7 +208,7 @@ class WritePoster:
                 self._post_failed(job, peer, -1, tag.chunk_id, e)
                 return
             if handle is not None:
-                pages = sp.shape[0]
+                pages = len(sp)
                 nbytes = len(t.entries) * ((pages - 1) * t.page_size + tail) * t.row_bytes
                 self._posted(job, peer, -1, handle, nbytes, pages * len(t.entries), tag, now, t0)
                 return

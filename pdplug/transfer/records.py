@@ -13,9 +13,14 @@ import msgspec
 import numpy as np
 
 from pdplug.packing import page_array
+from pdplug.packing.pages import PageIds
 from pdplug.types import ChunkTag, DestInfo, KVLayout, PeerInfo, Segment, pages_from_bytes
 
-__all__ = ["PeerKey", "peer_key", "describe", "failure_tag", "Peer", "Lease", "Job"]
+__all__ = ["DST_LIST_MAX", "PeerKey", "peer_key", "describe", "failure_tag", "Peer", "Lease", "Job"]
+
+#: a destination's page ids up to this many are kept as a list of Python ints too
+#: (:attr:`Lease.dst_ids`): a room of ``n`` pages holds about ``40 * n`` bytes more while it lives
+DST_LIST_MAX = 512
 
 #: ``(decode instance, tp_rank, dcp_rank, pp_rank)``
 PeerKey = tuple[str, int, int, int]
@@ -98,7 +103,10 @@ class Lease(msgspec.Struct, kw_only=True):
     :ivar posted: a job of the room was dispatched (bytes may have moved).
     :ivar succeeded: the room ended ``Success`` here (it is never failed afterwards).
     :ivar order: destination positions in send order (sorted), set once every DestInfo
-        arrived; ``dst_pages``: each one's checked int64 page ids (equal lists share one array).
+        arrived; ``dst_pages``: each one's checked int64 page ids (equal lists share one array);
+        ``dst_ids``: the same ids as the direct lane reads them, a list of Python ints up to
+        :data:`DST_LIST_MAX` pages (made here, at the bootstrap, not on the send path), else
+        the array.
     :ivar stale: per destination, the newest decode lease generation of an earlier lease of
         the room here that failed and was cleared: an abort of it (or older) that arrives late
         is not for this lease.
@@ -122,6 +130,7 @@ class Lease(msgspec.Struct, kw_only=True):
     succeeded: bool = False
     order: list[PeerKey] = []
     dst_pages: dict[PeerKey, np.ndarray] = {}
+    dst_ids: dict[PeerKey, PageIds] = {}
     stale: dict[PeerKey, int] = {}
     refused: dict[PeerKey, int] = {}
 
@@ -147,6 +156,8 @@ class Lease(msgspec.Struct, kw_only=True):
             return f"DestInfo: {e}"
         self.order = sorted(self.dests)
         self.dst_pages = {k: arrays[self.dests[k].dst_pages] for k in self.order}
+        listed = {b: a.tolist() if a.shape[0] <= DST_LIST_MAX else a for b, a in arrays.items()}
+        self.dst_ids = {k: listed[self.dests[k].dst_pages] for k in self.order}
         return ""
 
     def segment_error(self, keys: list[PeerKey], seg: Segment) -> str:

@@ -247,6 +247,8 @@ class MooncakeEngine:
 
     name = "mooncake"
     notifications = False
+    #: :meth:`post_pages` takes page ids as lists of Python ints too (the session's short sends)
+    page_id_lists = True
 
     def __init__(self, config: KVConfig) -> None:
         from mooncake.engine import TransferEngine
@@ -383,10 +385,11 @@ class MooncakeEngine:
         return grid
 
     def post_pages(
-        self, peer: _Peer, lists: PageGrid, src_pages: np.ndarray, dst_pages: np.ndarray,
-        last_bytes: int, tag: bytes,
+        self, peer: _Peer, lists: PageGrid, src_pages: np.ndarray | list[int],
+        dst_pages: np.ndarray | list[int], last_bytes: int, tag: bytes,
     ) -> Future[int] | AsyncWrite | None:  # fmt: skip
-        """:meth:`post` of pages ``src_pages`` -> ``dst_pages`` (int64 ``[P]``) of ``lists``,
+        """:meth:`post` of pages ``src_pages`` -> ``dst_pages`` (int64 ``[P]`` arrays or lists of
+        Python ints: :attr:`page_id_lists`) of ``lists``,
         entry-major, each entry's last page moving ``last_bytes``, with addresses computed as
         Python ints (the first numpy operation after a pause costs more than a short list);
         ``None`` past :data:`SHORT_RUNS` runs (the session posts the addresses it computes).
@@ -397,12 +400,13 @@ class MooncakeEngine:
         run = lists.run_bytes
         if not 0 < last_bytes <= run:
             raise ValueError(f"post_pages: last_bytes={last_bytes} outside (0, {run}]")
-        p = src_pages.shape[0]
+        p = len(src_pages)
         if p * len(lists.src_first) > SHORT_RUNS:
             return None
         if self._closed:
             raise TransferError(f"mooncake: engine {self._session} is closed; write not posted")
-        sl, dl = src_pages.tolist(), dst_pages.tolist()
+        sl = src_pages if isinstance(src_pages, list) else src_pages.tolist()
+        dl = dst_pages if isinstance(dst_pages, list) else dst_pages.tolist()
         ss, ds = lists.src_stride, lists.dst_stride
         s = [f + q * ss for f in lists.src_first for q in sl]
         d = [f + q * ds for f in lists.dst_first for q in dl]

@@ -148,6 +148,8 @@ class NixlEngine:
 
     name = "nixl"
     notifications = True
+    #: :meth:`post_pages` takes page ids as lists of Python ints too (the session's short sends)
+    page_id_lists = True
 
     def __init__(self, config: KVConfig) -> None:
         api = import_nixl()
@@ -346,10 +348,11 @@ class NixlEngine:
         return gl
 
     def post_pages(
-        self, peer: _Peer, lists: GridLists, src_pages: np.ndarray, dst_pages: np.ndarray,
-        last_bytes: int, tag: bytes,
+        self, peer: _Peer, lists: GridLists, src_pages: np.ndarray | list[int],
+        dst_pages: np.ndarray | list[int], last_bytes: int, tag: bytes,
     ) -> Any:  # fmt: skip
-        """Post one WRITE of pages ``src_pages`` -> ``dst_pages`` (int64 ``[P]``) of a grid
+        """Post one WRITE of pages ``src_pages`` -> ``dst_pages`` (int64 ``[P]`` arrays or lists
+        of Python ints: :attr:`page_id_lists`) of a grid
         prepared by :meth:`prepare_pages`, entry-major, each entry's last page moving
         ``last_bytes``; ``None`` when the lists do not hold these pages (the session posts
         addresses).

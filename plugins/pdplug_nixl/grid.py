@@ -136,10 +136,12 @@ class GridLists:
         return pair
 
     def request(
-        self, src_pages: np.ndarray, dst_pages: np.ndarray, last_bytes: int
-    ) -> tuple[Any, Any, Any, Any] | None:
+        self, src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[int],
+        last_bytes: int,
+    ) -> tuple[Any, Any, Any, Any] | None:  # fmt: skip
         """``(local list, local indices, remote list, remote indices)`` of a send of pages
-        ``src_pages`` -> ``dst_pages`` (int64 ``[P]`` each, ids >= 0), entry-major, for
+        ``src_pages`` -> ``dst_pages`` (``P`` ids >= 0 each: int64 ``[P]`` arrays or lists of
+        Python ints), entry-major, for
         ``make_prepped_xfer`` (indices as a list of Python ints up to :data:`LIST_MAX`, else an
         int32 ``[E * P]`` array); ``None`` when a page id lies beyond the pages the lists hold or
         no list can be had for ``last_bytes`` (the caller posts addresses).
@@ -154,11 +156,12 @@ class GridLists:
         if pair is None:
             return None
         e, cs, cd = self._entries, self.src_pages, self.dst_pages
-        p = src_pages.shape[0]
+        p = len(src_pages)
         if e * p <= LIST_MAX:
             # Python ints: the first numpy operation after a pause costs more than this
             # whole list (a send's fixed cost is a sum of such first uses; README)
-            sl, dl = src_pages.tolist(), dst_pages.tolist()
+            sl = src_pages if isinstance(src_pages, list) else src_pages.tolist()
+            dl = dst_pages if isinstance(dst_pages, list) else dst_pages.tolist()
             if max(sl) >= cs or max(dl) >= cd:
                 return None
             li, ri = sl, dl  # entry i: entry 0's ids + i * pages (map: no comprehension frame)
@@ -166,6 +169,9 @@ class GridLists:
                 li = li + list(map((i * cs).__add__, sl))
                 ri = ri + list(map((i * cd).__add__, dl))
             if last_bytes != run:  # the last page of each entry: the tail kind
+                # one entry: the caller's own lists, if it passed lists, stay as they are
+                li = li[:] if li is src_pages else li
+                ri = ri[:] if ri is dst_pages else ri
                 for k in range(p - 1, e * p, p):
                     li[k] += e * cs
                     ri[k] += e * cd

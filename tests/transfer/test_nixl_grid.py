@@ -58,8 +58,14 @@ def _sends(draw: Any) -> Any:
 
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(case=_sends(), numpy_path=st.booleans())
-def test_every_index_names_its_pages_bytes(case: Any, numpy_path: bool, monkeypatch: Any) -> None:
+@given(case=_sends(), numpy_path=st.booleans(), as_lists=st.booleans())
+def test_every_index_names_its_pages_bytes(
+    case: Any, numpy_path: bool, as_lists: bool, monkeypatch: Any
+) -> None:
+    """Every index a request gives names exactly its page's bytes (Python-int and numpy paths,
+    whole and partial last pages), for page ids given as int64 arrays or as lists of Python ints
+    (a session's short sends: the caller's lists stay as they were); ids beyond the lists are
+    refused."""
     e, run, stride, count, sp, dp, last = case
     # each entry its own region on the source side, one region for all on the destination
     src_first = tuple((i + 1) * (1 << 24) for i in range(e))
@@ -74,7 +80,9 @@ def test_every_index_names_its_pages_bytes(case: Any, numpy_path: bool, monkeypa
     with monkeypatch.context() as m:
         if numpy_path:
             m.setattr(gridmod, "LIST_MAX", 0)
-        lh, li, rh, ri = gl.request(sp, dp, last)
+        s_in, d_in = (sp.tolist(), dp.tolist()) if as_lists else (sp, dp)
+        lh, li, rh, ri = gl.request(s_in, d_in, last)
+    assert list(s_in) == sp.tolist() and list(d_in) == dp.tolist()  # the caller's, unchanged
     assert isinstance(li, np.ndarray) == (numpy_path or e * len(sp) > gridmod.LIST_MAX)
     if isinstance(li, np.ndarray):  # NIXL reads int32 indices as they are
         assert li.dtype == np.int32 and ri.dtype == np.int32

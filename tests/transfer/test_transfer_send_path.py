@@ -181,6 +181,74 @@ def test_sends_of_the_commonest_pair_take_the_direct_template_and_land_exactly(
         assert st["direct_lane"] == 1 and st[pages] == 2, st
 
 
+class _PagesSeen:
+    """Wraps a real engine and records the kinds of page ids its ``post_pages`` gets;
+    ``declares``: whether it says it takes lists (``page_id_lists``), else it reads them as
+    int64 arrays only (``.shape``, ``.dtype``), as an engine written before lists did."""
+
+    def __init__(self, inner: Any, declares: bool) -> None:
+        self.inner = inner
+        self.declares = declares
+        self.seen: list[tuple[type, type]] = []
+
+    def post_pages(self, peer: Any, lists: Any, sp: Any, dp: Any, last: int, tag: bytes) -> Any:
+        self.seen.append((type(sp), type(dp)))
+        if not self.declares:
+            assert sp.dtype == np.int64 and dp.dtype == np.int64 and sp.shape == dp.shape
+        return self.inner.post_pages(peer, lists, sp, dp, last, tag)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "page_id_lists" and not self.declares:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("declares", [True, False])
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_short_sends_hand_the_engine_page_id_lists_only_when_it_takes_them(
+    backend: str, declares: bool
+) -> None:
+    """A short send's page ids (an int64 array or a list of Python ints from the host) reach
+    ``post_pages`` as lists of Python ints when the engine declares ``page_id_lists`` (no numpy
+    operation on the way), as int64 arrays otherwise; ids the short lane does not take (an int32
+    array) go as an array; every byte lands where the reference says, and the host's lists stay
+    as given."""
+    from pdplug.types import Segment
+
+    rng = np.random.default_rng(5)
+    with _direct_pair(backend) as (sender, recv, src, dst):
+        eng = _PagesSeen(sender.engine, declares)
+        sender.engine = eng
+        for room, n_pages, kind in (
+            (1, 2, "int64"),
+            (2, 6, "list"),
+            (3, 64, "int64"),
+            (4, 5, "int32"),
+        ):
+            total = n_pages * P - 3  # a partial last page: the tail lists
+            sp = rng.permutation(64)[:n_pages].astype(np.int64)
+            dp = rng.permutation(64)[:n_pages].astype(np.int64)
+            recv.expect(room, dp, num_tokens=total)
+            sender.start(room)
+            assert sender.wait(room, (KVPoll.WaitingForInput,), 20) == KVPoll.WaitingForInput
+            # the first send binds the template on the planned path; the next ones take the lane
+            seg = Segment(token_start=0, token_end=total, page_start=0, num_tokens=total,
+                          chunk_id=0, is_last=True)  # fmt: skip
+            given: Any = sp.tolist() if kind == "list" else sp.astype(kind)
+            sender.send(room, seg, given)
+            assert sender.wait(room, timeout_s=10) == KVPoll.Success, sender.failure_reason(room)
+            assert recv.wait(room, timeout_s=10) == KVPoll.Success, recv.failure_reason(room)
+            assert _landed(src, dst, sp, dp, total)
+            assert list(given) == sp.tolist()
+        lists, arrays = (list, list), (np.ndarray, np.ndarray)
+        # room 1 binds the template and posts from the planned path (arrays); rooms 2 and 3
+        # take the lane with short ids; room 4's int32 ids are converted by page_ids (an array;
+        # its destination ids, kept as a list since the bootstrap, stay one)
+        want = [lists] * 2 + [(np.ndarray, list)] if declares else [arrays] * 3
+        assert eng.seen == [arrays, *want], eng.seen
+        assert sender.stats()["direct_lane"] == 3
+
+
 def test_a_send_checks_its_pages_and_segment_and_waits_for_a_busy_engine() -> None:
     """``KVSender.send`` with an int64 page array, no ready marker: an id below 0 or past the
     registered pages is refused by name, in a short list and past the check's list bound
@@ -203,7 +271,7 @@ def test_a_send_checks_its_pages_and_segment_and_waits_for_a_busy_engine() -> No
             return Segment(token_start=0, token_end=total, page_start=0, num_tokens=total,
                            chunk_id=i, is_last=True)  # fmt: skip
 
-        long = np.zeros(pagesmod._SHORT_IDS + 1, dtype=np.int64)
+        long = np.zeros(pagesmod.SHORT_IDS + 1, dtype=np.int64)
         for bad, page in ((np.array([3, -1], dtype=np.int64), -1),
                           (np.array([3, 64], dtype=np.int64), 64)):  # fmt: skip
             with pytest.raises(ValueError, match=f"src_pages has page {page}, outside"):
