@@ -61,9 +61,11 @@ class TransferEngine(Protocol):
     dst_pages, last_bytes, tag) -> xfer | None`` then starts one write by page ids (int64
     ``[P]`` each, entry-major runs, the last page of each entry moving ``last_bytes`` bytes;
     ``None``: those pages are not in the lists, the session posts the addresses instead), with
-    :meth:`post`'s errors. An engine that sets ``page_id_lists = True`` also takes the two as lists
-    of Python ints (up to 64 source pages, as the session carries a short send's ids from
-    ``send`` on: no numpy operation on the way; issue 24); without it, it gets int64 arrays.
+    :meth:`post`'s errors. An engine whose class sets ``page_id_lists = True`` also takes the two
+    as lists of Python ints (up to 64 source pages, as the session carries a short send's ids
+    from ``send`` on: no numpy operation on the way; issue 24); without it, it gets int64 arrays
+    (read from the class: a wrapper forwarding attributes to such an engine, with a
+    ``post_pages`` of its own, gets arrays unless its own class declares it).
     """
 
     name: str

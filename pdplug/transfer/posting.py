@@ -173,7 +173,9 @@ class WritePoster:
             try:
                 direct.lists = prepare(peer.handle, direct.grid())
                 direct.lists_of = self._engine
-                direct.id_lists = getattr(self._engine, "page_id_lists", False) is True
+                # the engine's class declares it: a wrapper that forwards attributes to the
+                # engine it wraps must not inherit the declaration for a post_pages of its own
+                direct.id_lists = getattr(type(self._engine), "page_id_lists", False) is True
             except Exception as e:
                 log.debug("%s: no prepared page lists (%s)", describe(peer.key), e)
         return direct
