@@ -862,13 +862,15 @@ def cli(
                 "-" if p["hop_ms"] is None else f"{p['hop_ms'] / p['raw_ms']:.1%}",
             )
     console.print(t)
+    # the verdicts read the last run's tables; the run-to-run table below reads every run
+    last = f"; the last of {runs} runs, run to run below" if runs > 1 else ""
     for b, per in overhead.items():
         over = [f"{k} MiB" for k, v in per.items() if v > 0.05]
         verdict = f"above it at {', '.join(over)}" if over else "met at every size"
         console.print(
             f"{b}: overhead = 1 - median(t_raw / t_pdplug) over paired runs: "
             + ", ".join(f"{k} MiB {v:+.1%}" for k, v in per.items())
-            + f" (goal <= 5% at every size: {verdict})"
+            + f" (goal <= 5% at every size: {verdict}{last})"
         )
     for b, per in floor.items():
         own = over_floor.get(b, {})
@@ -915,7 +917,7 @@ def cli(
             ft.add_row(
                 sr["backend"], f"{sr['bytes'] / MIB:g} MiB", str(sr["k"]), str(sr["pairs"]),
                 f"{sr['pdplug_us']:.1f}", f"{sr['raw_us']:.1f}", f"{sr['fixed_us']:.1f}",
-                f"{sr['q1_us']:.1f}-{sr['q3_us']:.1f}",
+                f"{sr['q1_us']:.1f} to {sr['q3_us']:.1f}",
                 "-" if sr["fixed_vs_fresh_us"] is None else f"{sr['fixed_vs_fresh_us']:.1f}",
                 "-" if sr["floor_us"] is None else f"{sr['floor_us']:.1f}",
             )  # fmt: skip
@@ -941,7 +943,7 @@ def cli(
                     f"{_label(k)} {v:.0f} us (IQR {spread[b, k][0]:.0f} to {spread[b, k][1]:.0f})"
                     for k, v in per.items()
                 )
-                + f" (goal <= 100 us at 64 KiB and 1 MiB: {verdict}); K rows: the cost of "
+                + f" (goal <= 100 us at 64 KiB and 1 MiB: {verdict}{last}); K rows: the cost of "
                 "one send when a step posts K (send_many when the sender has it)"
             )
         if any(r["fixed_vs_fresh_us"] is not None for r in small_rows):
@@ -949,6 +951,12 @@ def cli(
                 "vs fresh us: pdplug minus the raw engine making a request per send on lists "
                 "prepared once (not one handle re-posted): pdplug's own share of the fixed cost; "
                 "floor us: the Python floor (as in the floor line above) minus raw"
+            )
+        if any(r["fixed_vs_fresh_us"] is None and r["k"] == 1 for r in small_rows):
+            console.print(
+                "vs fresh us, floor us '-': K > 1 rows, and backends whose raw engine has no "
+                "request to make per send (Mooncake takes a write's addresses in the call "
+                "itself): no fresh-request or Python-floor mode runs there"
             )
     run_spread = _print_spread(console, per_run) if runs > 1 else []
     console.print(
