@@ -11,7 +11,7 @@ from typing import Any, Union
 
 import numpy as np
 
-__all__ = ["MAX_PAGE_ID", "SHORT_IDS", "PageIds", "page_array"]
+__all__ = ["MAX_PAGE_ID", "page_array"]
 
 #: page ids at or above this are refused: times a page stride they would overflow int64 byte
 #: offsets (and no engine has that many pages)
