@@ -75,6 +75,10 @@ RETIRED: list[Any] = []
 
 #: probe threads that may still be inside ``send_probe`` (joined, bounded, at interpreter exit)
 _PROBES: set[threading.Thread] = set()
+#: a probe is added and started under it, so the exit's snapshot holds started threads only
+_PROBES_LOCK = threading.Lock()
+#: set with the exit's snapshot: no probe starts after it (it would not be joined)
+_EXITING = False
 
 
 @atexit.register
@@ -83,9 +87,14 @@ def _wait_for_probes(limit_s: float = 2.0) -> None:
     thread that comes back from Mooncake's native code after that point is ended by CPython
     with a forced unwind through C++ frames, which aborts the process (std::terminate, exit
     code 134). A probe still blocked on a silent peer after ``limit_s`` stays blocked."""
+    global _EXITING
     t_end = time.monotonic() + limit_s
-    for t in list(_PROBES):
-        t.join(max(0.0, t_end - time.monotonic()))
+    with _PROBES_LOCK:
+        _EXITING = True
+        probes = list(_PROBES)
+    for t in probes:
+        if t.ident is not None:  # joining a thread not started raises (it never ran a probe)
+            t.join(max(0.0, t_end - time.monotonic()))
 
 
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
@@ -461,9 +470,15 @@ class MooncakeEngine:
             name=f"pdplug-mooncake-probe-{peer.session}",
             daemon=True,
         )
-        peer.probe = t
-        _PROBES.add(t)
-        t.start()
+        # the exit's snapshot never holds a probe between add and start ("cannot join thread
+        # before it is started", then an abort: CI, stop 51), nor misses one started after it
+        with _PROBES_LOCK:
+            if _EXITING:
+                self.counts["probe_failed"] += 1
+                return -1
+            peer.probe = t
+            _PROBES.add(t)
+            t.start()
         t.join(self._probe_s)
         if t.is_alive() or not answer or answer[0] != 0:
             self.counts["probe_failed"] += 1

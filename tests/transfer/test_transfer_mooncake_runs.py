@@ -366,3 +366,20 @@ def test_a_process_exiting_right_after_closing_mid_probe_exits_0() -> None:
         out = subprocess.run([sys.executable, "-c", _EXIT_AFTER_A_PROBE], capture_output=True,
                              text=True, timeout=60)  # fmt: skip
         assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+
+
+def test_the_exit_join_skips_a_probe_not_yet_started_and_stops_new_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The exit's join met a probe thread its worker had added but not yet started: ``join``
+    raised "cannot join thread before it is started" and the process aborted (CI, stop 51).
+    Probes are now added and started under one lock, the snapshot skips a thread that never
+    started, and no probe starts after the snapshot (it would not be joined)."""
+    import threading
+
+    from pdplug_mooncake import engine as mc
+
+    monkeypatch.setattr(mc, "_EXITING", False)
+    monkeypatch.setattr(mc, "_PROBES", {threading.Thread(target=lambda: None)})
+    mc._wait_for_probes(0.1)
+    assert mc._EXITING
