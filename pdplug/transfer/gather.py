@@ -257,6 +257,14 @@ class BusyClock:
         if self._open is None:
             self._open = t
 
+    def wrote(self, t0: float, t1: float) -> None:
+        """A write started and ended inside one post call ``[t0, t1]`` (an engine that copies
+        in its post): busy over that span unless a busy period is open already (issue 24: one
+        call after the post instead of one before it and one after the segment)."""
+        if self._open is None:
+            self._closed.append((t0, t1))
+            self.write_s += t1 - t0
+
     def writes_idle(self, t: float) -> None:
         """No write is in flight any more at ``t``."""
         if self._open is not None:

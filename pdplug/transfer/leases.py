@@ -61,7 +61,7 @@ class SendLeases:
     :param regions: returns the pack regions (set at ``register_kv``).
     :param inbox_ttl_s: how long an early DestInfo or abort is kept (seconds): as long as the
         decode waits for the room, ``max(bootstrap_timeout_s, waiting_timeout_s)``.
-    :param event: ``(kind, lease, **fields)`` observer hook of the session.
+    :param event: ``(kind, lease, reason=None)`` observer hook of the session (room outcomes).
     :param counts: the session's counters.
     :param after: runs a closure once the engine thread's round released the engine lock
         (:meth:`~pdplug.transfer.loop.EngineLoop.after_round`): a room turns

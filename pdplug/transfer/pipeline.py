@@ -417,8 +417,8 @@ class SendPipeline:
             self._unpacked[key] += 1
             job = Job(lease=lease, key=key, dst_rank=key[2], chunk=seg)
             self.poster.post_direct(job, peer, peer.direct, span, now)
-        if not self._inflight.writes:  # each ended inside its post
-            self.clock.writes_idle(time.perf_counter())
+        # a write that ended inside its post opened no busy period (BusyClock.wrote); a
+        # tracked one's is closed by the round that reaps it
         return True
 
     def _post_packed(self, now: float) -> None:

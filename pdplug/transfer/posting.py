@@ -199,7 +199,6 @@ class WritePoster:
         if direct.lists is not None and direct.lists_of is self._engine:
             t = direct.template
             t0 = time.perf_counter()
-            self.clock.write_started(t0)
             if not direct.id_lists:  # an engine that reads int64 arrays only
                 sp, dp = np.asarray(sp, dtype=np.int64), np.asarray(dp, dtype=np.int64)
             try:
@@ -244,7 +243,6 @@ class WritePoster:
         """Post int64 ``[R]`` absolute runs ``(src, dst, ln)`` of ``job`` to ``peer`` with
         completion ``tag`` (reading pack region ``region``, -1: none)."""
         t0 = time.perf_counter()
-        self.clock.write_started(t0)
         try:
             wire_tag = self._tags.encode(tag) if self._engine.notifications else b""
             handle = self._engine.post(peer.handle, src, dst, ln, wire_tag)
@@ -258,13 +256,16 @@ class WritePoster:
         self, job: Job, peer: Peer, region: int, handle: Any, nbytes: int, runs: int,
         tag: ChunkTag, now: float, t0: float,
     ) -> None:  # fmt: skip
-        self.timings["post_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.timings["post_s"] += t1 - t0
         self.counts["posts"] += 1
         self.counts["runs"] += runs
         done = self._ended_at_post
         if done is not None and done(handle):
             # the engine copied inside its post call (UCX over TCP or shared memory): the job
-            # ends here, with no in-flight record to add, poll and take out again
+            # ends here, with no in-flight record to add, poll and take out again, and no busy
+            # period left open for the segment's end to close
+            self.clock.wrote(t0, t1)
             self.progress_at = now
             if not job.lease.failed:
                 self.counts["bytes"] += nbytes
@@ -277,6 +278,7 @@ class WritePoster:
             except Exception:
                 pass
             return
+        self.clock.write_started(t0)  # busy while a tracked write is in flight
         wakes = self._wakes_for(handle) if self._wakes_for is not None else self.wakes
         self.inflight.add(job, peer, handle, region, nbytes, tag, now, not wakes)
 

@@ -108,6 +108,9 @@ class KVSenderSession(RoomSession):
         self.compat: Compat = compat or layout_compat
         self._emit = emit
         self._events: list[tuple[str, int, dict[str, Any]]] = []
+        #: (kind, room, lease generation, destinations, reason) of room outcomes not yet built
+        #: into events (:meth:`_event`)
+        self._outcomes: list[tuple[str, int, int, int, str | None]] = []
         self.rank = bootstrap.rank_of(config.layout)
         self.rooms = Rooms.from_config(config)
         self.max_inflight = max_inflight
@@ -445,7 +448,7 @@ class KVSenderSession(RoomSession):
             self.engine.progress()
         if periodic:
             self._next_periodic = now + 0.01
-            if self._events:
+            if self._outcomes or self._events:
                 self._flush_events()
             self._table.expire(now)
             if self._live.due(now):
@@ -453,8 +456,15 @@ class KVSenderSession(RoomSession):
                 self._peers.heartbeat(now, live)
                 self._table.expire_inbox(now)
 
-    def _event(self, kind: str, lease: Lease, **fields: Any) -> None:
-        if self._emit is None:
-            return
-        fields.update(rank=self.rank, generation=lease.generation, dests=len(lease.dests))
-        self._events.append((kind, lease.room, fields))  # built into an event at the flush
+    def _event(self, kind: str, lease: Lease, reason: str | None = None) -> None:
+        # a room's success is on the send path: a tuple now, the fields dict at the flush
+        if self._emit is not None:
+            self._outcomes.append((kind, lease.room, lease.generation, len(lease.dests), reason))
+
+    def _flush_events(self) -> None:
+        outcomes, self._outcomes = self._outcomes, []
+        for kind, room, generation, dests, reason in outcomes:
+            fields: dict[str, Any] = {} if reason is None else {"reason": reason}
+            fields.update(rank=self.rank, generation=generation, dests=dests)
+            self._events.append((kind, room, fields))
+        super()._flush_events()

@@ -103,11 +103,26 @@ def test_room_outcomes_reach_the_host_managers_observers(backend: str) -> None:
             assert s.wait(5, timeout_s=20) == KVPoll.Success, s.failure_reason(5)
             assert r.wait(5, timeout_s=20) == KVPoll.Success, r.failure_reason(5)
             assert torch.equal(dst[0][32:64], _kv()[0][0:32])
+            # a room the prefill aborts once both sides hold it: a failure on each side
+            s.start(6)
+            r.expect(6, np.array([0, 1], dtype=np.int64), num_tokens=32)
+            assert s.wait(6, (KVPoll.WaitingForInput,), timeout_s=20) == KVPoll.WaitingForInput
+            s.abort(6)
+            assert r.wait(6, timeout_s=20) == KVPoll.Failed
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and len(seen.events) < 2:
+            while time.monotonic() < deadline and len(seen.events) < 4:
                 time.sleep(0.01)
             done = sorted((e.kind, e.room) for e in seen.events)
-            assert done == [("transfer_done", 5), ("transfer_done", 5)], seen.events
+            assert done == [("transfer_done", 5), ("transfer_done", 5), ("transfer_failed", 6),
+                            ("transfer_failed", 6)], seen.events  # fmt: skip
+            # the prefill's outcomes (built off the send path since issue 24) carry its rank,
+            # the lease generation, its destination count and, on a failure, the reason
+            mine = {e.kind: e.fields for e in seen.events if "dests" in e.fields}
+            assert set(mine) == {"transfer_done", "transfer_failed"}, seen.events
+            assert set(mine["transfer_done"]) == {"rank", "generation", "dests"}, mine
+            assert mine["transfer_done"]["dests"] == 1 and mine["transfer_done"]["rank"] == 0
+            assert mine["transfer_failed"]["reason"] == "aborted on prefill rank 0: aborted", mine
+            assert mine["transfer_failed"]["generation"] != mine["transfer_done"]["generation"]
         finally:
             r.close()
             s.close()

@@ -80,3 +80,16 @@ def test_busy_clock_counts_pack_time_under_a_write_as_overlap() -> None:
     assert t["pack_busy_s"] == pytest.approx(3 + 3 + 2.5)
     assert t["write_busy_s"] == pytest.approx(10 + 3)
     assert t["overlap_s"] == pytest.approx(3 + 1 + 2)
+
+
+def test_busy_clock_counts_a_write_ended_inside_its_post_once() -> None:
+    # issue 24: such a write reports its span after the post instead of opening a period
+    c = BusyClock()
+    c.wrote(1.0, 1.5)  # no period open: its own span
+    c.pack_ran(1.2, 2.0)  # 0.3 s of it under that write
+    c.write_started(3.0)
+    c.wrote(3.5, 4.0)  # inside the open period: not counted twice
+    c.writes_idle(5.0)
+    t = c.totals(now=9.0)
+    assert t["write_busy_s"] == pytest.approx(0.5 + 2.0)
+    assert t["overlap_s"] == pytest.approx(0.3)
