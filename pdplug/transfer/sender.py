@@ -108,9 +108,7 @@ class KVSenderSession(RoomSession):
         self.compat: Compat = compat or layout_compat
         self._emit = emit
         self._events: list[tuple[str, int, dict[str, Any]]] = []
-        #: (kind, room, lease generation, destinations, reason) of room outcomes not yet built
-        #: into events (:meth:`_event`)
-        self._outcomes: list[tuple[str, int, int, int, str | None]] = []
+        self._outcomes: list[tuple[str, int, int, int, str | None]] = []  # see _event
         self.rank = bootstrap.rank_of(config.layout)
         self.rooms = Rooms.from_config(config)
         self.max_inflight = max_inflight
@@ -155,17 +153,12 @@ class KVSenderSession(RoomSession):
             waker=self._loop.wake,
         )
         self._peers = DecodePeers(
-            name=self._loop.name,
-            rank=self.rank,
-            engine=lambda: self._engine,
-            channel=self._channel,
-            check=self._check_peer,
-            local=self.peer_info,
+            name=self._loop.name, rank=self.rank, engine=lambda: self._engine,
+            channel=self._channel, check=self._check_peer, local=self.peer_info,
             on_drop=lambda peer, reason: self._table.peer_dropped(peer, reason),
             on_rebind=lambda old, new: self._table.rebind(old, new),
-            liveness=self._live,
-            counts=self.counts,
-        )
+            liveness=self._live, counts=self.counts,
+        )  # fmt: skip
         self._table = SendLeases(
             rank=self.rank,
             layout=config.layout,
@@ -184,10 +177,8 @@ class KVSenderSession(RoomSession):
             after=self._loop.after_round,
         )
         self._pipe.poster.outcomes(self._table.job_done, self._table.written)  # not lambdas
-        self._handoff = Handoff(
-            rooms=self.rooms, loop=self._loop, table=self._table, pipe=self._pipe,
-            counts=self.counts,
-        )  # fmt: skip
+        self._handoff = Handoff(rooms=self.rooms, loop=self._loop, table=self._table,
+                                pipe=self._pipe, counts=self.counts)  # fmt: skip
         self._loop.start()
 
     @property
@@ -457,8 +448,7 @@ class KVSenderSession(RoomSession):
                 self._table.expire_inbox(now)
 
     def _event(self, kind: str, lease: Lease, reason: str | None = None) -> None:
-        # a room's success is on the send path: a tuple now, the fields dict at the flush
-        if self._emit is not None:
+        if self._emit is not None:  # on the send path: a tuple now, the fields at the flush
             self._outcomes.append((kind, lease.room, lease.generation, len(lease.dests), reason))
 
     def _flush_events(self) -> None:
