@@ -60,8 +60,9 @@ def test_the_host_managers_veto_refuses_the_peer(backend: str) -> None:
         s = pm.make_kv_sender(cfg, name=backend)
         r = pm.make_kv_receiver(KVConfig(instance="d", role="decode", layout=LAYOUT), name=backend)
         try:
-            s.register_kv(_kv())
-            r.register_kv(_kv())
+            kept = [_kv(), _kv()]  # registered memory must outlive the sessions
+            s.register_kv(kept[0])
+            r.register_kv(kept[1])
             assert pm.check_compat(s.peer_info(), r.peer_info()) == [
                 "veto: this host refuses every peer"
             ]
@@ -90,7 +91,8 @@ def test_room_outcomes_reach_the_host_managers_observers(backend: str) -> None:
         r = pm.make_kv_receiver(KVConfig(instance="d", role="decode", layout=LAYOUT), name=backend)
         dst = [torch.zeros(16 * 4, 64, dtype=torch.uint8)]
         try:
-            s.register_kv(_kv())
+            src = _kv()  # registered memory must outlive the session
+            s.register_kv(src)
             r.register_kv(dst)
             r.connect(resolve(server.endpoint, cfg.instance, timeout_s=10), timeout_s=10)
             s.start(5)
@@ -102,7 +104,7 @@ def test_room_outcomes_reach_the_host_managers_observers(backend: str) -> None:
             s.send(5, seg, np.array([0, 1], dtype=np.int64))
             assert s.wait(5, timeout_s=20) == KVPoll.Success, s.failure_reason(5)
             assert r.wait(5, timeout_s=20) == KVPoll.Success, r.failure_reason(5)
-            assert torch.equal(dst[0][32:64], _kv()[0][0:32])
+            assert torch.equal(dst[0][32:64], src[0][0:32])
             # a room the prefill aborts once both sides hold it: a failure on each side
             s.start(6)
             r.expect(6, np.array([0, 1], dtype=np.int64), num_tokens=32)
