@@ -242,10 +242,11 @@ class BusyClock:
     a pack is busy while the pack thread plans and packs a segment. ``overlap_s`` is the pack
     time during which a write was in flight: with double buffering, the gather of segment
     ``k + 1`` runs while segment ``k`` is written, and ``overlap_s`` approaches ``pack_s``.
-    Engine thread only.
+    Engine thread only. ``keep``: closed busy spans remembered for the overlap (each write that
+    ends inside its post adds one; a pack reads back only as far as its own start).
     """
 
-    def __init__(self, keep: int = 256) -> None:
+    def __init__(self, keep: int = 4096) -> None:
         self.pack_s = 0.0
         self.write_s = 0.0
         self.overlap_s = 0.0
@@ -275,7 +276,11 @@ class BusyClock:
     def pack_ran(self, a: float, b: float) -> None:
         """The pack thread was busy over ``[a, b]`` (reported after ``b``)."""
         self.pack_s += b - a
-        ov = sum(max(0.0, min(b, e) - max(a, s)) for s, e in self._closed if e > a)
+        ov = 0.0
+        for s, e in reversed(self._closed):  # spans close in time order: newest first
+            if e <= a:
+                break
+            ov += max(0.0, min(b, e) - max(a, s))
         if self._open is not None:
             ov += max(0.0, b - max(a, self._open))
         self.overlap_s += ov

@@ -439,7 +439,7 @@ class KVSenderSession(RoomSession):
             self.engine.progress()
         if periodic:
             self._next_periodic = now + 0.01
-            if self._outcomes or self._events:
+            if self._outcomes:  # the sender's _events fill only inside its flush
                 self._flush_events()
             self._table.expire(now)
             if self._live.due(now):

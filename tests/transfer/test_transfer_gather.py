@@ -93,3 +93,13 @@ def test_busy_clock_counts_a_write_ended_inside_its_post_once() -> None:
     t = c.totals(now=9.0)
     assert t["write_busy_s"] == pytest.approx(0.5 + 2.0)
     assert t["overlap_s"] == pytest.approx(0.3)
+
+
+def test_busy_clock_counts_every_write_ended_in_its_post_under_one_long_pack() -> None:
+    # helper-33: 300 such writes under one pack kept only the last 256 spans (0.256 s)
+    c = BusyClock()
+    for i in range(300):
+        c.wrote(1.0 + i * 0.002, 1.0 + i * 0.002 + 0.001)
+    c.pack_ran(0.5, 2.0)
+    assert c.totals(now=2.0)["overlap_s"] == pytest.approx(0.300)
+    assert c.totals(now=2.0)["write_busy_s"] == pytest.approx(0.300)
