@@ -3,10 +3,11 @@
 A prefill rank binds one ROUTER (:class:`RouterChannel`); each decode rank connects one DEALER
 per prefill rank (:class:`DealerChannel`). Every socket comes from
 :func:`pdplug.wire.make_socket` (``ZMQ_MAXMSGSIZE`` = ``WireConfig.max_message_bytes``, so an
-oversized frame is never buffered; linger 0; a socket off loopback without
-``WireConfig.hmac_key`` is refused) and every frame is one msgspec Struct sealed by a
-:class:`~pdplug.wire.Codec` (strict typed decode, size limit, HMAC when keyed, sender identity,
-epoch and sequence; never pickle), received through :func:`pdplug.wire.drain`.
+oversized frame is never buffered; linger 0, but for a closing prefill's failure notices; a
+socket off loopback without ``WireConfig.hmac_key`` is refused) and every frame is one
+msgspec Struct sealed by a :class:`~pdplug.wire.Codec` (strict typed decode, size limit, HMAC
+when keyed, sender identity, epoch and sequence; never pickle), received through
+:func:`pdplug.wire.drain`.
 
 Who sent a frame is the authenticated sender identity in its envelope
 (:class:`~pdplug.wire.Inbound` ``.sender``, :func:`~pdplug.wire.rank_identity` of the sending
@@ -149,10 +150,11 @@ class RouterChannel:
             self._counts["control_send_failed"] += 1
             log.debug("%s: control send failed: %s", self._loop.name, e)
 
-    def close(self) -> None:
-        """Stop polling and close the socket."""
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop polling and close the socket; messages already queued keep being sent for
+        ``linger_s`` seconds (by ZeroMQ's I/O thread: this call does not wait)."""
         self._loop.remove_socket(self.sock)
-        self.sock.close(linger=0)
+        self.sock.close(linger=int(linger_s * 1000))
 
     def _on_readable(self, sock: Any) -> None:
         for got in drain(sock, self._codec, limit=_BATCH):

@@ -140,8 +140,7 @@ class SendLeases:
     def capacity(self, room: int) -> int | None:
         """Largest segment of ``room`` in tokens (``None``: no destination needs packing).
 
-        :raises ValueError: no destination yet.
-        """
+        :raises ValueError: no destination yet."""
         lease = self.leases.get(room)
         if lease is None or not lease.expected or len(lease.dests) < lease.expected:
             raise ValueError(f"KVSender.capacity_tokens: room {room} has no destination yet")
@@ -233,6 +232,12 @@ class SendLeases:
         if lease.inflight:
             self.draining.append(lease)
 
+    def close(self, reason: str) -> None:
+        """The session closes: fail every room not ended, refuse each early DestInfo."""
+        for lease in list(self.leases.values()):
+            self.fail(lease, reason)
+        self.expire_inbox(float("inf"), reason)
+
     def drained(self, room: int) -> bool:
         """No write of ``room`` is in flight."""
         lease = self.leases.get(room)
@@ -299,8 +304,7 @@ class SendLeases:
                 self._event("transfer_done", lease)
 
     def written(self, job: Job, tag: ChunkTag) -> None:
-        """A write completed on an engine without notifications: send its tag to the
-        destination's current connection."""
+        """A write completed on an engine without notifications: its tag goes by control."""
         peer = job.lease.peers.get(job.key)
         if peer is not None and peer.alive:
             self._peers.send(peer, Done(chunk=tag))
@@ -343,13 +347,13 @@ class SendLeases:
         if self.draining:
             self.draining[:] = [ls for ls in self.draining if ls.inflight]
 
-    def expire_inbox(self, now: float) -> None:
+    def expire_inbox(self, now: float, reason: str = "") -> None:
         """Forget what :class:`~pdplug.transfer.inbox.RoomInbox` holds past its time; refuse
         each expired early DestInfo (its decode rank fails the room now, nothing was sent)."""
+        why = reason or f"prefill rank {self._rank} did not start it in {self.box.ttl_s:g} s"
         for key, d in self.box.expire(now, self._counts):
             if (peer := self._peers.by_position(key)) is not None and peer.alive:
-                ttl, rank = self.box.ttl_s, self._rank
-                self._refuse(peer, d, f"prefill rank {rank} did not start it in {ttl:g} s")
+                self._refuse(peer, d, why)
 
     def gauges(self) -> dict[str, int]:
         """What the table holds now."""

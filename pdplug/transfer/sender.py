@@ -113,8 +113,7 @@ class KVSenderSession(RoomSession):
         self.rooms = Rooms.from_config(config)
         self.max_inflight = max_inflight
         self.counts: Counter[str] = Counter()
-        self._closed = False
-        self._down = False
+        self._closed = self._down = False
         w = config.wire
         label = f"{config.instance}/p{self.rank}"
         me = rank_identity(config.instance, config.layout)
@@ -391,10 +390,11 @@ class KVSenderSession(RoomSession):
 
     def _shutdown(self) -> None:
         self._down = True
+        self._table.close(f"sender closed on prefill rank {self.rank}")  # decodes learn it now
         self._flush_events()
         self._pipe.close()
         self._peers.close()
-        self._channel.close()
+        self._channel.close(linger_s=1.0)  # the failure notices just queued still go out
         self.engine.close()
 
     def _check_peer(self, remote: PeerInfo) -> tuple[list[str], np.ndarray | None, bool]:
