@@ -77,7 +77,7 @@ pytestmark = pytest.mark.timeout(60)
         (("transfer", "--backend", "nixl,nixl"), ("'--backend'", "names nixl more than once")),
         (
             ("transfer", "--sizes", "0.3,0.2999"),
-            ("'--sizes'", "0.296875 MiB named more than once", "whole tokens of 4,096 B"),
+            ("'--sizes'", "0.3 and 0.2999 are 76 tokens (0.296875 MiB)", "whole tokens of 4,096 B"),
         ),
         (
             ("e2e", "--variants", "pp0+nixl,ring+nixl,pp0+nixl"),
