@@ -109,3 +109,50 @@ def test_closing_the_sender_fails_its_live_rooms_on_both_sides_at_once(backend: 
         finally:
             r.close()
             s.close()
+
+
+def test_closing_the_receiver_tells_its_prefill_ranks_at_once(backend: str) -> None:
+    """The decode side's twin: a receiver that closes with a room leased on both sides fails it
+    there (one ``transfer_failed``) and aborts it on its prefill ranks, which fail the room
+    within a round trip instead of at their deadline (60 s here) and stop holding it."""
+    require(backend)
+    seen = Observer()
+    src = [torch.randint(0, 256, (16 * 8, 4096), dtype=torch.uint8)]
+    dst = [torch.zeros(16 * 8, 4096, dtype=torch.uint8)]
+    with RendezvousServer() as server:
+        cfg = KVConfig(
+            instance=f"p-rclose-{backend}",
+            role="prefill",
+            layout=LAYOUT,
+            bootstrap_endpoint=server.endpoint,
+            **SLOW,  # type: ignore[arg-type]
+        )
+        s = PluginManager(env={}).make_kv_sender(cfg, name=backend)
+        r = PluginManager(env={}, plugins=[("observer", seen)]).make_kv_receiver(
+            KVConfig(instance="d", role="decode", layout=LAYOUT, **SLOW),  # type: ignore[arg-type]
+            name=backend,
+        )
+        try:
+            s.register_kv(src)
+            r.register_kv(dst)
+            r.connect(resolve(server.endpoint, cfg.instance, timeout_s=10), timeout_s=10)
+            s.start(4)
+            r.expect(4, np.arange(0, 2), num_tokens=32)
+            assert s.wait(4, (KVPoll.WaitingForInput,), timeout_s=20) == KVPoll.WaitingForInput
+            r.close()
+            closed = time.monotonic()
+            assert s.wait(4, timeout_s=20) == KVPoll.Failed
+            took = time.monotonic() - closed
+            want = "receiver closed on decode dcp 0"
+            assert want in (s.failure_reason(4) or ""), s.failure_reason(4)
+            assert took < 5.0, f"the prefill learned it after {took:.1f} s"
+            deadline = time.monotonic() + 5  # the prefill let go of the room
+            while time.monotonic() < deadline and s.stats()["rooms_failed"] < 1:
+                time.sleep(0.01)
+            assert s.stats()["rooms_failed"] == 1, s.stats()
+            assert s.drained(4)
+            mine = [(e.kind, e.room, e.fields.get("reason")) for e in seen.events]
+            assert mine == [("transfer_failed", 4, f"{want}")], mine
+        finally:
+            r.close()
+            s.close()
