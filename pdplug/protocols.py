@@ -356,11 +356,8 @@ class KVSender(Protocol):
         ...
 
     def close(self) -> None:
-        """Release handles, deregister memory, close sockets; idempotent. Every room not
-        ended fails first (``"sender closed on prefill rank N"``: one ``transfer_failed``) and
-        its decode ranks are told before the sockets go, so they fail it within a round trip,
-        not at their timeout. Afterwards the process exits normally (no native crash at
-        interpreter exit)."""
+        """Release handles, deregister memory, close sockets; idempotent. Afterwards the
+        process exits normally (no native crash at interpreter exit)."""
         ...
 
 
@@ -485,9 +482,7 @@ class KVReceiver(Protocol):
         ...
 
     def close(self) -> None:
-        """Release everything; idempotent. Every room not ended fails first (``"receiver
-        closed on decode dcp N"``) and is aborted on its prefill ranks, which stop writing it
-        and free what they hold for it within a round trip."""
+        """Release everything; idempotent."""
         ...
 
 

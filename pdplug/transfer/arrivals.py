@@ -238,13 +238,6 @@ class RecvLeases:
             why = view.reason if view is not None else reason
             self._event("transfer_failed", lease, reason=why)
 
-    def close(self, reason: str, now: float) -> None:
-        """The session closes: every room not ended fails with ``reason`` and its sources are
-        told to stop (they free what they hold for it now, not at their own timeout)."""
-        for lease in list(self.leases.values()):
-            if not lease.done and not lease.failed_at:
-                self.failed(lease, reason, now, tell=True)
-
     def clear(self, room: int, gen: int) -> None:
         """The host cleared ``room``; an undrained lease stays watched until it drains."""
         lease = self.leases.get(room)

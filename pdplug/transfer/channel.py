@@ -227,7 +227,7 @@ class DealerChannel:
         self._loop.add_socket(sock, self._on_readable)
         self._loop.add_socket(mon, self._on_event)
 
-    def _detach(self, cid: bytes, linger_s: float = 0.0) -> None:
+    def _detach(self, cid: bytes) -> None:
         sock, mon = self._socks.pop(cid), self._monitors.pop(cid)
         self._cut.pop(cid, None)
         self._peer_closed.discard(cid)
@@ -236,7 +236,7 @@ class DealerChannel:
             self._loop.remove_socket(s)
         sock.disable_monitor()
         mon.close(linger=0)
-        sock.close(linger=int(linger_s * 1000))
+        sock.close(linger=0)
 
     def revive(self, now: float) -> None:
         """Reconnect every connection libzmq cut for good.
@@ -309,19 +309,18 @@ class DealerChannel:
             self._counts["control_send_failed"] += 1
             log.debug("%s: control send failed: %s", self._loop.name, e)
 
-    def close(self, cid: bytes, linger_s: float = 0.0) -> None:
-        """Close connection ``cid``; idempotent. Its codec's counters stay in :meth:`stats`;
-        messages already queued keep being sent for ``linger_s`` seconds (not waited for)."""
+    def close(self, cid: bytes) -> None:
+        """Close connection ``cid``; idempotent. Its codec's counters stay in :meth:`stats`."""
         if cid not in self._socks:
             return
-        self._detach(cid, linger_s)
+        self._detach(cid)
         self._endpoints.pop(cid)
         self._closed.update(self._codecs.pop(cid).stats())
 
-    def close_all(self, linger_s: float = 0.0) -> None:
-        """Close every connection (:meth:`close`)."""
+    def close_all(self) -> None:
+        """Close every connection."""
         for cid in list(self._socks):
-            self.close(cid, linger_s)
+            self.close(cid)
 
     def stats(self) -> dict[str, int]:
         """The counters of every connection's codec, open or closed, summed."""

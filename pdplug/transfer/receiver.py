@@ -60,8 +60,9 @@ class KVReceiverSession(RoomSession):
     :param compat: handshake check ``(local, remote) -> mismatches`` (a plugin manager passes
         its ``check_compat``); ``None``: the layout checks only
         (:func:`~pdplug.transfer.handshake.layout_compat`).
-    :param emit: observer callback for room outcomes (``transfer_done`` / ``transfer_failed``,
-        once per room; a plugin manager passes its ``emit``); ``None``: no events.
+    :param emit: observer callback for room outcomes (``transfer_done`` /
+        ``transfer_failed``, once per room; a plugin manager passes its ``emit``); ``None``:
+        no events.
     :raises ValueError: ``config.role`` is not ``"decode"``.
     """
 
@@ -85,7 +86,8 @@ class KVReceiverSession(RoomSession):
         self._events: list[tuple[str, int, dict[str, Any]]] = []
         self.rooms = Rooms.from_config(config)
         self.counts: Counter[str] = Counter()
-        self._closed = self._down = False
+        self._closed = False
+        self._down = False
         w = config.wire
         name = f"{config.instance}/d{config.layout.dcp_rank}"
         me = rank_identity(config.instance, config.layout)
@@ -389,11 +391,9 @@ class KVReceiverSession(RoomSession):
     def _shutdown(self) -> None:
         self._down = True
         self._finder.closed = True
-        # live rooms fail and their prefill ranks are told; the sockets linger for those aborts
-        self._table.close(f"receiver closed on decode dcp {self.layout.dcp_rank}", time.monotonic())
         self._flush_events()
-        self._channel.close_all(linger_s=1.0)
         self._sources.close()
+        self._channel.close_all()
         self.engine.close()
 
     def _on_message(self, cid: bytes, msg: Any, now: float) -> None:

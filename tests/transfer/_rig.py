@@ -158,13 +158,6 @@ class Decode:
         for r in self.recvs:
             r.close()
 
-    def crash(self) -> None:
-        """Close as a process that died would: no last words (a closing receiver aborts its
-        live rooms on their prefill ranks first; a dead one cannot)."""
-        for r in self.recvs:
-            r._table.close = lambda *a: None
-            r.close()
-
 
 def agent_of(handle: Any) -> str:
     """The agent name a NIXL or Mooncake peer handle writes to."""

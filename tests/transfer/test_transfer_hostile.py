@@ -86,9 +86,6 @@ class Tap:
         self.up: list[bytes] = []  # decode -> prefill
         self.down: list[bytes] = []  # prefill -> decode
         self._inject: deque[tuple[str, bytes]] = deque()
-        #: drop what the decode sends from now on (injected frames still go): a decode that
-        #: dies says nothing more, where one that closes aborts its live rooms first
-        self.mute = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tap", daemon=True)
         self._thread.start()
@@ -131,9 +128,8 @@ class Tap:
                             back.connect(self._target)
                             poller.register(back, zmq.POLLIN)
                         last = route
-                        if not self.mute:
-                            self.up.append(frame)
-                            back.send(frame)
+                        self.up.append(frame)
+                        back.send(frame)
                 for route, back in list(self.backs.items()):
                     if back in events:
                         while True:
@@ -302,8 +298,7 @@ def test_replayed_heartbeats_do_not_keep_a_dead_decode_alive(backend: str) -> No
         s.start(7)
         k.rc.expect(7, _pages(0), num_tokens=64)
         assert wait_all([s], 7, 10, until=(KVPoll.WaitingForInput,)) == [KVPoll.WaitingForInput]
-        tap.mute = True  # the decode dies (no last words); the relay's connection stays up
-        k.rc.close()
+        k.rc.close()  # the decode dies; the relay's connection to the prefill stays up
         beats = itertools.cycle(tap.frames("hb"))
         t_end = time.monotonic() + 8.0
         while _stat(s, "peers_dead") == 0 and time.monotonic() < t_end:

@@ -252,7 +252,7 @@ def test_an_early_destinfo_of_a_decode_process_that_is_gone_is_not_adopted(backe
             while snd.stats().get("dest_early", 0) < 1:
                 assert time.monotonic() < t_end, snd.stats()
                 time.sleep(0.02)
-            dec.crash()  # it dies (a closing one would abort the room it asked for)
+            dec.close()
             dec2 = Decode(pm, backend, srv.endpoint, **kw)  # a new process, same position
             _handshaken(snd, 2)
             snd.start(room)
