@@ -356,8 +356,11 @@ class KVSender(Protocol):
         ...
 
     def close(self) -> None:
-        """Release handles, deregister memory, close sockets; idempotent. Afterwards the
-        process exits normally (no native crash at interpreter exit)."""
+        """Release handles, deregister memory, close sockets; idempotent. Every room not
+        ended fails first (``"sender closed on prefill rank N"``: one ``transfer_failed``) and
+        its decode ranks are told before the sockets go, so they fail it within a round trip,
+        not at their timeout. Afterwards the process exits normally (no native crash at
+        interpreter exit)."""
         ...
 
 
