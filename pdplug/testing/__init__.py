@@ -43,6 +43,7 @@ except ImportError as _e:  # an install without the testing extra
         f"(importing pytest failed: {_e})"
     ) from _e
 
+from pdplug.hookspecs import hookimpl
 from pdplug.manager import PluginManager, discover_entry_points
 from pdplug.testing.netns.probe import netns_cluster
 from pdplug.testing.require import (
@@ -52,7 +53,7 @@ from pdplug.testing.require import (
     require,
     required_modules,
 )
-from pdplug.types import KVLayout, PeerInfo
+from pdplug.types import KVLayout, PdplugEvent, PeerInfo
 
 __all__ = [
     "REQUIRE_ENV",
@@ -68,6 +69,7 @@ __all__ = [
     "fake_layouts",
     "fake_kv",
     "fake_peer",
+    "EventLog",
     "undocumented",
     "netns_cluster",
 ]
@@ -261,6 +263,21 @@ def fake_kv(layout: KVLayout, num_pages: int, seed: int = 0) -> list[np.ndarray]
 def fake_peer(layout: KVLayout, role: str = "prefill", instance: str = "") -> PeerInfo:
     """A :class:`~pdplug.types.PeerInfo` for ``layout`` (no endpoints, no registered memory)."""
     return PeerInfo(instance=instance or f"{role}-0", role=role, layout=layout)
+
+
+class EventLog:
+    """An observer plugin that keeps every :class:`~pdplug.types.PdplugEvent` its manager
+    emits, in order, in ``events`` (room outcomes ``transfer_done``/``transfer_failed`` with
+    their fields, and every other event): register it on the manager a session is made from,
+    ``PluginManager(plugins=[("events", log)])``, and read ``log.events`` in the test."""
+
+    def __init__(self) -> None:
+        self.events: list[PdplugEvent] = []
+
+    @hookimpl
+    def pdplug_on_event(self, event: PdplugEvent) -> None:
+        """Keep ``event``."""
+        self.events.append(event)
 
 
 # --------------------------------------------------------------------------- documentation

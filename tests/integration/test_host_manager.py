@@ -15,8 +15,8 @@ import torch
 
 from pdplug import CompatError, KVConfig, KVLayout, KVPoll, PluginManager, hookimpl
 from pdplug.bootstrap import RendezvousServer, resolve
-from pdplug.testing import require
-from pdplug.types import PdplugEvent, Segment
+from pdplug.testing import EventLog, require
+from pdplug.types import Segment
 
 LAYOUT = KVLayout(page_size=16, entry_bytes_per_token=(64,))
 
@@ -27,17 +27,6 @@ class Veto:
     @hookimpl
     def pdplug_check_compat(self, local: Any, remote: Any) -> list[str]:
         return ["veto: this host refuses every peer"]
-
-
-class Observer:
-    """A host-side observer of room outcomes."""
-
-    def __init__(self) -> None:
-        self.events: list[PdplugEvent] = []
-
-    @hookimpl
-    def pdplug_on_event(self, event: PdplugEvent) -> None:
-        self.events.append(event)
 
 
 def _kv() -> list[torch.Tensor]:
@@ -78,7 +67,7 @@ def test_the_host_managers_veto_refuses_the_peer(backend: str) -> None:
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_room_outcomes_reach_the_host_managers_observers(backend: str) -> None:
     require(backend)
-    seen = Observer()
+    seen = EventLog()
     pm = PluginManager(env={}, plugins=[("observer", seen)])
     with RendezvousServer() as server:
         cfg = KVConfig(

@@ -13,26 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from pdplug import KVConfig, KVLayout, KVPoll, PluginManager, hookimpl
+from pdplug import KVConfig, KVLayout, KVPoll, PluginManager
 from pdplug.bootstrap import RendezvousServer, resolve
-from pdplug.testing import require
-from pdplug.types import PdplugEvent, Segment
+from pdplug.testing import EventLog, require
+from pdplug.types import Segment
 
 pytestmark = pytest.mark.timeout(120)
 
 LAYOUT = KVLayout(page_size=16, entry_bytes_per_token=(4096,))
 SLOW = dict(bootstrap_timeout_s=60.0, waiting_timeout_s=60.0, transfer_timeout_s=60.0)
-
-
-class Observer:
-    """The prefill host's observer of room outcomes."""
-
-    def __init__(self) -> None:
-        self.events: list[PdplugEvent] = []
-
-    @hookimpl
-    def pdplug_on_event(self, event: PdplugEvent) -> None:
-        self.events.append(event)
 
 
 def _seg(tokens: int) -> Segment:
@@ -43,7 +32,7 @@ def _seg(tokens: int) -> Segment:
 
 def test_closing_the_sender_fails_its_live_rooms_on_both_sides_at_once(backend: str) -> None:
     require(backend)
-    seen = Observer()
+    seen = EventLog()
     pm = PluginManager(env={}, plugins=[("observer", seen)])
     pages = 64
     src = [torch.randint(0, 256, (16 * pages, 4096), dtype=torch.uint8)]
